@@ -1,0 +1,1 @@
+"""Command-line tools (installed as ``ulysses_sp.cli``): ``sp-bench``."""

@@ -1,0 +1,31 @@
+from pathlib import Path
+
+from setuptools import setup
+
+EXTRAS = {
+    "deepspeed": ["deepspeed>=0.14"],
+    "hf": ["transformers>=4.45"],
+    "dev": ["pytest>=7", "pytest-timeout>=2"],
+    # flash-attn builds only against CUDA; kept apart from `all`.
+    "cuda": ["flash-attn>=2.5", "ring-flash-attn>=0.1"],
+}
+EXTRAS["all"] = sorted({req for name in ("deepspeed", "hf", "dev") for req in EXTRAS[name]})
+
+setup(
+    name="ulysses-sp",
+    version="0.1.0",
+    description="Sequence parallelism for long-context transformer training: one attention interface, "
+    "pluggable backends (Ulysses, all-gather, ring, hybrid), DeepSpeed and Hugging Face integration.",
+    long_description=Path(__file__).with_name("README.md").read_text(encoding="utf-8"),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    # `backends/` and `cli/` sit at the top of the repository but install inside the package,
+    # so nothing named plainly `backends` or `cli` lands in site-packages.
+    packages=["ulysses_sp", "ulysses_sp.backends", "ulysses_sp.cli"],
+    package_dir={"ulysses_sp.backends": "backends", "ulysses_sp.cli": "cli"},
+    # A range, not a pin: on a CPU machine install the CPU build first
+    # (`pip install torch==2.13.0` here); this requirement is then already met.
+    install_requires=["torch>=2.4", "click>=8.0"],
+    extras_require=EXTRAS,
+    entry_points={"console_scripts": ["sp-bench=ulysses_sp.cli.main:main"]},
+)

@@ -1,0 +1,384 @@
+"""Cases that run inside one spawned group of gloo ranks.
+
+Spawning costs seconds of imports per rank, so each world size spawns once
+(tests/conftest.py) and runs every case registered here; the pytest tests then
+assert on what each rank returned. A case returns plain data (errors, byte
+counts, messages); the tolerances and expected values live in the tests.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import traceback
+import zlib
+
+import torch
+
+import ulysses_sp as usp
+from ulysses_sp import comm, layout
+from ulysses_sp.backends.ulysses import kv_heads_sent
+
+from .reference import reference_attention
+
+CASES: dict = {}
+
+
+def case(name: str, worlds=(1, 2, 4)):
+    def register(fn):
+        CASES[name] = (fn, tuple(worlds))
+        return fn
+
+    return register
+
+
+class Env:
+    """What a case gets: this rank, the world size and cached topologies."""
+
+    def __init__(self, rank: int, world: int):
+        self.rank, self.world, self._topos = rank, world, {}
+
+    def topo(self, sp_size=None, layout="zigzag", ulysses_degree=None):
+        key = (sp_size or self.world, layout, ulysses_degree)
+        if key not in self._topos:
+            self._topos[key] = usp.init_sequence_parallel(key[0], layout=layout, ulysses_degree=ulysses_degree, timeout=60)
+        return self._topos[key]
+
+
+def run_cases(rank: int, world: int) -> dict:
+    env, results = Env(rank, world), {}
+    for name, (fn, worlds) in CASES.items():
+        if world not in worlds:
+            continue
+        try:
+            results[name] = {"ok": True, "value": fn(env)}
+        except Exception:
+            results[name] = {"ok": False, "error": traceback.format_exc()}
+    return results
+
+
+def generator(name: str, offset: int = 0) -> torch.Generator:
+    return torch.Generator().manual_seed(zlib.crc32(name.encode()) + offset)
+
+
+def raised(fn) -> str:
+    """The message of the ValueError/TypeError ``fn`` raises, or 'NO ERROR'."""
+    try:
+        fn()
+    except (ValueError, TypeError) as e:
+        return f"{type(e).__name__}: {e}"
+    return "NO ERROR"
+
+
+def max_err(a, b) -> float:
+    return (a - b).abs().max().item()
+
+
+# --------------------------------------------------------------------------- parity
+
+@dataclasses.dataclass(frozen=True)
+class Parity:
+    layout: str = "zigzag"
+    causal: bool = True
+    hq: int = 8
+    hkv: int = 2
+    batch: int = 2
+    seq: int = 32
+    head_dim: int = 8
+    grads: str = "qkv"
+    cu_seqlens: tuple | None = None
+    scale: float | None = None
+    sp_size: int | None = None
+    backend: str = "ulysses"
+    claim_layout: str | None = None
+    """Run with a topology that claims this layout (a deliberately wrong setup)."""
+
+
+HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
+PARITY: dict[str, Parity] = {}
+for _layout in layout.LAYOUTS:
+    for _causal in (True, False):
+        for _kind, (_hq, _hkv) in HEADS.items():
+            PARITY[f"{_layout}-{'causal' if _causal else 'full'}-{_kind}"] = Parity(_layout, _causal, _hq, _hkv)
+    for _causal in (True, False):
+        PARITY[f"{_layout}-{'causal' if _causal else 'full'}-varlen"] = Parity(_layout, _causal, cu_seqlens=(0, 5, 13, 14, 32))
+for _grads in ("kv", "q", "v"):
+    PARITY[f"zigzag-causal-gqa-grad-{_grads}-only"] = Parity(grads=_grads)
+PARITY["contiguous-causal-odd-shapes"] = Parity("contiguous", batch=3, seq=48, hq=4, hkv=2, head_dim=40, scale=0.3)
+PARITY["zigzag-causal-auto"] = Parity(backend="auto")
+PARITY_WORLDS = {"zigzag-causal-dp2-sp2": (4,), "mislabelled-layout": (2, 4)}
+PARITY["zigzag-causal-dp2-sp2"] = Parity(sp_size=2)
+PARITY["mislabelled-layout"] = Parity(claim_layout="contiguous")
+
+
+def parity(env: Env, name: str, cfg: Parity) -> dict:
+    topo = env.topo(cfg.sp_size, cfg.layout)
+    gen = generator(name, topo.dp_rank)  # each DP group gets its own data
+    shape_q = (cfg.batch, cfg.seq, cfg.hq, cfg.head_dim)
+    shape_kv = (cfg.batch, cfg.seq, cfg.hkv, cfg.head_dim)
+    q, dout = (torch.randn(shape_q, generator=gen, dtype=torch.float64) for _ in range(2))
+    k, v = (torch.randn(shape_kv, generator=gen, dtype=torch.float64) for _ in range(2))
+
+    leaves = {n: t.clone().requires_grad_(n in cfg.grads) for n, t in zip("qkv", (q, k, v))}
+    ref = reference_attention(*leaves.values(), causal=cfg.causal, scale=cfg.scale, cu_seqlens=cfg.cu_seqlens)
+    ref.backward(dout)
+
+    shards = {n: usp.shard_sequence(t, topo).requires_grad_(n in cfg.grads) for n, t in zip("qkv", (q, k, v))}
+    run_topo = dataclasses.replace(topo, layout=cfg.claim_layout) if cfg.claim_layout else topo
+    attn = usp.SequenceParallelAttention(run_topo, backend=cfg.backend, layer_idx=0)
+    out = attn(*shards.values(), causal=cfg.causal, softmax_scale=cfg.scale, cu_seqlens=cfg.cu_seqlens)
+    (out * usp.shard_sequence(dout, topo)).sum().backward()
+
+    with torch.no_grad():
+        result = {"out": max_err(usp.gather_sequence(out, topo), ref), "out_dtype": str(out.dtype)}
+        for n, shard in shards.items():
+            got = shard.grad
+            result[f"d{n}"] = None if got is None else max_err(usp.gather_sequence(got, topo), leaves[n].grad)
+            result[f"d{n}_is_none"] = got is None
+    result["chosen"] = [type(b).__name__ for b in attn._chosen.values()]
+    return result
+
+
+for _name, _cfg in PARITY.items():
+    case(f"parity/{_name}", PARITY_WORLDS.get(_name, (1, 2, 4)))(lambda env, n=_name, c=_cfg: parity(env, n, c))
+
+
+# --------------------------------------------------------------------------- bytes
+
+BYTES = {"mha": (4, 4, "qkv"), "gqa": (8, 2, "qkv"), "mqa": (4, 1, "qkv"), "gqa-frozen-kv": (8, 2, "q"), "gqa-frozen-q": (8, 2, "kv")}
+
+
+def ulysses_bytes(env: Env, hq: int, hkv: int, grads: str) -> dict:
+    topo = env.topo()
+    b, s, d = 2, 32, 8
+    gen = generator("bytes")
+    q = torch.randn(b, s, hq, d, generator=gen).requires_grad_("q" in grads)
+    k, v = (torch.randn(b, s, hkv, d, generator=gen).requires_grad_(n in grads) for n in "kv")
+    shards = [usp.shard_sequence(t.detach(), topo).requires_grad_(t.requires_grad) for t in (q, k, v)]
+    attn = usp.SequenceParallelAttention(topo, backend="ulysses")
+    attn(*shards)  # first call: the one-off cross-rank shape handshake
+    with usp.CommCounter() as fwd:
+        out = attn(*shards)
+    with usp.CommCounter() as bwd:
+        out.sum().backward()
+    spec = usp.attention.make_spec(*shards, topo)
+    return {
+        "fwd": (fwd.bytes_sent, fwd.bytes_recv, {o: dataclasses.astuple(c) for o, c in fwd.by_op.items()}),
+        "bwd": (bwd.bytes_sent, bwd.bytes_recv, {o: dataclasses.astuple(c) for o, c in bwd.by_op.items()}),
+        "estimate": usp.get_backend("ulysses").estimate(spec, topo, usp.spec.DEFAULT_PROFILE).comm_bytes,
+        "hkv_sent": kv_heads_sent(hkv, topo.sp_size),
+    }
+
+
+for _name, _args in BYTES.items():
+    case(f"bytes/{_name}")(lambda env, a=_args: ulysses_bytes(env, *a))
+
+
+# --------------------------------------------------------------------------- comm primitives
+
+def _rank_tensor(name, rank, shape):
+    return torch.randn(shape, generator=generator(name, rank), dtype=torch.float64)
+
+
+@case("comm/all_to_all")
+def comm_all_to_all(env: Env) -> dict:
+    topo, p = env.topo(), env.world
+    shape = (2 * p, 3, 4 * p)
+    x = _rank_tensor("a2a", env.rank, shape).requires_grad_()
+    with usp.CommCounter() as c:
+        y = comm.all_to_all(x, topo.sp_group, scatter_dim=2, gather_dim=0)
+    everyone = [_rank_tensor("a2a", r, shape) for r in range(p)]
+    expected = torch.cat([t.chunk(p, dim=2)[env.rank] for t in everyone], dim=0)
+    w = _rank_tensor("a2a-w", env.rank, y.shape)
+    (y * w).sum().backward()
+    # d/dx_r of sum_j <y_j, w_j>: the part of w_j that came from x_r, sent back.
+    all_w = [_rank_tensor("a2a-w", r, y.shape) for r in range(p)]
+    grad_expected = torch.cat([wj.chunk(p, dim=0)[env.rank] for wj in all_w], dim=2)
+    return {
+        "err": max_err(y, expected),
+        "grad_err": max_err(x.grad, grad_expected),
+        "sent": c.bytes_sent,
+        "expected_sent": x.numel() * 8 * (p - 1) // p,
+    }
+
+
+@case("comm/all_gather_reduce_scatter")
+def comm_gather_scatter(env: Env) -> dict:
+    topo, p, r = env.topo(), env.world, env.rank
+    x = _rank_tensor("ag", r, (2, 3, 5)).requires_grad_()
+    with usp.CommCounter() as c_ag:
+        y = comm.all_gather(x, topo.sp_group, dim=1)
+    everyone = [_rank_tensor("ag", i, (2, 3, 5)) for i in range(p)]
+    w = _rank_tensor("ag-w", r, y.shape)
+    with usp.CommCounter() as c_bwd:
+        (y * w).sum().backward()
+    # Backward sums every rank's gradient for this rank's slice.
+    all_w = [_rank_tensor("ag-w", i, y.shape) for i in range(p)]
+    grad_expected = sum(wi.chunk(p, dim=1)[r] for wi in all_w)
+
+    z_in = _rank_tensor("rs", r, (2, 4 * p, 3))
+    with usp.CommCounter() as c_rs:
+        z = comm.reduce_scatter(z_in, topo.sp_group, dim=1)
+    z_expected = sum(_rank_tensor("rs", i, (2, 4 * p, 3)) for i in range(p)).chunk(p, dim=1)[r]
+    return {
+        "gather_err": max_err(y, torch.cat(everyone, dim=1)),
+        "gather_grad_err": max_err(x.grad, grad_expected),
+        "scatter_err": max_err(z, z_expected),
+        "ag_sent": c_ag.by_op["all_gather"].sent if p > 1 else 0,
+        "ag_expected": x.numel() * 8 * (p - 1),
+        "bwd_rs_sent": c_bwd.bytes_sent,
+        "rs_sent": c_rs.bytes_sent,
+        "rs_expected": z_in.numel() * 8 * (p - 1) // p,
+    }
+
+
+@case("comm/ring_send_recv", worlds=(2, 4))
+def comm_ring(env: Env) -> dict:
+    topo, p, r = env.topo(), env.world, env.rank
+    xs = [_rank_tensor("ring", r, (3, 4)), _rank_tensor("ring2", r, (5,))]
+    with usp.CommCounter() as c:
+        got, wait = comm.ring_send_recv(xs, topo.sp_group, send_to=(r + 1) % p, recv_from=(r - 1) % p)
+        wait()
+    prev = (r - 1) % p
+    return {
+        "err": max(max_err(got[0], _rank_tensor("ring", prev, (3, 4))), max_err(got[1], _rank_tensor("ring2", prev, (5,)))),
+        "sent": c.bytes_sent,
+        "recv": c.bytes_recv,
+        "expected": (12 + 5) * 8,
+    }
+
+
+@case("comm/seq_heads_roundtrip")
+def comm_seq_heads(env: Env) -> dict:
+    """seq_to_heads of several tensors at once equals the head slices of the full
+    tensors in global order, for both layouts; heads_to_seq inverts it."""
+    p, errs = env.world, {}
+    for lay in layout.LAYOUTS:
+        topo = env.topo(layout=lay)
+        gen = generator("s2h-" + lay)
+        full = [torch.randn(2, 8 * p, h, 3, generator=gen, dtype=torch.float64) for h in (2 * p, p, 3 * p)]
+        shards = [usp.shard_sequence(t, topo) for t in full]
+        table = layout.chunk_table(lay, p)
+        with usp.CommCounter() as c:
+            heads = comm.seq_to_heads(shards, topo.sp_group, table)
+        h_err = max(max_err(hd, t.chunk(p, dim=2)[env.rank]) for hd, t in zip(heads, full))
+        back = comm.heads_to_seq(heads, topo.sp_group, table)
+        errs[lay] = {
+            "heads_err": h_err,
+            "back_err": max(max_err(b, s) for b, s in zip(back, shards)),
+            "calls": c.by_op["all_to_all"].calls if p > 1 else 1,
+        }
+    return errs
+
+
+@case("data/shard_gather")
+def data_shard_gather(env: Env) -> dict:
+    p, r, out = env.world, env.rank, {}
+    for lay in layout.LAYOUTS:
+        topo = env.topo(layout=lay)
+        x = torch.randn(3, 4 * p, 5, generator=generator("sg"), dtype=torch.float64)
+        local = usp.shard_sequence(x, topo).requires_grad_()
+        positions = layout.positions(lay, 4 * p, p, r)
+        full = usp.gather_sequence(local, topo)
+        w = torch.randn(full.shape, generator=generator("sg-w"), dtype=torch.float64)  # same on every rank
+        (full * w).sum().backward()
+        out[lay] = {
+            "shard_err": max_err(local, x[:, positions]),
+            "roundtrip_err": max_err(full, x),
+            "grad_err": max_err(local.grad, p * w[:, positions]),
+            "dim0_err": max_err(usp.gather_sequence(usp.shard_sequence(x.transpose(0, 1), topo, dim=0), topo, dim=0), x.transpose(0, 1)),
+        }
+    return out
+
+
+# --------------------------------------------------------------------------- topology
+
+@case("topology/groups")
+def topology_groups(env: Env) -> dict:
+    import torch.distributed as dist
+
+    shapes = {}
+    for sp in [d for d in (1, 2, 4) if env.world % d == 0]:
+        for ud in [d for d in (1, 2, 4) if sp % d == 0]:
+            t = usp.init_sequence_parallel(sp, ulysses_degree=ud, layout="contiguous", timeout=30)
+            shapes[(sp, ud)] = {
+                "sp": dist.get_process_group_ranks(t.sp_group),
+                "dp": dist.get_process_group_ranks(t.dp_group),
+                "ulysses": dist.get_process_group_ranks(t.ulysses_group),
+                "ring": dist.get_process_group_ranks(t.ring_group),
+                "ranks": (t.sp_rank, t.sp_size, t.dp_rank, t.dp_size, t.ulysses_rank, t.ulysses_degree, t.ring_rank, t.ring_degree),
+                "device": str(t.device),
+                "timeout": t.timeout.total_seconds(),
+            }
+    return shapes
+
+
+# --------------------------------------------------------------------------- bad input
+
+def _bad_init(env: Env) -> dict:
+    p = env.world
+    cases = {
+        "sp_size None": lambda: usp.init_sequence_parallel(None),
+        "sp_size 0": lambda: usp.init_sequence_parallel(0),
+        "sp_size -2": lambda: usp.init_sequence_parallel(-2),
+        "sp_size True": lambda: usp.init_sequence_parallel(True),
+        "sp_size 2.0": lambda: usp.init_sequence_parallel(2.0),
+        "sp_size not dividing": lambda: usp.init_sequence_parallel(p + 1 if p > 1 else 2),
+        "ulysses_degree not dividing": lambda: usp.init_sequence_parallel(p, ulysses_degree=3 if p != 3 else 2),
+        "layout unknown": lambda: usp.init_sequence_parallel(p, layout="diagonal"),
+        "timeout negative": lambda: usp.init_sequence_parallel(p, timeout=-1),
+    }
+    if p > 1:
+        cases["sp_size differs per rank"] = lambda: usp.init_sequence_parallel(1 if env.rank == 0 else p)
+    return {name: raised(fn) for name, fn in cases.items()}
+
+
+case("errors/init")(_bad_init)
+
+
+def _bad_attention(env: Env) -> dict:
+    topo, p, r = env.topo(), env.world, env.rank
+    s = 4  # local tokens
+
+    def t(b=2, seq=s, h=4, d=8, dtype=torch.float32):
+        return torch.randn(b, seq, h, d, dtype=dtype)
+
+    attn = usp.SequenceParallelAttention(topo, backend="ulysses")
+    cases = {
+        "q 3-D": lambda: attn(t()[0], t(), t()),
+        "q not a tensor": lambda: attn([1.0], t(), t()),
+        "integer input": lambda: attn(t().long(), t().long(), t().long()),
+        "dtype mismatch": lambda: attn(t(), t(dtype=torch.float64), t(dtype=torch.float64)),
+        "k and v differ": lambda: attn(t(), t(), t(h=2)),
+        "sequence mismatch": lambda: attn(t(), t(seq=2 * s), t(seq=2 * s)),
+        "batch mismatch": lambda: attn(t(), t(b=3), t(b=3)),
+        "head dim mismatch": lambda: attn(t(), t(d=4), t(d=4)),
+        "kv heads not dividing q heads": lambda: attn(t(h=4), t(h=3), t(h=3)),
+        "zero batch": lambda: attn(t(b=0), t(b=0), t(b=0)),
+        "zigzag odd local length": lambda: attn(t(seq=3), t(seq=3), t(seq=3)),
+        "bad softmax_scale": lambda: attn(t(), t(), t(), softmax_scale=-1.0),
+        "cu_seqlens not ending at length": lambda: attn(t(), t(), t(), cu_seqlens=torch.tensor([0, 2, s * p - 1])),
+        "cu_seqlens not increasing": lambda: attn(t(), t(), t(), cu_seqlens=torch.tensor([0, 3, 3, s * p])),
+        "unknown backend (module)": lambda: usp.SequenceParallelAttention(topo, backend="ringg"),
+        "unknown backend (functional)": lambda: usp.sp_attention(t(), t(), t(), topo, backend="ringg"),
+        "shard length not divisible": lambda: usp.shard_sequence(torch.zeros(1, 2 * p + 1), topo),
+    }
+    if p > 1:
+        # ulysses forced where check() says no: q heads not divisible by P, kv heads neither
+        cases["ulysses q heads not divisible"] = lambda: attn(t(h=p + 1), t(h=1), t(h=1))
+        cases["ulysses kv heads incompatible"] = lambda: attn(t(h=3 * p), t(h=3), t(h=3))
+        # A shard length that differs between ranks: detected by the handshake, not a hang.
+        # With the default shape_check="once" for shapes no rank has seen (batch 5 here)...
+        cases["shard length differs per rank"] = lambda: attn(t(b=5, seq=s + 2 * r), t(b=5, seq=s + 2 * r), t(b=5, seq=s + 2 * r))
+        cases["cu_seqlens differ per rank"] = lambda: attn(t(b=5), t(b=5), t(b=5), cu_seqlens=torch.tensor([0, 1 + r, s * p]))
+    result = {name: raised(fn) for name, fn in cases.items()}
+    # after all that, the group still works
+    result["still works"] = tuple(attn(t(), t(), t()).shape)
+    if p > 1:
+        # ...and with shape_check="always" also when rank 0 falls back to a shape it already verified.
+        strict = usp.SequenceParallelAttention(dataclasses.replace(topo, shape_check="always"), backend="ulysses")
+        strict(t(), t(), t())
+        result["seen shape differs per rank (always)"] = raised(lambda: strict(t(seq=s + 2 * r), t(seq=s + 2 * r), t(seq=s + 2 * r)))
+    return result
+
+
+case("errors/attention")(_bad_attention)

@@ -1,0 +1,31 @@
+import pytest
+
+from .cases import run_cases
+from .distributed import run_ranks
+
+WORLDS = (1, 2, 4)
+
+
+@pytest.fixture(scope="session")
+def ranks():
+    """``ranks(world)``: every case of tests/cases.py run once on ``world`` gloo ranks;
+    a list (one per rank) of ``{case name: {"ok", "value" | "error"}}``."""
+    done = {}
+
+    def get(world: int):
+        if world not in done:
+            done[world] = run_ranks(run_cases, world, timeout=600)
+        return done[world]
+
+    return get
+
+
+def values(results, name: str) -> list:
+    """The value every rank returned for case ``name``; fails with the rank's traceback otherwise."""
+    out = []
+    for rank, per_rank in enumerate(results):
+        r = per_rank[name]
+        if not r["ok"]:
+            pytest.fail(f"case {name} raised on rank {rank}:\n{r['error']}")
+        out.append(r["value"])
+    return out

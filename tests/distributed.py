@@ -1,0 +1,84 @@
+"""Run a function on N gloo ranks (spawned CPU processes) with a deadline.
+
+A rank that raises makes the others stop at once and its traceback is reported;
+ranks still running at the deadline are killed and the call raises, so a hang
+fails a test instead of CI.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import tempfile
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+__all__ = ["run_ranks", "RankFailure"]
+
+
+class RankFailure(AssertionError):
+    pass
+
+
+def _rank_main(fn, rank: int, world_size: int, tmp: str, args, collective_timeout: float) -> None:
+    torch.set_num_threads(1)
+    try:
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{tmp}/store",
+            rank=rank,
+            world_size=world_size,
+            timeout=datetime.timedelta(seconds=collective_timeout),
+        )
+        result = fn(rank, world_size, *args)
+        torch.save(result, os.path.join(tmp, f"{rank}.pt"))
+        dist.barrier()
+        dist.destroy_process_group()
+    except BaseException:
+        with open(os.path.join(tmp, f"{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        os._exit(1)
+
+
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, collective_timeout: float = 60.0) -> list:
+    """``[fn(rank, world_size, *args) for each rank]``, run on ``world_size`` spawned gloo ranks.
+
+    ``fn`` must be importable (a module-level function) and return something
+    ``torch.save`` can store.
+    """
+    ctx = mp.get_context("spawn")
+    with tempfile.TemporaryDirectory(prefix="usp-ranks-") as tmp:
+        procs = [
+            ctx.Process(target=_rank_main, args=(fn, r, world_size, tmp, args, collective_timeout), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        deadline = time.monotonic() + timeout
+        try:
+            while any(p.is_alive() for p in procs):
+                if any(p.exitcode not in (None, 0) for p in procs) or time.monotonic() > deadline:
+                    break
+                time.sleep(0.05)
+        finally:
+            hung = [r for r, p in enumerate(procs) if p.is_alive()]
+            for p in procs:
+                if p.is_alive():
+                    p.kill()
+                p.join()
+        errors = {}
+        for r in range(world_size):
+            path = os.path.join(tmp, f"{r}.err")
+            if os.path.exists(path):
+                errors[r] = open(path).read()
+            elif procs[r].exitcode not in (0, None) and r not in hung:
+                errors[r] = f"exit code {procs[r].exitcode}"
+        if errors:
+            raise RankFailure("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors.items()))
+        if hung:
+            raise RankFailure(f"ranks {hung} of {world_size} still running after {timeout:.0f} s (hang?)")
+        return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world_size)]

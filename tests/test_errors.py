@@ -1,0 +1,40 @@
+"""Bad input to the attention interface: a clear error on every rank, no hang."""
+
+import pytest
+
+from .conftest import WORLDS, values
+
+EXPECTED = {
+    "q 3-D": "ValueError: q must be [batch, local_seq, heads, head_dim] (4-D)",
+    "q not a tensor": "TypeError: q must be a torch.Tensor",
+    "integer input": "TypeError: q must be a floating-point tensor",
+    "dtype mismatch": "TypeError: q, k, v must share one dtype",
+    "k and v differ": "ValueError: k and v must have the same shape",
+    "sequence mismatch": "ValueError: q and k/v must agree in batch and local sequence length",
+    "batch mismatch": "ValueError: q and k/v must agree in batch and local sequence length",
+    "head dim mismatch": "ValueError: q and k/v must have the same head dim",
+    "kv heads not dividing q heads": "ValueError: q heads (4) must be a multiple of kv heads (3)",
+    "zero batch": "ValueError: q must have non-zero batch",
+    "zigzag odd local length": "pad_to_multiple",
+    "bad softmax_scale": "ValueError: softmax_scale must be a positive finite number",
+    "cu_seqlens not ending at length": "ValueError: cu_seqlens must be the cumulative document lengths",
+    "cu_seqlens not increasing": "ValueError: cu_seqlens must be the cumulative document lengths",
+    "unknown backend (module)": "ValueError: unknown SP backend 'ringg'; known: auto, ulysses",
+    "unknown backend (functional)": "ValueError: unknown SP backend 'ringg'; known: auto, ulysses",
+    "shard length not divisible": "pad_to_multiple",
+    "ulysses q heads not divisible": "ValueError: ulysses: q heads",
+    "ulysses kv heads incompatible": "ValueError: ulysses: kv heads",
+    "shard length differs per rank": "ValueError: the ranks of the SP group called attention with different local_seq_len",
+    "cu_seqlens differ per rank": "ValueError: the ranks of the SP group called attention with different cu_seqlens",
+    "seen shape differs per rank (always)": "ValueError: the ranks of the SP group called attention with different local_seq_len",
+}
+MULTI_ONLY = {k for k in EXPECTED if "per rank" in k or k.startswith("ulysses ")}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_bad_input_raises_on_every_rank(ranks, world):
+    for rank, got in enumerate(values(ranks(world), "errors/attention")):
+        assert got.pop("still works") == (2, 4, 4, 8), "the group must stay usable after the errors"
+        assert set(got) == set(EXPECTED) - (MULTI_ONLY if world == 1 else set())
+        for case, message in got.items():
+            assert EXPECTED[case] in message, f"rank {rank}, {case}: {message}"

@@ -1,0 +1,40 @@
+import pytest
+
+from .conftest import WORLDS, values
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_groups_are_blocks_of_consecutive_ranks(ranks, world):
+    for rank, shapes in enumerate(values(ranks(world), "topology/groups")):
+        assert shapes, "no topology built"
+        for (sp, ud), got in shapes.items():
+            base = rank // sp * sp
+            assert got["sp"] == list(range(base, base + sp))
+            assert got["dp"] == list(range(rank % sp, world, sp))
+            assert got["ulysses"] == [base + (rank - base) // ud * ud + i for i in range(ud)]
+            assert got["ring"] == [base + (rank - base) % ud + j * ud for j in range(sp // ud)]
+            ring = sp // ud
+            assert got["ranks"] == (rank % sp, sp, rank // sp, world // sp, (rank % sp) % ud, ud, (rank % sp) // ud, ring)
+            assert got["device"] == "cpu" and got["timeout"] == 30
+
+
+EXPECTED = {
+    "sp_size None": "sp_size must be a positive integer dividing the world size",
+    "sp_size 0": "sp_size must be a positive integer dividing the world size",
+    "sp_size -2": "got -2",
+    "sp_size True": "got True",
+    "sp_size 2.0": "got 2.0",
+    "sp_size not dividing": "valid values",
+    "ulysses_degree not dividing": "ulysses_degree must be a positive integer dividing sp_size",
+    "layout unknown": "layout must be one of",
+    "timeout negative": "timeout must be positive",
+    "sp_size differs per rank": "different (sp_size, ulysses_degree, layout) per rank",
+}
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_bad_init_raises_on_every_rank(ranks, world):
+    for rank, got in enumerate(values(ranks(world), "errors/init")):
+        assert set(got) == set(EXPECTED) - ({"sp_size differs per rank"} if world == 1 else set())
+        for case, message in got.items():
+            assert message.startswith("ValueError") and EXPECTED[case] in message, f"rank {rank}, {case}: {message}"

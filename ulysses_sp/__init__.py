@@ -1,0 +1,35 @@
+"""ulysses-sp: sequence parallelism for long-context transformer training.
+
+>>> topo = ulysses_sp.init_sequence_parallel(sp_size=4)
+>>> attn = ulysses_sp.SequenceParallelAttention(topo, backend="auto", layer_idx=0)
+>>> out = attn(q, k, v, causal=True)   # q, k, v: this rank's shards [B, S/P, H, D]
+"""
+
+from . import comm
+from .attention import SequenceParallelAttention, sp_attention
+from .comm import CommCounter
+from .data import gather_sequence, shard_sequence
+from .layout import pad_to_multiple
+from .registry import get_backend, list_backends, register_backend
+from .spec import AttnSpec, Estimate, Profile
+from .topology import Topology, init_sequence_parallel
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "init_sequence_parallel",
+    "Topology",
+    "SequenceParallelAttention",
+    "sp_attention",
+    "shard_sequence",
+    "gather_sequence",
+    "pad_to_multiple",
+    "CommCounter",
+    "comm",
+    "register_backend",
+    "get_backend",
+    "list_backends",
+    "AttnSpec",
+    "Estimate",
+    "Profile",
+]

@@ -1,0 +1,173 @@
+"""The one attention interface: :class:`SequenceParallelAttention` and :func:`sp_attention`.
+
+Order of work on every call: validate this rank's inputs (local checks, no
+communication), check once per call signature that every rank of the SP group
+agrees (one small all-gather), pick the backend (``auto``: cheapest feasible,
+cached per layer and shape), make sure it can run, and only then run it. Every
+user mistake therefore raises ``ValueError`` on every rank before a collective
+that could hang.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import zlib
+
+import torch
+from torch import nn
+
+from . import comm
+from . import layout as _layout
+from .registry import choose_backend, get_backend
+from .spec import AttnSpec, Profile
+from .topology import Topology
+
+__all__ = ["SequenceParallelAttention", "sp_attention", "make_spec"]
+
+log = logging.getLogger(__name__)
+
+
+def _cu_seqlens_tuple(cu_seqlens, seq_len: int) -> tuple[int, ...] | None:
+    if cu_seqlens is None:
+        return None
+    values = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    if (
+        len(values) < 2
+        or any(not isinstance(x, int) for x in values)
+        or values[0] != 0
+        or values[-1] != seq_len
+        or any(b <= a for a, b in zip(values, values[1:]))
+    ):
+        raise ValueError(
+            "cu_seqlens must be the cumulative document lengths of the global packed sequence: "
+            f"integers starting at 0, strictly increasing, ending at the global length {seq_len}; got {values}"
+        )
+    return tuple(values)
+
+
+def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=None, cu_seqlens=None) -> AttnSpec:
+    """Validate this rank's shards and describe the call. Local only: no communication."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, local_seq, heads, head_dim] (4-D), got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device) or q.device.type != topo.device.type:
+        raise ValueError(f"q, k, v must be on this rank's {topo.device.type} device ({topo.device}), got {q.device}, {k.device}, {v.device}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+    b, s, hq, d = q.shape
+    if k.shape[0] != b or k.shape[1] != s:
+        raise ValueError(f"q and k/v must agree in batch and local sequence length, got q {tuple(q.shape)} and k {tuple(k.shape)}")
+    if k.shape[3] != d:
+        raise ValueError(f"q and k/v must have the same head dim, got {d} and {k.shape[3]}")
+    if b == 0 or s == 0 or hq == 0 or d == 0:
+        raise ValueError(f"q must have non-zero batch, sequence, heads and head dim, got {tuple(q.shape)}")
+    hkv = k.shape[2]
+    if hkv == 0 or hq % hkv:
+        raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hkv}) (MHA, GQA or MQA)")
+    multiple = _layout.chunks_per_rank(topo.layout)
+    if s % multiple:
+        raise ValueError(
+            f"local sequence length {s} must divide by {multiple} for the {topo.layout!r} layout "
+            f"(global length a multiple of {multiple * topo.sp_size}); pad the batch with "
+            f"ulysses_sp.pad_to_multiple before sharding"
+        )
+    if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
+        raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale}")
+    seq_len = s * topo.sp_size
+    return AttnSpec(
+        batch=b,
+        seq_len=seq_len,
+        local_seq_len=s,
+        q_heads=hq,
+        kv_heads=hkv,
+        head_dim=d,
+        dtype=q.dtype,
+        causal=bool(causal),
+        softmax_scale=float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d),
+        layout=topo.layout,
+        cu_seqlens=_cu_seqlens_tuple(cu_seqlens, seq_len),
+    )
+
+
+def _signature(spec: AttnSpec, backend: str) -> tuple[int, ...]:
+    dtype_code = zlib.crc32(str(spec.dtype).encode())
+    extras = zlib.crc32(repr((spec.cu_seqlens, backend, spec.softmax_scale)).encode())
+    return (spec.batch, spec.local_seq_len, spec.q_heads, spec.kv_heads, spec.head_dim, dtype_code, int(spec.causal), extras)
+
+
+_SIGNATURE_FIELDS = ("batch", "local_seq_len", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "cu_seqlens/backend/scale")
+
+
+def _check_ranks_agree(spec: AttnSpec, backend: str, topo: Topology) -> None:
+    """One small all-gather per new call signature (every call with
+    ``shape_check="always"``); every rank raises if any rank differs."""
+    if topo.sp_size == 1:
+        return
+    mine = _signature(spec, backend)
+    if topo.shape_check == "once" and mine in topo.verified_signatures:
+        return
+    rows = comm.all_gather_ints(mine, topo.sp_group, topo.device)
+    if any(r != rows[0] for r in rows):
+        differing = [f for i, f in enumerate(_SIGNATURE_FIELDS) if len({r[i] for r in rows}) > 1]
+        shown = "; ".join(f"sp rank {i}: {dict(zip(_SIGNATURE_FIELDS[:5], r[:5]))}" for i, r in enumerate(rows))
+        raise ValueError(
+            f"the ranks of the SP group called attention with different {', '.join(differing)}; "
+            f"every rank must pass shards of the same shape and options ({shown})"
+        )
+    if len(topo.verified_signatures) > 4096:
+        topo.verified_signatures.clear()
+    topo.verified_signatures.add(mine)
+
+
+def _resolve(name: str, spec: AttnSpec, topo: Topology, profile: Profile | None, layer_idx):
+    if name != "auto":
+        backend = get_backend(name)
+        reason = backend.check(spec, topo)
+        if reason is not None:
+            raise ValueError(reason)
+        return backend
+    backend, considered = choose_backend(spec, topo, profile)
+    log.info("layer %s: auto chose %s for %s; considered %s", layer_idx, backend.name, spec, considered)
+    return backend
+
+
+class SequenceParallelAttention(nn.Module):
+    """Attention over a sequence split across the SP group of ``topo``.
+
+    ``forward(q, k, v)`` takes this rank's shards ``[B, S/P, H, D]`` in
+    ``topo.layout`` (as cut by ``shard_sequence``) and returns this rank's
+    output shard, the shape of ``q``. ``backend`` is a registered name or
+    ``"auto"``; with ``auto`` the choice is made once per call shape and cached.
+    """
+
+    def __init__(self, topo: Topology, backend: str = "auto", layer_idx: int | None = None, profile: Profile | None = None):
+        super().__init__()
+        if backend != "auto":
+            get_backend(backend)  # unknown names fail here, at construction
+        self.topo, self.backend, self.layer_idx, self.profile = topo, backend, layer_idx, profile
+        self._chosen: dict[AttnSpec, object] = {}
+
+    def forward(self, q, k, v, *, causal: bool = True, softmax_scale: float | None = None, cu_seqlens=None) -> torch.Tensor:
+        spec = make_spec(q, k, v, self.topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+        _check_ranks_agree(spec, self.backend, self.topo)
+        backend = self._chosen.get(spec)
+        if backend is None:
+            backend = self._chosen[spec] = _resolve(self.backend, spec, self.topo, self.profile, self.layer_idx)
+        return backend.forward(q, k, v, spec, self.topo)
+
+    def extra_repr(self) -> str:
+        return f"backend={self.backend!r}, layer_idx={self.layer_idx}, sp_size={self.topo.sp_size}, layout={self.topo.layout!r}"
+
+
+def sp_attention(q, k, v, topo: Topology, *, backend: str = "auto", causal: bool = True, softmax_scale=None, cu_seqlens=None, profile: Profile | None = None) -> torch.Tensor:
+    """Functional form of :class:`SequenceParallelAttention` (no per-layer cache)."""
+    spec = make_spec(q, k, v, topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+    _check_ranks_agree(spec, backend, topo)
+    return _resolve(backend, spec, topo, profile, None).forward(q, k, v, spec, topo)

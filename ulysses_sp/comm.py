@@ -1,0 +1,353 @@
+"""Autograd-aware collectives with byte accounting.
+
+Every collective of ulysses-sp goes through this module, and every call
+records the bytes this rank sends and receives in each open
+:class:`CommCounter`. Counts are logical payload bytes: what leaves this rank
+for another rank (a rank's own chunk of an all-to-all is not sent), whatever
+algorithm the process-group backend uses underneath.
+
+Sequence <-> head all-to-all (Ulysses) is fused: q, k and v (or dq, dk, dv)
+travel in one ``all_to_all_single``, packed into one buffer with one copy per
+tensor, and the token layout is restored in the same copy on the receiving
+side. Layouts are passed as a chunk table (see ``layout.chunk_table``), so this
+module knows nothing of layouts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+__all__ = [
+    "CommCounter",
+    "OpBytes",
+    "all_to_all",
+    "seq_to_heads",
+    "heads_to_seq",
+    "all_gather",
+    "reduce_scatter",
+    "ring_send_recv",
+    "all_gather_ints",
+    "group_size",
+]
+
+
+@dataclass
+class OpBytes:
+    """Bytes this rank sent and received through one kind of collective."""
+
+    sent: int = 0
+    recv: int = 0
+    calls: int = 0
+
+
+class CommCounter:
+    """Counts this rank's communication while open::
+
+        with CommCounter() as c:
+            out = attn(q, k, v)
+        c.bytes_sent, c.bytes_recv, c.by_op["all_to_all"].sent
+
+    Counters nest; each open one sees every call. Backward passes are counted
+    by the counter open while ``backward()`` runs.
+    """
+
+    def __init__(self) -> None:
+        self.by_op: dict[str, OpBytes] = {}
+
+    @property
+    def bytes_sent(self) -> int:
+        return sum(o.sent for o in self.by_op.values())
+
+    @property
+    def bytes_recv(self) -> int:
+        return sum(o.recv for o in self.by_op.values())
+
+    def record(self, op: str, sent: int, recv: int) -> None:
+        entry = self.by_op.setdefault(op, OpBytes())
+        entry.sent += sent
+        entry.recv += recv
+        entry.calls += 1
+
+    def __enter__(self) -> "CommCounter":
+        _OPEN_COUNTERS.append(self)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        _OPEN_COUNTERS.remove(self)
+
+    def __repr__(self) -> str:
+        return f"CommCounter(sent={self.bytes_sent}, recv={self.bytes_recv}, by_op={self.by_op})"
+
+
+# The counters open in this process. A plain list rather than a ContextVar:
+# CUDA backward runs on autograd worker threads, which do not inherit contexts.
+_OPEN_COUNTERS: list[CommCounter] = []
+
+
+def _record(op: str, sent: int, recv: int) -> None:
+    for counter in _OPEN_COUNTERS:
+        counter.record(op, sent, recv)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def group_size(group) -> int:
+    return dist.get_world_size(group)
+
+
+# --------------------------------------------------------------------------- raw collectives
+
+def _all_to_all_rows(buf: torch.Tensor, group) -> torch.Tensor:
+    """Row j of ``buf`` ([P, n]) goes to rank j; row i of the result came from rank i."""
+    recv = torch.empty_like(buf)
+    dist.all_to_all_single(recv, buf, group=group)
+    moved = (buf.shape[0] - 1) * buf[0].numel() * buf.element_size()
+    _record("all_to_all", moved, moved)
+    return recv
+
+
+_all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _all_gather_raw(x: torch.Tensor, group, dim: int, op: str = "all_gather") -> torch.Tensor:
+    p = group_size(group)
+    out = x.new_empty((p,) + tuple(x.shape))
+    _all_gather_flat(out.view(-1), x.contiguous().view(-1), group=group)
+    _record(op, (p - 1) * _nbytes(x), (p - 1) * _nbytes(x))
+    return out.movedim(0, dim).flatten(dim, dim + 1)
+
+
+def _reduce_scatter_raw(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    p = group_size(group)
+    chunks = x.unflatten(dim, (p, -1)).movedim(dim, 0).contiguous()
+    out = x.new_empty(chunks.shape[1:])
+    _reduce_scatter_flat(out.view(-1), chunks.view(-1), group=group)
+    moved = (p - 1) * _nbytes(out)
+    _record("reduce_scatter", moved, moved)
+    return out
+
+
+def _natural_order_index(table: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For each global chunk n (in order): which rank holds it and at which local slot."""
+    where = {n: (r, i) for r, chunks in enumerate(table) for i, n in enumerate(chunks)}
+    src, slot = zip(*(where[n] for n in range(len(where))))
+    return torch.tensor(src), torch.tensor(slot)
+
+
+def _seq_to_heads_raw(tensors, group, table):
+    """[B, S/P, H, D] sequence shards -> [B, S, H/P, D] head shards, global order."""
+    p, k = group_size(group), len(table[0])
+    sizes = [t.numel() // p for t in tensors]
+    buf = tensors[0].new_empty(p, sum(sizes))
+    off = 0
+    for t, n in zip(tensors, sizes):
+        b, s, h, d = t.shape
+        # wire format of one destination's block: [B, S/P, H/P, D]
+        buf[:, off : off + n].view(p, b, s, h // p, d).copy_(t.unflatten(2, (p, h // p)).permute(2, 0, 1, 3, 4))
+        off += n
+    recv = _all_to_all_rows(buf, group)
+    src, slot = _natural_order_index(table)
+    outs, off = [], 0
+    for t, n in zip(tensors, sizes):
+        b, s, h, d = t.shape
+        blocks = recv[:, off : off + n].view(p, b, k, s // k, h // p, d).permute(1, 0, 2, 3, 4, 5)
+        outs.append(blocks[:, src, slot].reshape(b, s * p, h // p, d))
+        off += n
+    return outs
+
+
+def _heads_to_seq_raw(tensors, group, table):
+    """[B, S, H/P, D] head shards in global order -> [B, S/P, H, D] sequence shards."""
+    p, k = group_size(group), len(table[0])
+    sizes = [t.numel() // p for t in tensors]
+    buf = tensors[0].new_empty(p, sum(sizes))
+    off = 0
+    for t, n in zip(tensors, sizes):
+        b, s_full, h, d = t.shape
+        c = s_full // (k * p)
+        chunks = t.unflatten(1, (k * p, c))
+        # wire format of one destination's block: [k, B, c, H/P, D]
+        blocks = buf[:, off : off + n].view(p, k, b, c, h, d)
+        for dest, mine in enumerate(table):
+            for i, chunk in enumerate(mine):
+                blocks[dest, i].copy_(chunks[:, chunk])
+        off += n
+    recv = _all_to_all_rows(buf, group)
+    outs, off = [], 0
+    for t, n in zip(tensors, sizes):
+        b, s_full, h, d = t.shape
+        c = s_full // (k * p)
+        blocks = recv[:, off : off + n].view(p, k, b, c, h, d)
+        outs.append(blocks.permute(2, 1, 3, 0, 4, 5).reshape(b, k * c, p * h, d))
+        off += n
+    return outs
+
+
+# --------------------------------------------------------------------------- autograd wrappers
+
+def _grads_for(ctx, first_tensor_arg: int, grads, fn):
+    """Run ``fn`` on the gradients of the tensor inputs that need one; None for the rest."""
+    needed = [i for i, need in enumerate(ctx.needs_input_grad[first_tensor_arg:]) if need]
+    done = dict(zip(needed, fn([grads[i] for i in needed]))) if needed else {}
+    return tuple(done.get(i) for i in range(len(grads)))
+
+
+class _SeqToHeads(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, table, *tensors):
+        ctx.group, ctx.table = group, table
+        return tuple(_seq_to_heads_raw(tensors, group, table))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None) + _grads_for(ctx, 2, grads, lambda gs: _heads_to_seq_raw(gs, ctx.group, ctx.table))
+
+
+class _HeadsToSeq(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, group, table, *tensors):
+        ctx.group, ctx.table = group, table
+        return tuple(_heads_to_seq_raw(tensors, group, table))
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, None) + _grads_for(ctx, 2, grads, lambda gs: _seq_to_heads_raw(gs, ctx.group, ctx.table))
+
+
+def _check_fusable(tensors, p: int, dim: int, what: str) -> None:
+    for t in tensors:
+        if t.dim() != 4 or t.shape[dim] % p:
+            raise ValueError(f"seq/head all-to-all needs [B, S, H, D] tensors with {what} divisible by {p}, got {tuple(t.shape)}")
+    if len({t.dtype for t in tensors}) > 1:
+        raise ValueError(f"fused all-to-all needs one dtype, got {[t.dtype for t in tensors]}")
+
+
+def seq_to_heads(tensors, group, table) -> list[torch.Tensor]:
+    """Sequence-sharded ``[B, S/P, H, D]`` tensors to head-sharded ``[B, S, H/P, D]``.
+
+    One fused all-to-all for all tensors. ``table`` is the layout's chunk table:
+    rank r holds the global chunks ``table[r]``; the result is in global token
+    order. Rank j receives heads ``[j*H/P, (j+1)*H/P)``. Differentiable.
+    """
+    p = group_size(group)
+    if p == 1:
+        return list(tensors)
+    _check_fusable(tensors, p, 2, "H")
+    return list(_SeqToHeads.apply(group, table, *tensors))
+
+
+def heads_to_seq(tensors, group, table) -> list[torch.Tensor]:
+    """Inverse of :func:`seq_to_heads`. Differentiable."""
+    p = group_size(group)
+    if p == 1:
+        return list(tensors)
+    _check_fusable(tensors, p, 1, "S")
+    return list(_HeadsToSeq.apply(group, table, *tensors))
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim):
+        ctx.group, ctx.dims = group, (scatter_dim, gather_dim)
+        p = group_size(group)
+        rows = x.unflatten(scatter_dim, (p, -1)).movedim(scatter_dim, 0).contiguous()
+        recv = _all_to_all_rows(rows.view(p, -1), group).view(rows.shape)
+        return recv.movedim(0, gather_dim).flatten(gather_dim, gather_dim + 1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        scatter_dim, gather_dim = ctx.dims
+        return _AllToAll.apply(grad, ctx.group, gather_dim, scatter_dim), None, None, None
+
+
+def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> torch.Tensor:
+    """Split ``scatter_dim`` into P parts, send part j to rank j, concatenate what
+    arrives along ``gather_dim`` in rank order. Differentiable."""
+    p = group_size(group)
+    scatter_dim, gather_dim = scatter_dim % x.dim(), gather_dim % x.dim()
+    if x.shape[scatter_dim] % p:
+        raise ValueError(f"all_to_all: dim {scatter_dim} of size {x.shape[scatter_dim]} does not split into {p} parts")
+    if p == 1:
+        return x
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim)
+
+
+class _AllGather(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _all_gather_raw(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_raw(grad, ctx.group, ctx.dim), None, None
+
+
+class _ReduceScatter(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return _reduce_scatter_raw(x, group, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _all_gather_raw(grad, ctx.group, ctx.dim), None, None
+
+
+def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Concatenate every rank's ``x`` along ``dim`` in rank order.
+
+    Differentiable; the backward is a reduce-scatter (sum), i.e. the gradient
+    of the sum of every rank's loss.
+    """
+    if group_size(group) == 1:
+        return x
+    return _AllGather.apply(x, group, dim % x.dim())
+
+
+def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
+    """Sum ``x`` over ranks and keep this rank's 1/P slice of ``dim``. Differentiable."""
+    p = group_size(group)
+    dim = dim % x.dim()
+    if x.shape[dim] % p:
+        raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} does not split into {p} parts")
+    if p == 1:
+        return x
+    return _ReduceScatter.apply(x, group, dim)
+
+
+def all_gather_ints(values, group, device) -> list[tuple[int, ...]]:
+    """Every rank's tuple of ints, in rank order (for cheap cross-rank agreement checks).
+    Counted as op ``"handshake"``."""
+    local = torch.tensor(values, dtype=torch.int64, device=device)
+    rows = _all_gather_raw(local, group, 0, op="handshake")
+    return [tuple(r) for r in rows.view(group_size(group), -1).tolist()]
+
+
+def ring_send_recv(tensors, group, *, send_to: int, recv_from: int):
+    """Post sends of ``tensors`` to group rank ``send_to`` and receives of same-shaped
+    buffers from ``recv_from`` in one ``batch_isend_irecv``.
+
+    Returns ``(received, wait)``: call ``wait()`` before reading ``received``.
+    Not differentiable: ring backends call it inside their own autograd Function.
+    """
+    received = [torch.empty_like(t) for t in tensors]
+    to_rank = dist.get_global_rank(group, send_to)
+    from_rank = dist.get_global_rank(group, recv_from)
+    ops = [dist.P2POp(dist.isend, t.contiguous(), to_rank, group) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, from_rank, group) for r in received]
+    works = dist.batch_isend_irecv(ops)
+    moved = sum(_nbytes(t) for t in tensors)
+    _record("send_recv", moved, moved)
+
+    def wait() -> None:
+        for w in works:
+            w.wait()
+
+    return received, wait

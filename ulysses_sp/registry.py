@@ -1,0 +1,75 @@
+"""Backends by name, and the ``auto`` choice between them.
+
+A backend is any object with the :class:`Backend` shape. The built-in ones
+are registered when this module is imported; ``register_backend`` adds more.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from ulysses_sp.backends.ulysses import UlyssesBackend
+from ulysses_sp.spec import DEFAULT_PROFILE, AttnSpec, Estimate, Profile
+
+__all__ = ["Backend", "register_backend", "get_backend", "list_backends", "choose_backend"]
+
+
+@runtime_checkable
+class Backend(Protocol):
+    name: str
+
+    def check(self, spec: AttnSpec, topo) -> str | None:
+        """None if the backend can run ``spec`` on ``topo``, else the reason it cannot."""
+
+    def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
+        """Predicted per-rank cost of one forward."""
+
+    def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
+        """Differentiable attention of this rank's shards; returns this rank's output shard."""
+
+
+_BACKENDS: dict[str, Backend] = {}
+
+
+def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
+    """Make ``backend`` selectable by its ``name`` (and by ``auto``)."""
+    if not isinstance(backend, Backend):
+        raise TypeError(f"a backend needs name, check, estimate and forward; got {backend!r}")
+    if backend.name == "auto":
+        raise ValueError("'auto' is reserved for the automatic choice")
+    if backend.name in _BACKENDS and not replace:
+        raise ValueError(f"backend {backend.name!r} is already registered; pass replace=True to override it")
+    _BACKENDS[backend.name] = backend
+    return backend
+
+
+def list_backends() -> list[str]:
+    return list(_BACKENDS)
+
+
+def get_backend(name: str) -> Backend:
+    try:
+        return _BACKENDS[name]
+    except KeyError:
+        raise ValueError(f"unknown SP backend {name!r}; known: {', '.join(['auto', *_BACKENDS])}") from None
+
+
+def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tuple[Backend, dict[str, str | Estimate]]:
+    """The cheapest feasible backend for ``spec``, and for every backend either
+    its estimate or the reason it cannot run."""
+    profile = profile or DEFAULT_PROFILE
+    considered: dict[str, str | Estimate] = {}
+    for name, backend in _BACKENDS.items():
+        reason = backend.check(spec, topo)
+        considered[name] = reason if reason is not None else backend.estimate(spec, topo, profile)
+    feasible = {n: e for n, e in considered.items() if isinstance(e, Estimate)}
+    if not feasible:
+        reasons = "; ".join(f"{r}" for r in considered.values())
+        raise ValueError(f"no SP backend can run this attention: {reasons}")
+    best = min(feasible, key=lambda n: feasible[n].seconds)
+    return _BACKENDS[best], considered
+
+
+register_backend(UlyssesBackend())

@@ -1,0 +1,168 @@
+"""Process groups for sequence parallelism: world = dp x sp, sp = ulysses x ring.
+
+Each SP group is a block of ``sp_size`` consecutive global ranks (so it stays
+inside a node when ranks are numbered node by node). Inside an SP group the
+Ulysses sub-groups are runs of ``ulysses_degree`` consecutive ranks and the ring
+sub-groups take every ``ulysses_degree``-th rank: the all-to-all stays on the
+fast links, the ring crosses the slow ones.
+"""
+
+from __future__ import annotations
+
+import datetime
+import numbers
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from . import layout as _layout
+
+__all__ = ["Topology", "init_sequence_parallel", "DEFAULT_TIMEOUT"]
+
+DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
+
+
+@dataclass
+class Topology:
+    """Who talks to whom. Built by :func:`init_sequence_parallel`."""
+
+    rank: int
+    """Global rank."""
+    world_size: int
+    sp_group: dist.ProcessGroup
+    """The ranks that share one sequence."""
+    sp_rank: int
+    sp_size: int
+    dp_group: dist.ProcessGroup
+    """The ranks with the same ``sp_rank`` in every SP group: they see different data."""
+    dp_rank: int
+    dp_size: int
+    ulysses_group: dist.ProcessGroup
+    """Sub-group of the SP group doing head-scatter all-to-all (hybrid backend)."""
+    ulysses_rank: int
+    ulysses_degree: int
+    ring_group: dist.ProcessGroup
+    """Sub-group of the SP group passing K/V around a ring (hybrid backend)."""
+    ring_rank: int
+    ring_degree: int
+    layout: str
+    """Token layout of every sharded sequence: ``contiguous`` or ``zigzag``."""
+    device: torch.device
+    """Where tensors must live for this process group backend."""
+    timeout: datetime.timedelta
+    """Every collective on these groups fails after this long instead of hanging."""
+    shape_check: str = "once"
+    """``once``: ranks compare each call signature the first time they see it (one tiny
+    all-gather per new shape). ``always``: compare on every call, which also catches a
+    rank falling back to a shape it has already seen while the others have not."""
+    verified_signatures: set = field(default_factory=set, repr=False, compare=False)
+    """Call signatures already checked to agree across the SP group."""
+
+
+def _check_degree(name: str, value, total: int, total_name: str) -> int:
+    if value is None or isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise ValueError(f"{name} must be a positive integer dividing {total_name} ({total}), got {value!r}")
+    value = int(value)
+    if value <= 0 or total % value:
+        divisors = [d for d in range(1, total + 1) if total % d == 0]
+        raise ValueError(f"{name} must be a positive integer dividing {total_name} ({total}), got {value}; valid values: {divisors}")
+    return value
+
+
+def _as_timedelta(timeout) -> datetime.timedelta:
+    if timeout is None:
+        return DEFAULT_TIMEOUT
+    if isinstance(timeout, datetime.timedelta):
+        seconds = timeout.total_seconds()
+    elif isinstance(timeout, numbers.Real) and not isinstance(timeout, bool):
+        seconds = float(timeout)
+    else:
+        raise ValueError(f"timeout must be seconds or a datetime.timedelta, got {timeout!r}")
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive, got {seconds} s")
+    return datetime.timedelta(seconds=seconds)
+
+
+def _device_for_backend() -> torch.device:
+    backend = str(dist.get_backend()).lower()
+    if "nccl" in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def _my_group(rank_lists: list[list[int]], rank: int, timeout: datetime.timedelta):
+    """Create every group of ``rank_lists`` (collectively) and return this rank's one."""
+    mine = None
+    for ranks in rank_lists:
+        group = dist.new_group(ranks, timeout=timeout)
+        if rank in ranks:
+            mine = group
+    return mine
+
+
+SHAPE_CHECKS = ("once", "always")
+
+
+def init_sequence_parallel(sp_size, *, ulysses_degree=None, layout: str = "zigzag", timeout=None, shape_check: str = "once") -> Topology:
+    """Split the initialised default process group into DP x SP groups.
+
+    Call on every rank, after ``torch.distributed.init_process_group`` (gloo or
+    nccl), with the same arguments. ``sp_size=1`` gives a topology where every
+    SP group is a single rank and attention runs locally. ``ulysses_degree``
+    (default ``sp_size``) times the ring degree equals ``sp_size``.
+
+    Raises ``ValueError`` on every rank, before creating any group, for an
+    ``sp_size`` that is not a positive integer dividing the world size, an
+    ``ulysses_degree`` that does not divide ``sp_size``, an unknown layout, or
+    arguments that differ between ranks. ``shape_check`` is described on
+    :class:`Topology`.
+    """
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "init_sequence_parallel needs torch.distributed to be initialised first: "
+            "call torch.distributed.init_process_group('nccl' or 'gloo') (torchrun and deepspeed set the environment)"
+        )
+    world_size, rank = dist.get_world_size(), dist.get_rank()
+    sp_size = _check_degree("sp_size", sp_size, world_size, "the world size")
+    ulysses_degree = _check_degree("ulysses_degree", sp_size if ulysses_degree is None else ulysses_degree, sp_size, "sp_size")
+    _layout.check_layout(layout)
+    timeout = _as_timedelta(timeout)
+    if shape_check not in SHAPE_CHECKS:
+        raise ValueError(f"shape_check must be one of {SHAPE_CHECKS}, got {shape_check!r}")
+
+    # Mismatched arguments would create mismatched groups and hang: compare first.
+    args = (sp_size, ulysses_degree, layout)
+    everyone = [None] * world_size
+    dist.all_gather_object(everyone, args)
+    if any(a != args for a in everyone):
+        raise ValueError(f"init_sequence_parallel was called with different (sp_size, ulysses_degree, layout) per rank: {everyone}")
+
+    dp_size = world_size // sp_size
+    ring_degree = sp_size // ulysses_degree
+    sp_lists = [list(range(g * sp_size, (g + 1) * sp_size)) for g in range(dp_size)]
+    dp_lists = [list(range(s, world_size, sp_size)) for s in range(sp_size)]
+    ulysses_lists = [block[i : i + ulysses_degree] for block in sp_lists for i in range(0, sp_size, ulysses_degree)]
+    ring_lists = [block[j::ulysses_degree] for block in sp_lists for j in range(ulysses_degree)]
+
+    sp_rank = rank % sp_size
+    return Topology(
+        rank=rank,
+        world_size=world_size,
+        sp_group=_my_group(sp_lists, rank, timeout),
+        sp_rank=sp_rank,
+        sp_size=sp_size,
+        dp_group=_my_group(dp_lists, rank, timeout),
+        dp_rank=rank // sp_size,
+        dp_size=dp_size,
+        ulysses_group=_my_group(ulysses_lists, rank, timeout),
+        ulysses_rank=sp_rank % ulysses_degree,
+        ulysses_degree=ulysses_degree,
+        ring_group=_my_group(ring_lists, rank, timeout),
+        ring_rank=sp_rank // ulysses_degree,
+        ring_degree=ring_degree,
+        layout=layout,
+        device=_device_for_backend(),
+        timeout=timeout,
+        shape_check=shape_check,
+    )
