@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
+from . import comm
 from . import layout as _layout
 
 __all__ = ["Topology", "init_sequence_parallel", "DEFAULT_TIMEOUT"]
@@ -132,11 +133,11 @@ def init_sequence_parallel(sp_size, *, ulysses_degree=None, layout: str = "zigza
         raise ValueError(f"shape_check must be one of {SHAPE_CHECKS}, got {shape_check!r}")
 
     # Mismatched arguments would create mismatched groups and hang: compare first.
-    args = (sp_size, ulysses_degree, layout)
-    everyone = [None] * world_size
-    dist.all_gather_object(everyone, args)
+    args = (sp_size, ulysses_degree, _layout.LAYOUTS.index(layout))
+    everyone = comm.all_gather_ints(args, None, _device_for_backend())
     if any(a != args for a in everyone):
-        raise ValueError(f"init_sequence_parallel was called with different (sp_size, ulysses_degree, layout) per rank: {everyone}")
+        shown = [(s, u, _layout.LAYOUTS[i]) for s, u, i in everyone]
+        raise ValueError(f"init_sequence_parallel was called with different (sp_size, ulysses_degree, layout) per rank: {shown}")
 
     dp_size = world_size // sp_size
     ring_degree = sp_size // ulysses_degree
