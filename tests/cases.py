@@ -91,6 +91,9 @@ class Parity:
     backend: str = "ulysses"
     claim_layout: str | None = None
     """Run with a topology that claims this layout (a deliberately wrong setup)."""
+    dtype: torch.dtype = torch.float64
+    strided: bool = False
+    """Pass non-contiguous views (as Hugging Face's [B, H, S, D] transposed) instead of contiguous shards."""
 
 
 HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
@@ -105,6 +108,9 @@ for _grads in ("kv", "q", "v"):
     PARITY[f"zigzag-causal-gqa-grad-{_grads}-only"] = Parity(grads=_grads)
 PARITY["contiguous-causal-odd-shapes"] = Parity("contiguous", batch=3, seq=48, hq=4, hkv=2, head_dim=40, scale=0.3)
 PARITY["zigzag-causal-auto"] = Parity(backend="auto")
+PARITY["zigzag-causal-strided-views"] = Parity(strided=True)
+PARITY["zigzag-causal-bf16"] = Parity(dtype=torch.bfloat16)
+PARITY["contiguous-full-fp32"] = Parity("contiguous", causal=False, dtype=torch.float32)
 PARITY_WORLDS = {"zigzag-causal-dp2-sp2": (4,), "mislabelled-layout": (2, 4)}
 PARITY["zigzag-causal-dp2-sp2"] = Parity(sp_size=2)
 PARITY["mislabelled-layout"] = Parity(claim_layout="contiguous")
@@ -122,18 +128,23 @@ def parity(env: Env, name: str, cfg: Parity) -> dict:
     ref = reference_attention(*leaves.values(), causal=cfg.causal, scale=cfg.scale, cu_seqlens=cfg.cu_seqlens)
     ref.backward(dout)
 
-    shards = {n: usp.shard_sequence(t, topo).requires_grad_(n in cfg.grads) for n, t in zip("qkv", (q, k, v))}
+    def local(t):
+        t = usp.shard_sequence(t, topo).to(cfg.dtype)
+        return t.transpose(1, 2).contiguous().transpose(1, 2) if cfg.strided else t
+
+    shards = {n: local(t).requires_grad_(n in cfg.grads) for n, t in zip("qkv", (q, k, v))}
     run_topo = dataclasses.replace(topo, layout=cfg.claim_layout) if cfg.claim_layout else topo
     attn = usp.SequenceParallelAttention(run_topo, backend=cfg.backend, layer_idx=0)
     out = attn(*shards.values(), causal=cfg.causal, softmax_scale=cfg.scale, cu_seqlens=cfg.cu_seqlens)
-    (out * usp.shard_sequence(dout, topo)).sum().backward()
+    (out * usp.shard_sequence(dout, topo).to(cfg.dtype)).sum().backward()
 
     with torch.no_grad():
-        result = {"out": max_err(usp.gather_sequence(out, topo), ref), "out_dtype": str(out.dtype)}
+        result = {"out": max_err(usp.gather_sequence(out, topo).double(), ref), "out_dtype": str(out.dtype)}
         for n, shard in shards.items():
             got = shard.grad
-            result[f"d{n}"] = None if got is None else max_err(usp.gather_sequence(got, topo), leaves[n].grad)
+            result[f"d{n}"] = None if got is None else max_err(usp.gather_sequence(got, topo).double(), leaves[n].grad)
             result[f"d{n}_is_none"] = got is None
+            result[f"d{n}_dtype"] = None if got is None else str(got.dtype)
     result["chosen"] = [type(b).__name__ for b in attn._chosen.values()]
     return result
 

@@ -12,7 +12,9 @@ import pytest
 from .cases import PARITY, PARITY_WORLDS
 from .conftest import WORLDS, values
 
-TOL = 1e-10
+TOL = {"torch.float64": 1e-10, "torch.float32": 1e-5, "torch.bfloat16": 5e-2}
+"""Per dtype; fp32 and bf16 are bounded by their rounding (observed max errors
+about 1e-6 and 2e-2), fp64 is the mask/scale/layout check."""
 
 PARAMS = [
     pytest.param(world, name, id=f"P{world}-{name}")
@@ -25,12 +27,15 @@ PARAMS = [
 @pytest.mark.parametrize("world,name", PARAMS)
 def test_matches_one_process_reference(ranks, world, name):
     cfg = PARITY[name]
+    dtype = str(cfg.dtype)
+    tol = TOL[dtype]
     for rank, r in enumerate(values(ranks(world), f"parity/{name}")):
-        assert r["out_dtype"] == "torch.float64"
-        assert r["out"] < TOL, f"rank {rank}: out error {r['out']:.3g}"
+        assert r["out_dtype"] == dtype
+        assert r["out"] < tol, f"rank {rank}: out error {r['out']:.3g}"
         for grad in ("dq", "dk", "dv"):
             if grad[1] in cfg.grads:
-                assert r[grad] is not None and r[grad] < TOL, f"rank {rank}: {grad} error {r[grad]}"
+                assert r[grad] is not None and r[grad] < tol, f"rank {rank}: {grad} error {r[grad]}"
+                assert r[f"{grad}_dtype"] == dtype
             else:  # a frozen input gets no gradient at all (not zeros, not a crash)
                 assert r[f"{grad}_is_none"], f"rank {rank}: {grad} should be None for a frozen input"
 

@@ -159,6 +159,8 @@ class SequenceParallelAttention(nn.Module):
         _check_ranks_agree(spec, self.backend, self.topo)
         backend = self._chosen.get(spec)
         if backend is None:
+            if len(self._chosen) > 1024:  # packed batches vary cu_seqlens: keep the cache bounded
+                self._chosen.clear()
             backend = self._chosen[spec] = _resolve(self.backend, spec, self.topo, self.profile, self.layer_idx)
         return backend.forward(q, k, v, spec, self.topo)
 

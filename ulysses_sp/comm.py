@@ -140,53 +140,58 @@ def _natural_order_index(table: list[list[int]]) -> tuple[torch.Tensor, torch.Te
     return torch.tensor(src), torch.tensor(slot)
 
 
-def _seq_to_heads_raw(tensors, group, table):
-    """[B, S/P, H, D] sequence shards -> [B, S, H/P, D] head shards, global order."""
-    p, k = group_size(group), len(table[0])
-    sizes = [t.numel() // p for t in tensors]
-    buf = tensors[0].new_empty(p, sum(sizes))
-    off = 0
-    for t, n in zip(tensors, sizes):
-        b, s, h, d = t.shape
-        # wire format of one destination's block: [B, S/P, H/P, D]
-        buf[:, off : off + n].view(p, b, s, h // p, d).copy_(t.unflatten(2, (p, h // p)).permute(2, 0, 1, 3, 4))
-        off += n
+def _fused_all_to_all(tensors, group, pack, unpack):
+    """One all-to-all for several tensors. Each tensor owns a ``[P, numel/P]`` column
+    slice of the send and receive buffers: ``pack(t, rows)`` fills its send slice
+    (row j goes to rank j), ``unpack(t, rows)`` turns its received slice into the result."""
+    p = group_size(group)
+    bounds = [0]
+    for t in tensors:
+        bounds.append(bounds[-1] + t.numel() // p)
+    buf = tensors[0].new_empty(p, bounds[-1])
+    for t, start, end in zip(tensors, bounds, bounds[1:]):
+        pack(t, buf[:, start:end])
     recv = _all_to_all_rows(buf, group)
+    return [unpack(t, recv[:, start:end]) for t, start, end in zip(tensors, bounds, bounds[1:])]
+
+
+def _seq_to_heads_raw(tensors, group, table):
+    """[B, S/P, H, D] sequence shards -> [B, S, H/P, D] head shards, global order.
+    Wire block for one destination: [B, S/P, H/P, D]."""
+    p, k = group_size(group), len(table[0])
     src, slot = _natural_order_index(table)
-    outs, off = [], 0
-    for t, n in zip(tensors, sizes):
+
+    def pack(t, rows):
         b, s, h, d = t.shape
-        blocks = recv[:, off : off + n].view(p, b, k, s // k, h // p, d).permute(1, 0, 2, 3, 4, 5)
-        outs.append(blocks[:, src, slot].reshape(b, s * p, h // p, d))
-        off += n
-    return outs
+        rows.view(p, b, s, h // p, d).copy_(t.unflatten(2, (p, h // p)).permute(2, 0, 1, 3, 4))
+
+    def unpack(t, rows):
+        b, s, h, d = t.shape
+        blocks = rows.view(p, b, k, s // k, h // p, d).permute(1, 0, 2, 3, 4, 5)  # [B, src, slot, c, h, d]
+        return blocks[:, src, slot].reshape(b, s * p, h // p, d)  # one copy, global order
+
+    return _fused_all_to_all(tensors, group, pack, unpack)
 
 
 def _heads_to_seq_raw(tensors, group, table):
-    """[B, S, H/P, D] head shards in global order -> [B, S/P, H, D] sequence shards."""
+    """[B, S, H/P, D] head shards in global order -> [B, S/P, H, D] sequence shards.
+    Wire block for one destination: [k, B, c, H/P, D] (its k chunks of c tokens)."""
     p, k = group_size(group), len(table[0])
-    sizes = [t.numel() // p for t in tensors]
-    buf = tensors[0].new_empty(p, sum(sizes))
-    off = 0
-    for t, n in zip(tensors, sizes):
+
+    def pack(t, rows):
         b, s_full, h, d = t.shape
         c = s_full // (k * p)
-        chunks = t.unflatten(1, (k * p, c))
-        # wire format of one destination's block: [k, B, c, H/P, D]
-        blocks = buf[:, off : off + n].view(p, k, b, c, h, d)
+        chunks, blocks = t.unflatten(1, (k * p, c)), rows.view(p, k, b, c, h, d)
         for dest, mine in enumerate(table):
             for i, chunk in enumerate(mine):
                 blocks[dest, i].copy_(chunks[:, chunk])
-        off += n
-    recv = _all_to_all_rows(buf, group)
-    outs, off = [], 0
-    for t, n in zip(tensors, sizes):
+
+    def unpack(t, rows):
         b, s_full, h, d = t.shape
         c = s_full // (k * p)
-        blocks = recv[:, off : off + n].view(p, k, b, c, h, d)
-        outs.append(blocks.permute(2, 1, 3, 0, 4, 5).reshape(b, k * c, p * h, d))
-        off += n
-    return outs
+        return rows.view(p, k, b, c, h, d).permute(2, 1, 3, 0, 4, 5).reshape(b, k * c, p * h, d)
+
+    return _fused_all_to_all(tensors, group, pack, unpack)
 
 
 # --------------------------------------------------------------------------- autograd wrappers
@@ -198,26 +203,18 @@ def _grads_for(ctx, first_tensor_arg: int, grads, fn):
     return tuple(done.get(i) for i in range(len(grads)))
 
 
-class _SeqToHeads(torch.autograd.Function):
+class _SeqHeadsAllToAll(torch.autograd.Function):
+    """``to_heads=True``: sequence shards -> head shards; False: back. Each is the other's backward."""
+
     @staticmethod
-    def forward(ctx, group, table, *tensors):
-        ctx.group, ctx.table = group, table
-        return tuple(_seq_to_heads_raw(tensors, group, table))
+    def forward(ctx, to_heads, group, table, *tensors):
+        ctx.to_heads, ctx.group, ctx.table = to_heads, group, table
+        return tuple((_seq_to_heads_raw if to_heads else _heads_to_seq_raw)(tensors, group, table))
 
     @staticmethod
     def backward(ctx, *grads):
-        return (None, None) + _grads_for(ctx, 2, grads, lambda gs: _heads_to_seq_raw(gs, ctx.group, ctx.table))
-
-
-class _HeadsToSeq(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, group, table, *tensors):
-        ctx.group, ctx.table = group, table
-        return tuple(_heads_to_seq_raw(tensors, group, table))
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None, None) + _grads_for(ctx, 2, grads, lambda gs: _seq_to_heads_raw(gs, ctx.group, ctx.table))
+        inverse = _heads_to_seq_raw if ctx.to_heads else _seq_to_heads_raw
+        return (None, None, None) + _grads_for(ctx, 3, grads, lambda gs: inverse(gs, ctx.group, ctx.table))
 
 
 def _check_fusable(tensors, p: int, dim: int, what: str) -> None:
@@ -239,7 +236,7 @@ def seq_to_heads(tensors, group, table) -> list[torch.Tensor]:
     if p == 1:
         return list(tensors)
     _check_fusable(tensors, p, 2, "H")
-    return list(_SeqToHeads.apply(group, table, *tensors))
+    return list(_SeqHeadsAllToAll.apply(True, group, table, *tensors))
 
 
 def heads_to_seq(tensors, group, table) -> list[torch.Tensor]:
@@ -248,7 +245,7 @@ def heads_to_seq(tensors, group, table) -> list[torch.Tensor]:
     if p == 1:
         return list(tensors)
     _check_fusable(tensors, p, 1, "S")
-    return list(_HeadsToSeq.apply(group, table, *tensors))
+    return list(_SeqHeadsAllToAll.apply(False, group, table, *tensors))
 
 
 class _AllToAll(torch.autograd.Function):
@@ -278,26 +275,18 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> tor
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
-class _AllGather(torch.autograd.Function):
+class _GatherScatter(torch.autograd.Function):
+    """``gather=True``: all-gather along ``dim``; False: reduce-scatter. Each is the other's backward."""
+
     @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _all_gather_raw(x, group, dim)
+    def forward(ctx, x, gather, group, dim):
+        ctx.gather, ctx.group, ctx.dim = gather, group, dim
+        return (_all_gather_raw if gather else _reduce_scatter_raw)(x, group, dim)
 
     @staticmethod
     def backward(ctx, grad):
-        return _reduce_scatter_raw(grad, ctx.group, ctx.dim), None, None
-
-
-class _ReduceScatter(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _reduce_scatter_raw(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _all_gather_raw(grad, ctx.group, ctx.dim), None, None
+        inverse = _reduce_scatter_raw if ctx.gather else _all_gather_raw
+        return inverse(grad, ctx.group, ctx.dim), None, None, None
 
 
 def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -308,7 +297,7 @@ def all_gather(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     """
     if group_size(group) == 1:
         return x
-    return _AllGather.apply(x, group, dim % x.dim())
+    return _GatherScatter.apply(x, True, group, dim % x.dim())
 
 
 def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
@@ -319,7 +308,7 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
         raise ValueError(f"reduce_scatter: dim {dim} of size {x.shape[dim]} does not split into {p} parts")
     if p == 1:
         return x
-    return _ReduceScatter.apply(x, group, dim)
+    return _GatherScatter.apply(x, False, group, dim)
 
 
 def all_gather_ints(values, group, device) -> list[tuple[int, ...]]:
