@@ -381,6 +381,8 @@ def _bad_attention(env: Env) -> dict:
         # With the default shape_check="once" for shapes no rank has seen (batch 5 here)...
         cases["shard length differs per rank"] = lambda: attn(t(b=5, seq=s + 2 * r), t(b=5, seq=s + 2 * r), t(b=5, seq=s + 2 * r))
         cases["cu_seqlens differ per rank"] = lambda: attn(t(b=5), t(b=5), t(b=5), cu_seqlens=torch.tensor([0, 1 + r, s * p]))
+        # ...and inputs that need a gradient on one rank only (the backward would carry different tensors)
+        cases["requires_grad differs per rank"] = lambda: attn(t(b=6).requires_grad_(r == 0), t(b=6), t(b=6))
     result = {name: raised(fn) for name, fn in cases.items()}
     # after all that, the group still works
     result["still works"] = tuple(attn(t(), t(), t()).shape)

@@ -26,6 +26,7 @@ EXPECTED = {
     "ulysses kv heads incompatible": "ValueError: ulysses: kv heads",
     "shard length differs per rank": "ValueError: the ranks of the SP group called attention with different local_seq_len",
     "cu_seqlens differ per rank": "ValueError: the ranks of the SP group called attention with different cu_seqlens",
+    "requires_grad differs per rank": "ValueError: the ranks of the SP group called attention with different requires_grad",
     "seen shape differs per rank (always)": "ValueError: the ranks of the SP group called attention with different local_seq_len",
 }
 MULTI_ONLY = {k for k in EXPECTED if "per rank" in k or k.startswith("ulysses ")}

@@ -28,7 +28,7 @@ EXPECTED = {
     "ulysses_degree not dividing": "ulysses_degree must be a positive integer dividing sp_size",
     "layout unknown": "layout must be one of",
     "timeout negative": "timeout must be positive",
-    "sp_size differs per rank": "different (sp_size, ulysses_degree, layout) per rank",
+    "sp_size differs per rank": "different (sp_size, ulysses_degree, layout, shape_check) per rank",
 }
 
 

@@ -57,7 +57,7 @@ def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=Non
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if not (q.device == k.device == v.device) or q.device.type != topo.device.type:
+    if not (q.device == k.device == v.device) or q.device.type != topo.device.type or (topo.device.index not in (None, q.device.index)):
         raise ValueError(f"q, k, v must be on this rank's {topo.device.type} device ({topo.device}), got {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
@@ -96,21 +96,23 @@ def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=Non
     )
 
 
-def _signature(spec: AttnSpec, backend: str) -> tuple[int, ...]:
+def _signature(spec: AttnSpec, backend: str, tensors) -> tuple[int, ...]:
     dtype_code = zlib.crc32(str(spec.dtype).encode())
+    # which inputs need a gradient decides which tensors the backward all-to-all carries
+    grads = sum(1 << i for i, t in enumerate(tensors) if t.requires_grad and torch.is_grad_enabled())
     extras = zlib.crc32(repr((spec.cu_seqlens, backend, spec.softmax_scale)).encode())
-    return (spec.batch, spec.local_seq_len, spec.q_heads, spec.kv_heads, spec.head_dim, dtype_code, int(spec.causal), extras)
+    return (spec.batch, spec.local_seq_len, spec.q_heads, spec.kv_heads, spec.head_dim, dtype_code, int(spec.causal), grads, extras)
 
 
-_SIGNATURE_FIELDS = ("batch", "local_seq_len", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "cu_seqlens/backend/scale")
+_SIGNATURE_FIELDS = ("batch", "local_seq_len", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "requires_grad", "cu_seqlens/backend/scale")
 
 
-def _check_ranks_agree(spec: AttnSpec, backend: str, topo: Topology) -> None:
+def _check_ranks_agree(spec: AttnSpec, backend: str, topo: Topology, tensors) -> None:
     """One small all-gather per new call signature (every call with
     ``shape_check="always"``); every rank raises if any rank differs."""
     if topo.sp_size == 1:
         return
-    mine = _signature(spec, backend)
+    mine = _signature(spec, backend, tensors)
     if topo.shape_check == "once" and mine in topo.verified_signatures:
         return
     rows = comm.all_gather_ints(mine, topo.sp_group, topo.device)
@@ -156,7 +158,7 @@ class SequenceParallelAttention(nn.Module):
 
     def forward(self, q, k, v, *, causal: bool = True, softmax_scale: float | None = None, cu_seqlens=None) -> torch.Tensor:
         spec = make_spec(q, k, v, self.topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
-        _check_ranks_agree(spec, self.backend, self.topo)
+        _check_ranks_agree(spec, self.backend, self.topo, (q, k, v))
         backend = self._chosen.get(spec)
         if backend is None:
             if len(self._chosen) > 1024:  # packed batches vary cu_seqlens: keep the cache bounded
@@ -171,5 +173,5 @@ class SequenceParallelAttention(nn.Module):
 def sp_attention(q, k, v, topo: Topology, *, backend: str = "auto", causal: bool = True, softmax_scale=None, cu_seqlens=None, profile: Profile | None = None) -> torch.Tensor:
     """Functional form of :class:`SequenceParallelAttention` (no per-layer cache)."""
     spec = make_spec(q, k, v, topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
-    _check_ranks_agree(spec, backend, topo)
+    _check_ranks_agree(spec, backend, topo, (q, k, v))
     return _resolve(backend, spec, topo, profile, None).forward(q, k, v, spec, topo)

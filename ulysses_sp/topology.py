@@ -133,11 +133,13 @@ def init_sequence_parallel(sp_size, *, ulysses_degree=None, layout: str = "zigza
         raise ValueError(f"shape_check must be one of {SHAPE_CHECKS}, got {shape_check!r}")
 
     # Mismatched arguments would create mismatched groups and hang: compare first.
-    args = (sp_size, ulysses_degree, _layout.LAYOUTS.index(layout))
+    args = (sp_size, ulysses_degree, _layout.LAYOUTS.index(layout), SHAPE_CHECKS.index(shape_check))
     everyone = comm.all_gather_ints(args, None, _device_for_backend())
     if any(a != args for a in everyone):
-        shown = [(s, u, _layout.LAYOUTS[i]) for s, u, i in everyone]
-        raise ValueError(f"init_sequence_parallel was called with different (sp_size, ulysses_degree, layout) per rank: {shown}")
+        shown = [(s, u, _layout.LAYOUTS[i], SHAPE_CHECKS[c]) for s, u, i, c in everyone]
+        raise ValueError(
+            f"init_sequence_parallel was called with different (sp_size, ulysses_degree, layout, shape_check) per rank: {shown}"
+        )
 
     dp_size = world_size // sp_size
     ring_degree = sp_size // ulysses_degree
