@@ -16,14 +16,22 @@ import torch
 
 import ulysses_sp as usp
 from ulysses_sp import comm, layout
-from ulysses_sp.backends.ulysses import kv_heads_sent
+from ulysses_sp.backends.allgather import AllGatherBackend
+from ulysses_sp.registry import choose_backend
+from ulysses_sp.spec import Estimate
+
+for _stride in (1, 3):
+    _strided = AllGatherBackend(heads_k_stride=_stride)
+    _strided.name = f"allgather_stride{_stride}"
+    usp.register_backend(_strided)
 
 from .reference import reference_attention
 
 CASES: dict = {}
+WORLDS = (1, 2, 3, 4)
 
 
-def case(name: str, worlds=(1, 2, 4)):
+def case(name: str, worlds=WORLDS):
     def register(fn):
         CASES[name] = (fn, tuple(worlds))
         return fn
@@ -79,10 +87,10 @@ def max_err(a, b) -> float:
 class Parity:
     layout: str = "zigzag"
     causal: bool = True
-    hq: int = 8
-    hkv: int = 2
+    hq: int = 12
+    hkv: int = 4
     batch: int = 2
-    seq: int = 32
+    seq: int = 48
     head_dim: int = 8
     grads: str = "qkv"
     cu_seqlens: tuple | None = None
@@ -96,28 +104,50 @@ class Parity:
     """Pass non-contiguous views (as Hugging Face's [B, H, S, D] transposed) instead of contiguous shards."""
 
 
-HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
+BACKENDS = ("ulysses", "allgather", "ring", "hybrid")
+HEADS = {"mha": (12, 12), "gqa": (12, 4), "mqa": (12, 1)}
+"""12 q heads divide by 1..4 ranks, so Ulysses runs at P=3 too; 4 kv heads at P=3 cannot be
+scattered or replicated, which is the case Ulysses refuses (tested in errors)."""
 PARITY: dict[str, Parity] = {}
+PARITY_WORLDS: dict[str, tuple] = {}
+
+
+def _parity(name: str, cfg: Parity, worlds=WORLDS) -> None:
+    PARITY[name], PARITY_WORLDS[name] = cfg, worlds
+
+
+for _backend in BACKENDS:
+    for _layout in layout.LAYOUTS:
+        for _causal in (True, False):
+            for _kind, (_hq, _hkv) in HEADS.items():
+                _worlds = (1, 2, 4) if (_backend, _kind) == ("ulysses", "gqa") else WORLDS
+                _cfg = Parity(_layout, _causal, _hq, _hkv, backend=_backend)
+                _parity(f"{_backend}/{_layout}-{'causal' if _causal else 'full'}-{_kind}", _cfg, _worlds)
+    for _grads in ("kv", "q", "v"):
+        _parity(f"{_backend}/zigzag-causal-mqa-grad-{_grads}-only", Parity(hkv=1, grads=_grads, backend=_backend))
+    _odd = Parity("contiguous", batch=3, hq=4, hkv=2, head_dim=40, scale=0.3, backend=_backend)
+    _parity(f"{_backend}/contiguous-causal-odd-shapes", _odd, (1, 2, 4) if _backend in ("ulysses", "hybrid") else WORLDS)
+    _parity(f"{_backend}/zigzag-causal-strided-views", Parity(hkv=1, strided=True, backend=_backend))
+    _parity(f"{_backend}/zigzag-causal-bf16", Parity(hkv=1, dtype=torch.bfloat16, backend=_backend))
+    _parity(f"{_backend}/contiguous-full-fp32", Parity("contiguous", causal=False, hkv=1, dtype=torch.float32, backend=_backend))
 for _layout in layout.LAYOUTS:
     for _causal in (True, False):
-        for _kind, (_hq, _hkv) in HEADS.items():
-            PARITY[f"{_layout}-{'causal' if _causal else 'full'}-{_kind}"] = Parity(_layout, _causal, _hq, _hkv)
-    for _causal in (True, False):
-        PARITY[f"{_layout}-{'causal' if _causal else 'full'}-varlen"] = Parity(_layout, _causal, cu_seqlens=(0, 5, 13, 14, 32))
-for _grads in ("kv", "q", "v"):
-    PARITY[f"zigzag-causal-gqa-grad-{_grads}-only"] = Parity(grads=_grads)
-PARITY["contiguous-causal-odd-shapes"] = Parity("contiguous", batch=3, seq=48, hq=4, hkv=2, head_dim=40, scale=0.3)
-PARITY["zigzag-causal-auto"] = Parity(backend="auto")
-PARITY["zigzag-causal-strided-views"] = Parity(strided=True)
-PARITY["zigzag-causal-bf16"] = Parity(dtype=torch.bfloat16)
-PARITY["contiguous-full-fp32"] = Parity("contiguous", causal=False, dtype=torch.float32)
-PARITY_WORLDS = {"zigzag-causal-dp2-sp2": (4,), "mislabelled-layout": (2, 4)}
-PARITY["zigzag-causal-dp2-sp2"] = Parity(sp_size=2)
-PARITY["mislabelled-layout"] = Parity(claim_layout="contiguous")
+        _parity(f"ulysses/{_layout}-{'causal' if _causal else 'full'}-varlen", Parity(_layout, _causal, hkv=1, cu_seqlens=(0, 5, 13, 14, 48)))
+for _stride in (1, 3):  # 3 does not divide the 4 kv heads: a last chunk of 1 takes the rest
+    _parity(f"allgather_stride{_stride}/zigzag-causal-gqa", Parity(hq=8, hkv=4, backend=f"allgather_stride{_stride}"))
+_parity("auto/zigzag-causal-gqa", Parity(backend="auto"))
+_parity("ulysses/zigzag-causal-dp2-sp2", Parity(hkv=1, sp_size=2), (4,))
+_parity("ulysses/mislabelled-layout", Parity(hkv=1, claim_layout="contiguous"), (2, 3, 4))
+
+
+def _topo_for(env: Env, cfg: Parity, layout_: str):
+    """Hybrid runs 2-D where it can (2 x 2 on 4 ranks); the other backends ignore the split."""
+    sp = cfg.sp_size or env.world
+    return env.topo(cfg.sp_size, layout_, 2 if sp % 2 == 0 else 1)
 
 
 def parity(env: Env, name: str, cfg: Parity) -> dict:
-    topo = env.topo(cfg.sp_size, cfg.layout)
+    topo = _topo_for(env, cfg, cfg.layout)
     gen = generator(name, topo.dp_rank)  # each DP group gets its own data
     shape_q = (cfg.batch, cfg.seq, cfg.hq, cfg.head_dim)
     shape_kv = (cfg.batch, cfg.seq, cfg.hkv, cfg.head_dim)
@@ -140,32 +170,41 @@ def parity(env: Env, name: str, cfg: Parity) -> dict:
 
     with torch.no_grad():
         result = {"out": max_err(usp.gather_sequence(out, topo).double(), ref), "out_dtype": str(out.dtype)}
+        result["out_scale"] = ref.abs().max().item()
         for n, shard in shards.items():
             got = shard.grad
             result[f"d{n}"] = None if got is None else max_err(usp.gather_sequence(got, topo).double(), leaves[n].grad)
             result[f"d{n}_is_none"] = got is None
             result[f"d{n}_dtype"] = None if got is None else str(got.dtype)
-    result["chosen"] = [type(b).__name__ for b in attn._chosen.values()]
+            result[f"d{n}_scale"] = None if got is None else leaves[n].grad.abs().max().item()
+    result["chosen"] = [b.name for b in attn._chosen.values()]
+    if cfg.backend == "auto":
+        _, considered = choose_backend(usp.attention.make_spec(*shards.values(), topo), topo)
+        result["considered"] = {n: e.seconds if isinstance(e, Estimate) else e for n, e in considered.items()}
     return result
 
 
 for _name, _cfg in PARITY.items():
-    case(f"parity/{_name}", PARITY_WORLDS.get(_name, (1, 2, 4)))(lambda env, n=_name, c=_cfg: parity(env, n, c))
+    case(f"parity/{_name}", PARITY_WORLDS[_name])(lambda env, n=_name, c=_cfg: parity(env, n, c))
 
 
 # --------------------------------------------------------------------------- bytes
 
-BYTES = {"mha": (4, 4, "qkv"), "gqa": (8, 2, "qkv"), "mqa": (4, 1, "qkv"), "gqa-frozen-kv": (8, 2, "q"), "gqa-frozen-q": (8, 2, "kv")}
+BYTES = {  # name: (q heads, kv heads, inputs that need a gradient)
+    "mha": (12, 12, "qkv"), "gqa": (12, 4, "qkv"), "mqa": (12, 1, "qkv"), "mqa-frozen-kv": (12, 1, "q"), "mqa-frozen-q": (12, 1, "kv"),
+}
+BYTES_SHAPE = (2, 48, 8)  # batch, global tokens, head dim; float32
 
 
-def ulysses_bytes(env: Env, hq: int, hkv: int, grads: str) -> dict:
-    topo = env.topo()
-    b, s, d = 2, 32, 8
+def backend_bytes(env: Env, backend: str, hq: int, hkv: int, grads: str) -> dict:
+    b, s, d = BYTES_SHAPE
+    topo = _topo_for(env, Parity(), "zigzag")
+    if usp.get_backend(backend).check(usp.attention.make_spec(*(torch.empty(b, s // env.world, h, d) for h in (hq, hkv, hkv)), topo), topo):
+        return None
     gen = generator("bytes")
-    q = torch.randn(b, s, hq, d, generator=gen).requires_grad_("q" in grads)
-    k, v = (torch.randn(b, s, hkv, d, generator=gen).requires_grad_(n in grads) for n in "kv")
-    shards = [usp.shard_sequence(t.detach(), topo).requires_grad_(t.requires_grad) for t in (q, k, v)]
-    attn = usp.SequenceParallelAttention(topo, backend="ulysses")
+    full = [torch.randn(b, s, h, d, generator=gen) for h in (hq, hkv, hkv)]
+    shards = [usp.shard_sequence(t, topo).requires_grad_(n in grads) for n, t in zip("qkv", full)]
+    attn = usp.SequenceParallelAttention(topo, backend=backend)
     attn(*shards)  # first call: the one-off cross-rank shape handshake
     with usp.CommCounter() as fwd:
         out = attn(*shards)
@@ -175,13 +214,53 @@ def ulysses_bytes(env: Env, hq: int, hkv: int, grads: str) -> dict:
     return {
         "fwd": (fwd.bytes_sent, fwd.bytes_recv, {o: dataclasses.astuple(c) for o, c in fwd.by_op.items()}),
         "bwd": (bwd.bytes_sent, bwd.bytes_recv, {o: dataclasses.astuple(c) for o, c in bwd.by_op.items()}),
-        "estimate": usp.get_backend("ulysses").estimate(spec, topo, usp.spec.DEFAULT_PROFILE).comm_bytes,
-        "hkv_sent": kv_heads_sent(hkv, topo.sp_size),
+        "estimate": usp.get_backend(backend).estimate(spec, topo, usp.spec.DEFAULT_PROFILE).comm_bytes,
+        "degrees": (topo.ulysses_degree, topo.ring_degree),
     }
 
 
-for _name, _args in BYTES.items():
-    case(f"bytes/{_name}")(lambda env, a=_args: ulysses_bytes(env, *a))
+for _backend in BACKENDS:
+    for _name, _args in BYTES.items():
+        case(f"bytes/{_backend}/{_name}", WORLDS)(lambda env, be=_backend, a=_args: backend_bytes(env, be, *a))
+
+
+@case("agree/all-backends", (2, 3, 4))
+def all_backends_agree(env: Env) -> dict:
+    """Every backend on the same shards: the same out and gradients."""
+    topo = _topo_for(env, Parity(), "zigzag")
+    hkv = 3 if env.world == 3 else 4
+    gen = generator("agree")
+    full = [torch.randn(2, 48, h, 8, generator=gen, dtype=torch.float64) for h in (12, hkv, hkv)]
+    dout = usp.shard_sequence(torch.randn(2, 48, 12, 8, generator=gen, dtype=torch.float64), topo)
+    results = {}
+    for backend in BACKENDS:
+        shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full]
+        out = usp.sp_attention(*shards, topo, backend=backend)
+        (out * dout).sum().backward()
+        results[backend] = [out.detach()] + [t.grad for t in shards]
+    ref = results["ulysses"]
+    return {be: max(max_err(a, b) for a, b in zip(got, ref)) for be, got in results.items()}
+
+
+@case("numerics/bf16", (1, 2, 4))
+def bf16_error(env: Env) -> dict:
+    """bf16 error against fp64 attention of the same (bf16-rounded) inputs, per backend."""
+    topo = _topo_for(env, Parity(), "zigzag")
+    gen = generator("bf16")
+    full = [torch.randn(2, 48, h, 16, generator=gen).bfloat16().double() for h in (12, 4, 4)]
+    dout = torch.randn(2, 48, 12, 16, generator=gen).bfloat16().double()
+    leaves = [t.clone().requires_grad_() for t in full]
+    reference_attention(*leaves).backward(dout)
+    errors = {}
+    for backend in BACKENDS:
+        shards = [usp.shard_sequence(t, topo).bfloat16().requires_grad_() for t in full]
+        out = usp.sp_attention(*shards, topo, backend=backend)
+        (out * usp.shard_sequence(dout, topo).bfloat16()).sum().backward()
+        with torch.no_grad():
+            got = [out] + [t.grad for t in shards]
+            want = [reference_attention(*full)] + [t.grad for t in leaves]
+            errors[backend] = [max_err(usp.gather_sequence(g, topo).double(), w) for g, w in zip(got, want)]
+    return errors
 
 
 # --------------------------------------------------------------------------- comm primitives
@@ -242,7 +321,7 @@ def comm_gather_scatter(env: Env) -> dict:
     }
 
 
-@case("comm/ring_send_recv", worlds=(2, 4))
+@case("comm/ring_send_recv", worlds=(2, 3, 4))
 def comm_ring(env: Env) -> dict:
     topo, p, r = env.topo(), env.world, env.rank
     xs = [_rank_tensor("ring", r, (3, 4)), _rank_tensor("ring2", r, (5,))]
@@ -350,7 +429,7 @@ def _bad_attention(env: Env) -> dict:
     topo, p, r = env.topo(), env.world, env.rank
     s = 4  # local tokens
 
-    def t(b=2, seq=s, h=4, d=8, dtype=torch.float32):
+    def t(b=2, seq=s, h=12, d=8, dtype=torch.float32):
         return torch.randn(b, seq, h, d, dtype=dtype)
 
     attn = usp.SequenceParallelAttention(topo, backend="ulysses")
@@ -376,7 +455,8 @@ def _bad_attention(env: Env) -> dict:
     if p > 1:
         # ulysses forced where check() says no: q heads not divisible by P, kv heads neither
         cases["ulysses q heads not divisible"] = lambda: attn(t(h=p + 1), t(h=1), t(h=1))
-        cases["ulysses kv heads incompatible"] = lambda: attn(t(h=3 * p), t(h=3), t(h=3))
+        kv = 2 if p == 3 else 3  # neither divides the other
+        cases["ulysses kv heads incompatible"] = lambda: attn(t(h=6 * p), t(h=kv), t(h=kv))
         # A shard length that differs between ranks: detected by the handshake, not a hang.
         # With the default shape_check="once" for shapes no rank has seen (batch 5 here)...
         cases["shard length differs per rank"] = lambda: attn(t(b=5, seq=s + 2 * r), t(b=5, seq=s + 2 * r), t(b=5, seq=s + 2 * r))

@@ -1,9 +1,9 @@
 import pytest
 
-from .cases import run_cases
+from .cases import WORLDS, run_cases
 from .distributed import run_ranks
 
-WORLDS = (1, 2, 4)
+__all__ = ["WORLDS", "values"]
 
 
 @pytest.fixture(scope="session")

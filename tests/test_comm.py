@@ -1,42 +1,75 @@
-"""Communication: the collectives of comm.py and the exact bytes Ulysses moves.
+"""Communication: the collectives of comm.py and the exact bytes every backend moves.
 
-Ulysses forward (DESIGN.md): all-to-all of q, k, v and out,
-B * N/P * (2*Hq + 2*Hkv') * D * (P-1)/P * b bytes sent per rank, Hkv' = Hkv if
-P divides it, else P. Its backward moves dout (Hq), then dq (Hq) and dk, dv
-(2*Hkv') for the inputs that need a gradient, so with every input trainable
-it equals the forward.
+Per rank, forward, with per = B * N/P * D * b (one head of the local shard):
+
+- ulysses: all-to-all of q, k, v and out, per * (2*Hq + 2*Hkv') * (P-1)/P, where
+  Hkv' = Hkv if P divides it, else P (each KV head replicated P/Hkv times).
+- allgather: all-gather of k and v, 2 * per * Hkv * (P-1).
+- ring: P-1 hops of k and v, 2 * per * Hkv * (P-1).
+- hybrid (U x R): the ulysses volume over U plus the ring volume over R hops of
+  the U-times-longer, U-times-fewer-headed K/V: 2 * per * Hkv' * (R-1).
+
+Backward: ulysses sends dout (Hq) and the gradients of the inputs that need
+one (Hq; 2*Hkv'), so with all trainable it equals the forward. allgather
+re-gathers K/V and reduce-scatters dK, dV (per * Hkv * (P-1) each). ring passes
+K/V again (P-1 hops) and the dK/dV accumulators P hops (they return to their
+owner); accumulators are fp32, here the same width as the float32 inputs.
 """
 
 import pytest
 
-from .cases import BYTES
+from .cases import BACKENDS, BYTES, BYTES_SHAPE
 from .conftest import WORLDS, values
 
-B, N, D, ELT = 2, 32, 8, 4  # shape and float32 of the byte cases in tests/cases.py
-
+B, N, D = BYTES_SHAPE
+ELT = 4  # float32
 MULTI = [w for w in WORLDS if w > 1]
 
 
-def ulysses_formula(world, heads):
-    return B * N // world * heads * D * (world - 1) // world * ELT
+def expected_bytes(backend, world, hq, hkv, grads):
+    """(forward, backward) bytes sent per rank, or None where the backend refuses the shape."""
+    per = B * N // world * D * ELT
+    need_q, need_kv = "q" in grads, "k" in grads
+
+    def a2a(p, hkv_sent):
+        fwd = per * (2 * hq + 2 * hkv_sent) * (p - 1) // p
+        bwd = per * (hq + hq * need_q + 2 * hkv_sent * need_kv) * (p - 1) // p
+        return fwd, bwd
+
+    def ring(r, heads):
+        fwd = 2 * per * heads * (r - 1)
+        return fwd, fwd + (2 * per * heads * r if need_kv and r > 1 else 0)
+
+    if backend == "ulysses":
+        if hkv % world and world % hkv:
+            return None
+        return a2a(world, hkv if hkv % world == 0 else world)
+    if backend == "allgather":
+        fwd = 2 * per * hkv * (world - 1)
+        return fwd, fwd + 2 * per * hkv * (world - 1) * need_kv
+    if backend == "ring":
+        return ring(world, hkv)
+    u = 2 if world % 2 == 0 else 1
+    hkv_sent = hkv if hkv % u == 0 else u
+    (a_fwd, a_bwd), (r_fwd, r_bwd) = a2a(u, hkv_sent), ring(world // u, hkv_sent)
+    return a_fwd + r_fwd, a_bwd + r_bwd
 
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", list(BYTES))
-def test_ulysses_bytes_match_formula(ranks, world, name):
-    hq, hkv, grads = BYTES[name]
-    for r in values(ranks(world), f"bytes/{name}"):
-        hkv_sent = r["hkv_sent"]
-        assert hkv_sent == (hkv if hkv % world == 0 else world)
-        fwd = ulysses_formula(world, 2 * hq + 2 * hkv_sent)
-        bwd = ulysses_formula(world, hq + hq * ("q" in grads) + 2 * hkv_sent * ("k" in grads))
-        sent, recv, by_op = r["fwd"]
-        assert (sent, recv) == (fwd, fwd)
-        assert r["estimate"] == fwd
-        sent, recv, _ = r["bwd"]
-        assert (sent, recv) == (bwd, bwd)
-        if world > 1:  # one fused all-to-all in, one out: q, k, v never travel separately
-            assert set(by_op) == {"all_to_all"} and by_op["all_to_all"][2] == 2
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_bytes_match_formula(ranks, world, name, backend):
+    expected = expected_bytes(backend, world, *BYTES[name])
+    for r in values(ranks(world), f"bytes/{backend}/{name}"):
+        if expected is None:
+            assert r is None, "check() should refuse this shape"
+            continue
+        fwd, bwd = expected
+        assert r["fwd"][:2] == (fwd, fwd), f"forward sent/received, formula {fwd}"
+        assert r["estimate"] == fwd, "estimate() must predict the forward bytes"
+        assert r["bwd"][:2] == (bwd, bwd), f"backward sent/received, formula {bwd}"
+        if backend == "ulysses" and world > 1:  # one fused all-to-all in, one out
+            assert r["fwd"][2] == {"all_to_all": (fwd, fwd, 2)}
 
 
 @pytest.mark.parametrize("world", WORLDS)

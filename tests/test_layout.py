@@ -36,3 +36,26 @@ def test_pad_to_multiple():
     assert pad_to_multiple(torch.zeros(6, 2), 4, dim=0).shape == (8, 2)
     with pytest.raises(ValueError):
         pad_to_multiple(labels, 0)
+
+
+def _work(runs):
+    """Kernel work in chunk-pairs: a full run of n chunks is n, a causal diagonal half."""
+    return sum(0.5 if diagonal else j1 - j0 for _, j0, j1, diagonal in runs)
+
+
+def test_block_runs_skip_hidden_chunks_and_merge_visible_ones():
+    # query chunk 2 against keys 0..3: one run of the two earlier chunks, the diagonal, nothing after
+    assert layout.block_runs([2], [0, 1, 2, 3], causal=True) == [(0, 0, 2, False), (0, 2, 3, True)]
+    assert layout.block_runs([0], [1, 2], causal=True) == []
+    assert layout.block_runs([0, 3], [1, 2], causal=False) == [(0, 0, 2, False), (1, 0, 2, False)]
+
+
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_zigzag_ring_steps_have_equal_work(p):
+    """Under zigzag, every rank does the same causal work at every ring step; contiguous does not."""
+    for lay, balanced in (("zigzag", True), ("contiguous", False)):
+        table = layout.chunk_table(lay, p)
+        per_step = [
+            {_work(layout.block_runs(table[r], table[(r - s) % p], causal=True)) for r in range(p)} for s in range(1, p)
+        ]
+        assert all(len(w) == 1 for w in per_step) == balanced, (lay, per_step)

@@ -30,6 +30,8 @@ __all__ = [
     "reduce_scatter",
     "ring_send_recv",
     "all_gather_ints",
+    "all_gather_start",
+    "reduce_scatter_sum",
     "group_size",
 ]
 
@@ -134,9 +136,9 @@ def _reduce_scatter_raw(x: torch.Tensor, group, dim: int) -> torch.Tensor:
 
 
 def _natural_order_index(table: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """For each global chunk n (in order): which rank holds it and at which local slot."""
+    """For each chunk the group holds, in increasing chunk id: which rank holds it and at which local slot."""
     where = {n: (r, i) for r, chunks in enumerate(table) for i, n in enumerate(chunks)}
-    src, slot = zip(*(where[n] for n in range(len(where))))
+    src, slot = zip(*(where[n] for n in sorted(where)))
     return torch.tensor(src), torch.tensor(slot)
 
 
@@ -156,8 +158,8 @@ def _fused_all_to_all(tensors, group, pack, unpack):
 
 
 def _seq_to_heads_raw(tensors, group, table):
-    """[B, S/P, H, D] sequence shards -> [B, S, H/P, D] head shards, global order.
-    Wire block for one destination: [B, S/P, H/P, D]."""
+    """[B, S/P, H, D] sequence shards -> [B, S, H/P, D] head shards, the group's
+    chunks in increasing id. Wire block for one destination: [B, S/P, H/P, D]."""
     p, k = group_size(group), len(table[0])
     src, slot = _natural_order_index(table)
 
@@ -174,9 +176,11 @@ def _seq_to_heads_raw(tensors, group, table):
 
 
 def _heads_to_seq_raw(tensors, group, table):
-    """[B, S, H/P, D] head shards in global order -> [B, S/P, H, D] sequence shards.
+    """[B, S, H/P, D] head shards (chunks in increasing id) -> [B, S/P, H, D] sequence shards.
     Wire block for one destination: [k, B, c, H/P, D] (its k chunks of c tokens)."""
     p, k = group_size(group), len(table[0])
+
+    position = {n: i for i, n in enumerate(sorted(n for chunks in table for n in chunks))}
 
     def pack(t, rows):
         b, s_full, h, d = t.shape
@@ -184,7 +188,7 @@ def _heads_to_seq_raw(tensors, group, table):
         chunks, blocks = t.unflatten(1, (k * p, c)), rows.view(p, k, b, c, h, d)
         for dest, mine in enumerate(table):
             for i, chunk in enumerate(mine):
-                blocks[dest, i].copy_(chunks[:, chunk])
+                blocks[dest, i].copy_(chunks[:, position[chunk]])
 
     def unpack(t, rows):
         b, s_full, h, d = t.shape
@@ -209,7 +213,10 @@ class _SeqHeadsAllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, to_heads, group, table, *tensors):
         ctx.to_heads, ctx.group, ctx.table = to_heads, group, table
-        return tuple((_seq_to_heads_raw if to_heads else _heads_to_seq_raw)(tensors, group, table))
+        outs = tuple((_seq_to_heads_raw if to_heads else _heads_to_seq_raw)(tensors, group, table))
+        # An output of a frozen input stays frozen, so nothing downstream computes or sends its gradient.
+        ctx.mark_non_differentiable(*(o for o, need in zip(outs, ctx.needs_input_grad[3:]) if not need))
+        return outs
 
     @staticmethod
     def backward(ctx, *grads):
@@ -228,9 +235,11 @@ def _check_fusable(tensors, p: int, dim: int, what: str) -> None:
 def seq_to_heads(tensors, group, table) -> list[torch.Tensor]:
     """Sequence-sharded ``[B, S/P, H, D]`` tensors to head-sharded ``[B, S, H/P, D]``.
 
-    One fused all-to-all for all tensors. ``table`` is the layout's chunk table:
-    rank r holds the global chunks ``table[r]``; the result is in global token
-    order. Rank j receives heads ``[j*H/P, (j+1)*H/P)``. Differentiable.
+    One fused all-to-all for all tensors. ``table[r]`` lists the global chunk
+    ids group rank r holds (the layout's chunk table, or the rows of it that
+    belong to a sub-group); the result holds those chunks in increasing id,
+    i.e. global token order. Rank j receives heads ``[j*H/P, (j+1)*H/P)``.
+    Differentiable.
     """
     p = group_size(group)
     if p == 1:
@@ -319,18 +328,40 @@ def all_gather_ints(values, group, device) -> list[tuple[int, ...]]:
     return [tuple(r) for r in rows.view(group_size(group), -1).tolist()]
 
 
-def ring_send_recv(tensors, group, *, send_to: int, recv_from: int):
+def all_gather_start(x: torch.Tensor, group, dim: int):
+    """Post an all-gather of ``x`` along ``dim`` (rank order); returns ``wait() -> tensor``.
+    Not differentiable: for backends that prefetch inside their own autograd Function."""
+    p = group_size(group)
+    out = x.new_empty((p,) + tuple(x.shape))
+    work = _all_gather_flat(out.view(-1), x.contiguous().view(-1), group=group, async_op=True)
+    _record("all_gather", (p - 1) * _nbytes(x), (p - 1) * _nbytes(x))
+
+    def wait() -> torch.Tensor:
+        work.wait()
+        return out.movedim(0, dim).flatten(dim, dim + 1)
+
+    return wait
+
+
+def reduce_scatter_sum(x: torch.Tensor, group, dim: int) -> torch.Tensor:
+    """Not-differentiable reduce-scatter (sum) along ``dim``, for backends' own backward passes."""
+    return _reduce_scatter_raw(x, group, dim)
+
+
+def ring_send_recv(tensors, group, *, send_to: int, recv_from: int, tag: int = 0):
     """Post sends of ``tensors`` to group rank ``send_to`` and receives of same-shaped
     buffers from ``recv_from`` in one ``batch_isend_irecv``.
 
     Returns ``(received, wait)``: call ``wait()`` before reading ``received``.
+    Exchanges in flight at the same time between the same ranks need distinct
+    ``tag``s (gloo matches by tag).
     Not differentiable: ring backends call it inside their own autograd Function.
     """
     received = [torch.empty_like(t) for t in tensors]
     to_rank = dist.get_global_rank(group, send_to)
     from_rank = dist.get_global_rank(group, recv_from)
-    ops = [dist.P2POp(dist.isend, t.contiguous(), to_rank, group) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, r, from_rank, group) for r in received]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), to_rank, group, tag) for t in tensors]
+    ops += [dist.P2POp(dist.irecv, r, from_rank, group, tag) for r in received]
     works = dist.batch_isend_irecv(ops)
     moved = sum(_nbytes(t) for t in tensors)
     _record("send_recv", moved, moved)

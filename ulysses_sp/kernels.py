@@ -28,6 +28,9 @@ __all__ = [
     "attention_with_lse",
     "attention_with_lse_backward",
     "merge_partials",
+    "blocks_forward",
+    "blocks_backward",
+    "accumulator_dtype",
     "flash_attn_available",
 ]
 
@@ -152,7 +155,7 @@ def merge_partials(out, lse, block_out, block_lse):
     the accumulators; cast the final ``out`` back to the input dtype once.
     A row with ``lse = -inf`` (no visible key) contributes nothing.
     """
-    acc = torch.float64 if block_out.dtype == torch.float64 else torch.float32
+    acc = accumulator_dtype(block_out.dtype)
     block_out, block_lse = block_out.to(acc), block_lse.to(acc)
     if out is None:
         return block_out, block_lse
@@ -161,3 +164,31 @@ def merge_partials(out, lse, block_out, block_lse):
     w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
     w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
     return out * w_old + block_out * w_new, new_lse
+
+
+def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Partial results are kept in fp32, or fp64 for fp64 inputs."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def blocks_forward(q, k, v, runs, chunk: int, scale: float, out_acc, lse_acc) -> None:
+    """Attend the query chunks of ``q`` to the key runs of ``k``/``v`` (see
+    ``layout.block_runs``; ``chunk`` tokens per chunk) and merge the results
+    into ``out_acc`` ``[B, Sq, H, D]`` / ``lse_acc`` ``[B, H, Sq]`` in place."""
+    for i, j0, j1, diagonal in runs:
+        qs, ks = slice(i * chunk, (i + 1) * chunk), slice(j0 * chunk, j1 * chunk)
+        o, lse = attention_with_lse(q[:, qs], k[:, ks], v[:, ks], causal=diagonal, scale=scale)
+        out_acc[:, qs], lse_acc[..., qs] = merge_partials(out_acc[:, qs], lse_acc[..., qs], o, lse)
+
+
+def blocks_backward(dout, q, k, v, out, lse, runs, chunk: int, scale: float, dq_acc, dk_acc, dv_acc) -> None:
+    """Gradients of :func:`blocks_forward` given the final ``out``/``lse`` of every
+    query row, added in place to ``dq_acc``, ``dk_acc``, ``dv_acc``."""
+    for i, j0, j1, diagonal in runs:
+        qs, ks = slice(i * chunk, (i + 1) * chunk), slice(j0 * chunk, j1 * chunk)
+        dq, dk, dv = attention_with_lse_backward(
+            dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[..., qs].contiguous(), causal=diagonal, scale=scale
+        )
+        dq_acc[:, qs] += dq
+        dk_acc[:, ks] += dk
+        dv_acc[:, ks] += dv

@@ -10,6 +10,9 @@ from typing import Protocol, runtime_checkable
 
 import torch
 
+from ulysses_sp.backends.allgather import AllGatherBackend
+from ulysses_sp.backends.hybrid import HybridBackend
+from ulysses_sp.backends.ring import RingBackend
 from ulysses_sp.backends.ulysses import UlyssesBackend
 from ulysses_sp.spec import DEFAULT_PROFILE, AttnSpec, Estimate, Profile
 
@@ -72,4 +75,5 @@ def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tupl
     return _BACKENDS[best], considered
 
 
-register_backend(UlyssesBackend())
+for _builtin in (UlyssesBackend(), AllGatherBackend(), RingBackend(), HybridBackend()):
+    register_backend(_builtin)

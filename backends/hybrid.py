@@ -1,0 +1,66 @@
+"""Hybrid (USP / 2-D): Ulysses all-to-all inside each Ulysses sub-group, ring across them.
+
+The topology splits the SP group into ``ulysses_degree x ring_degree``: the
+all-to-all turns the sequence shards of one Ulysses group into head shards of
+that group's tokens, the ring passes K/V between Ulysses groups, and a second
+all-to-all brings the output back. Heads need only divide by the Ulysses
+degree, so it runs where P exceeds the head count. A degree of 1 on either
+side reduces to the pure backend. Composed from ``comm`` and ``ring_pass``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ulysses_sp import comm, layout
+from ulysses_sp.kernels import accumulator_dtype
+from ulysses_sp.ring_pass import ring_attention
+from ulysses_sp.spec import AttnSpec, Estimate, Profile
+
+__all__ = ["HybridBackend"]
+
+
+def _group_chunks(spec: AttnSpec, topo) -> tuple[list[list[int]], list[list[int]]]:
+    """(chunk tables of this rank's Ulysses group, sorted chunks of every ring rank's Ulysses group)."""
+    table = layout.chunk_table(spec.layout, topo.sp_size)
+    u = topo.ulysses_degree
+    groups = [table[j * u : (j + 1) * u] for j in range(topo.ring_degree)]
+    return groups[topo.ring_rank], [sorted(c for rank in g for c in rank) for g in groups]
+
+
+class HybridBackend:
+    name = "hybrid"
+
+    def check(self, spec: AttnSpec, topo) -> str | None:
+        u = topo.ulysses_degree
+        if spec.cu_seqlens is not None:
+            return "hybrid: packed sequences (cu_seqlens) are not supported yet; use ulysses"
+        if spec.q_heads % u:
+            return f"hybrid: q heads ({spec.q_heads}) must divide by the Ulysses degree ({u}); pick ulysses_degree in init_sequence_parallel"
+        if spec.kv_heads % u and u % spec.kv_heads:
+            return f"hybrid: kv heads ({spec.kv_heads}) and the Ulysses degree ({u}) must divide one another"
+        return None
+
+    def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
+        u, r = topo.ulysses_degree, topo.ring_degree
+        hkv = spec.kv_heads if spec.kv_heads % u == 0 else u
+        per_head = spec.batch * spec.local_seq_len * spec.head_dim * spec.element_size
+        a2a = per_head * (2 * spec.q_heads + 2 * hkv) * (u - 1) // u
+        ring = 2 * per_head * hkv * (r - 1)  # K/V of u ranks' tokens, hkv/u heads, per hop
+        acc = torch.empty((), dtype=accumulator_dtype(spec.dtype)).element_size() / spec.element_size
+        peak = int(per_head * (spec.q_heads * (3 + acc) + 2 * spec.kv_heads + 6 * hkv))
+        flops = 4 * spec.batch * spec.seq_len**2 * spec.head_dim * spec.q_heads / topo.sp_size / (2 if spec.causal else 1)
+        compute = flops / profile.attention_flops
+        ring_time = (r - 1) * profile.collective_latency + ring / profile.all_to_all_bandwidth
+        seconds = 2 * profile.collective_latency + a2a / profile.all_to_all_bandwidth + max(compute, ring_time)
+        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=a2a + ring)
+
+    def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
+        u = topo.ulysses_degree
+        mine, ring_chunks = _group_chunks(spec, topo)
+        if spec.kv_heads % u:
+            k, v = (t.repeat_interleave(u // spec.kv_heads, dim=2) for t in (k, v))
+        q_h, k_h, v_h = comm.seq_to_heads([q, k, v], topo.ulysses_group, mine)
+        out_h = ring_attention(q_h, k_h, v_h, topo.ring_group, ring_chunks, causal=spec.causal, scale=spec.softmax_scale)
+        (out,) = comm.heads_to_seq([out_h], topo.ulysses_group, mine)
+        return out

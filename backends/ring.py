@@ -1,0 +1,42 @@
+"""Ring: K/V pass around the SP group, one hop per step, overlapped with compute.
+
+Queries stay put; P-1 hops of K and V; blocks a causal mask hides are skipped
+(under the zigzag layout every rank then does the same work at every step).
+Any head count works: nothing is split by heads. See ``ulysses_sp.ring_pass``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ulysses_sp import layout
+from ulysses_sp.kernels import accumulator_dtype
+from ulysses_sp.ring_pass import ring_attention
+from ulysses_sp.spec import AttnSpec, Estimate, Profile
+
+__all__ = ["RingBackend"]
+
+
+class RingBackend:
+    name = "ring"
+
+    def check(self, spec: AttnSpec, topo) -> str | None:
+        if spec.cu_seqlens is not None:
+            return "ring: packed sequences (cu_seqlens) are not supported yet; use ulysses"
+        return None
+
+    def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
+        p = topo.sp_size
+        kv_bytes = 2 * spec.batch * spec.local_seq_len * spec.kv_heads * spec.head_dim * spec.element_size
+        comm_bytes = kv_bytes * (p - 1)
+        q_bytes = spec.batch * spec.local_seq_len * spec.q_heads * spec.head_dim * spec.element_size
+        acc = torch.empty((), dtype=accumulator_dtype(spec.dtype)).element_size() / spec.element_size
+        peak = int(q_bytes * (2 + acc) + 3 * kv_bytes)  # q, out, fp32 accumulator; own, in-flight and next K/V
+        flops = 4 * spec.batch * spec.seq_len**2 * spec.head_dim * spec.q_heads / p / (2 if spec.causal else 1)
+        compute = flops / profile.attention_flops
+        transfer = (p - 1) * profile.collective_latency + comm_bytes / profile.all_to_all_bandwidth
+        return Estimate(seconds=max(compute, transfer), peak_bytes=peak, comm_bytes=comm_bytes)
+
+    def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
+        table = layout.chunk_table(spec.layout, topo.sp_size)
+        return ring_attention(q, k, v, topo.sp_group, table, causal=spec.causal, scale=spec.softmax_scale)
