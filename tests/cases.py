@@ -455,6 +455,7 @@ def _bad_attention(env: Env) -> dict:
     if p > 1:
         # ulysses forced where check() says no: q heads not divisible by P, kv heads neither
         cases["ulysses q heads not divisible"] = lambda: attn(t(h=p + 1), t(h=1), t(h=1))
+        cases["allgather heads_k_stride above kv heads"] = lambda: usp.sp_attention(t(), t(h=2), t(h=2), topo, backend="allgather_stride3")
         kv = 2 if p == 3 else 3  # neither divides the other
         cases["ulysses kv heads incompatible"] = lambda: attn(t(h=6 * p), t(h=kv), t(h=kv))
         # A shard length that differs between ranks: detected by the handshake, not a hang.

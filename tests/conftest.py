@@ -1,7 +1,8 @@
 import pytest
 
+from ulysses_sp.launch import run_ranks
+
 from .cases import WORLDS, run_cases
-from .distributed import run_ranks
 
 __all__ = ["WORLDS", "values"]
 

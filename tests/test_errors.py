@@ -19,17 +19,18 @@ EXPECTED = {
     "bad softmax_scale": "ValueError: softmax_scale must be a positive finite number",
     "cu_seqlens not ending at length": "ValueError: cu_seqlens must be the cumulative document lengths",
     "cu_seqlens not increasing": "ValueError: cu_seqlens must be the cumulative document lengths",
-    "unknown backend (module)": "ValueError: unknown SP backend 'ringg'; known: auto, ulysses",
-    "unknown backend (functional)": "ValueError: unknown SP backend 'ringg'; known: auto, ulysses",
+    "unknown backend (module)": "ValueError: unknown SP backend 'ringg'; known: auto, ulysses, allgather, ring, hybrid",
+    "unknown backend (functional)": "ValueError: unknown SP backend 'ringg'; known: auto, ulysses, allgather, ring, hybrid",
     "shard length not divisible": "pad_to_multiple",
     "ulysses q heads not divisible": "ValueError: ulysses: q heads",
     "ulysses kv heads incompatible": "ValueError: ulysses: kv heads",
+    "allgather heads_k_stride above kv heads": "ValueError: allgather: heads_k_stride (3) exceeds the kv heads (2)",
     "shard length differs per rank": "ValueError: the ranks of the SP group called attention with different local_seq_len",
     "cu_seqlens differ per rank": "ValueError: the ranks of the SP group called attention with different cu_seqlens",
     "requires_grad differs per rank": "ValueError: the ranks of the SP group called attention with different requires_grad",
     "seen shape differs per rank (always)": "ValueError: the ranks of the SP group called attention with different local_seq_len",
 }
-MULTI_ONLY = {k for k in EXPECTED if "per rank" in k or k.startswith("ulysses ")}
+MULTI_ONLY = {k for k in EXPECTED if "per rank" in k or k.startswith(("ulysses ", "allgather "))}
 
 
 @pytest.mark.parametrize("world", WORLDS)

@@ -1,8 +1,8 @@
 """Run a function on N gloo ranks (spawned CPU processes) with a deadline.
 
-A rank that raises makes the others stop at once and its traceback is reported;
-ranks still running at the deadline are killed and the call raises, so a hang
-fails a test instead of CI.
+Used by the tests and the benchmarks. A rank that raises makes the others stop
+at once and its traceback is reported; ranks still running at the deadline are
+killed and the call raises, so a hang fails a test instead of CI.
 """
 
 from __future__ import annotations
@@ -24,8 +24,8 @@ class RankFailure(AssertionError):
     pass
 
 
-def _rank_main(fn, rank: int, world_size: int, tmp: str, args, collective_timeout: float) -> None:
-    torch.set_num_threads(1)
+def _rank_main(fn, rank: int, world_size: int, tmp: str, args, collective_timeout: float, threads: int) -> None:
+    torch.set_num_threads(threads)
     try:
         dist.init_process_group(
             "gloo",
@@ -44,16 +44,17 @@ def _rank_main(fn, rank: int, world_size: int, tmp: str, args, collective_timeou
         os._exit(1)
 
 
-def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, collective_timeout: float = 60.0) -> list:
+def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, collective_timeout: float = 60.0, threads_per_rank: int = 1) -> list:
     """``[fn(rank, world_size, *args) for each rank]``, run on ``world_size`` spawned gloo ranks.
 
     ``fn`` must be importable (a module-level function) and return something
-    ``torch.save`` can store.
+    ``torch.save`` can store. Each rank gets ``threads_per_rank`` intra-op
+    threads (one by default: spawned ranks easily oversubscribe the cores).
     """
     ctx = mp.get_context("spawn")
     with tempfile.TemporaryDirectory(prefix="usp-ranks-") as tmp:
         procs = [
-            ctx.Process(target=_rank_main, args=(fn, r, world_size, tmp, args, collective_timeout), daemon=True)
+            ctx.Process(target=_rank_main, args=(fn, r, world_size, tmp, args, collective_timeout, threads_per_rank), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:
