@@ -80,6 +80,11 @@ def _one_process(cfg) -> float:
     return statistics.median(times[1:])
 
 
+def _slowest(per_rank, backend: str, key: str) -> list[float]:
+    """Per repeat, the slowest rank's time (the step takes as long as its slowest rank)."""
+    return [max(times) for times in zip(*(r[backend][key] for r in per_rank))]
+
+
 @click.command()
 @click.option("--nproc", default=2, show_default=True)
 @click.option("--backends", default="ulysses,allgather,ring,hybrid", show_default=True)
@@ -103,11 +108,10 @@ def main(json_path, backends, nproc, **cfg):
         if "skipped" in per_rank[0][backend]:
             rows[backend] = per_rank[0][backend]
             continue
-        slowest = lambda key: [max(r[backend][key][i] for r in per_rank) for i in range(cfg["repeat"])]  # noqa: E731
         rows[backend] = {
-            "fwd_s_median": statistics.median(slowest("fwd_s")),
-            "fwd_bwd_s_median": statistics.median(slowest("fwd_bwd_s")),
-            "fwd_bwd_s_all": slowest("fwd_bwd_s"),
+            "fwd_s_median": statistics.median(_slowest(per_rank, backend, "fwd_s")),
+            "fwd_bwd_s_median": statistics.median(_slowest(per_rank, backend, "fwd_bwd_s")),
+            "fwd_bwd_s_all": _slowest(per_rank, backend, "fwd_bwd_s"),
             **{k: per_rank[0][backend][k] for k in ("fwd_bytes_sent", "bwd_bytes_sent", "estimated_fwd_bytes")},
         }
     click.echo(f"one process, whole sequence, fwd+bwd: {one:.3f} s")
