@@ -41,12 +41,12 @@ def _token_orders(table: list[list[int]], chunk: int):
     return expand(to_global), expand(to_gathered)
 
 
-def _plan(q, table, group, causal):
-    """(tokens per chunk, gathered->global token index, global->gathered, block runs)."""
+def _plan(q, table, group, causal, cu_seqlens):
+    """(gathered->global token index, global->gathered, the kernel calls of every head chunk)."""
     r = dist.get_rank(group)
     c = q.shape[1] // len(table[r])
     to_global, to_gathered = (t.to(q.device) for t in _token_orders(table, c))
-    return c, to_global, to_gathered, layout.block_runs(table[r], range(sum(map(len, table))), causal)
+    return to_global, to_gathered, layout.block_segments(table[r], range(sum(map(len, table))), c, causal, cu_seqlens)
 
 
 def _gathered_head_chunks(k, v, group, stride: int, to_global):
@@ -68,26 +68,26 @@ def _gather(k, v, heads: tuple[int, int], group):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, table, causal, scale, stride):
-        c, to_global, _, runs = _plan(q, table, group, causal)
+    def forward(ctx, q, k, v, group, table, causal, scale, stride, cu_seqlens):
+        to_global, _, segments = _plan(q, table, group, causal, cu_seqlens)
         groups = q.shape[2] // k.shape[2]
         acc = kernels.accumulator_dtype(q.dtype)
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
         for h0, h1, k_full, v_full in _gathered_head_chunks(k, v, group, stride, to_global):
             qh = slice(h0 * groups, h1 * groups)
-            kernels.blocks_forward(q[:, :, qh], k_full, v_full, runs, c, scale, out_acc[:, :, qh], lse_acc[:, qh])
+            kernels.blocks_forward(q[:, :, qh], k_full, v_full, segments, scale, out_acc[:, :, qh], lse_acc[:, qh])
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
-        ctx.args = (group, table, causal, scale, stride)
+        ctx.args = (group, table, causal, scale, stride, cu_seqlens)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, table, causal, scale, stride = ctx.args
+        group, table, causal, scale, stride, cu_seqlens = ctx.args
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        c, to_global, to_gathered, runs = _plan(q, table, group, causal)
+        to_global, to_gathered, segments = _plan(q, table, group, causal, cu_seqlens)
         groups = q.shape[2] // k.shape[2]
         acc = kernels.accumulator_dtype(q.dtype)
         dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -98,13 +98,13 @@ class _AllGatherAttention(torch.autograd.Function):
             dk_full = torch.zeros(k_full.shape, dtype=acc, device=k.device)
             dv_full = torch.zeros(v_full.shape, dtype=acc, device=v.device)
             kernels.blocks_backward(
-                dout[:, :, qh], q[:, :, qh], k_full, v_full, out[:, :, qh], lse[:, qh], runs, c, scale,
+                dout[:, :, qh], q[:, :, qh], k_full, v_full, out[:, :, qh], lse[:, qh], segments, scale,
                 dq_acc[:, :, qh], dk_full, dv_full,
             )
             for grad_full, dest in ((dk_full, dk), (dv_full, dv)):
                 if dest is not None:  # back to rank-major order; each rank keeps the sum for its own tokens
                     dest[:, :, h0:h1] = comm.reduce_scatter_sum(grad_full.index_select(1, to_gathered), group, dim=1)
-        return (dq_acc.to(q.dtype) if need_q else None), dk, dv, None, None, None, None, None
+        return (dq_acc.to(q.dtype) if need_q else None), dk, dv, None, None, None, None, None, None
 
 
 class AllGatherBackend:
@@ -123,8 +123,6 @@ class AllGatherBackend:
         return max(1, min(spec.kv_heads, self.max_gather_bytes // per_head))
 
     def check(self, spec: AttnSpec, topo) -> str | None:
-        if spec.cu_seqlens is not None:
-            return "allgather: packed sequences (cu_seqlens) are not supported yet; use ulysses"
         if self.heads_k_stride is not None and self.heads_k_stride > spec.kv_heads:
             return f"allgather: heads_k_stride ({self.heads_k_stride}) exceeds the kv heads ({spec.kv_heads})"
         return None
@@ -143,4 +141,6 @@ class AllGatherBackend:
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         table = layout.chunk_table(spec.layout, topo.sp_size)
-        return _AllGatherAttention.apply(q, k, v, topo.sp_group, table, spec.causal, spec.softmax_scale, self.stride(spec))
+        return _AllGatherAttention.apply(
+            q, k, v, topo.sp_group, table, spec.causal, spec.softmax_scale, self.stride(spec), spec.cu_seqlens
+        )

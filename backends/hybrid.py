@@ -33,8 +33,6 @@ class HybridBackend:
 
     def check(self, spec: AttnSpec, topo) -> str | None:
         u = topo.ulysses_degree
-        if spec.cu_seqlens is not None:
-            return "hybrid: packed sequences (cu_seqlens) are not supported yet; use ulysses"
         if spec.q_heads % u:
             return f"hybrid: q heads ({spec.q_heads}) must divide by the Ulysses degree ({u}); pick ulysses_degree in init_sequence_parallel"
         if spec.kv_heads % u and u % spec.kv_heads:
@@ -61,6 +59,8 @@ class HybridBackend:
         if spec.kv_heads % u:
             k, v = (t.repeat_interleave(u // spec.kv_heads, dim=2) for t in (k, v))
         q_h, k_h, v_h = comm.seq_to_heads([q, k, v], topo.ulysses_group, mine)
-        out_h = ring_attention(q_h, k_h, v_h, topo.ring_group, ring_chunks, causal=spec.causal, scale=spec.softmax_scale)
+        out_h = ring_attention(
+            q_h, k_h, v_h, topo.ring_group, ring_chunks, causal=spec.causal, scale=spec.softmax_scale, cu_seqlens=spec.cu_seqlens
+        )
         (out,) = comm.heads_to_seq([out_h], topo.ulysses_group, mine)
         return out

@@ -21,8 +21,6 @@ class RingBackend:
     name = "ring"
 
     def check(self, spec: AttnSpec, topo) -> str | None:
-        if spec.cu_seqlens is not None:
-            return "ring: packed sequences (cu_seqlens) are not supported yet; use ulysses"
         return None
 
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
@@ -39,4 +37,4 @@ class RingBackend:
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         table = layout.chunk_table(spec.layout, topo.sp_size)
-        return ring_attention(q, k, v, topo.sp_group, table, causal=spec.causal, scale=spec.softmax_scale)
+        return ring_attention(q, k, v, topo.sp_group, table, causal=spec.causal, scale=spec.softmax_scale, cu_seqlens=spec.cu_seqlens)

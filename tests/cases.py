@@ -130,9 +130,15 @@ for _backend in BACKENDS:
     _parity(f"{_backend}/zigzag-causal-strided-views", Parity(hkv=1, strided=True, backend=_backend))
     _parity(f"{_backend}/zigzag-causal-bf16", Parity(hkv=1, dtype=torch.bfloat16, backend=_backend))
     _parity(f"{_backend}/contiguous-full-fp32", Parity("contiguous", causal=False, hkv=1, dtype=torch.float32, backend=_backend))
-for _layout in layout.LAYOUTS:
-    for _causal in (True, False):
-        _parity(f"ulysses/{_layout}-{'causal' if _causal else 'full'}-varlen", Parity(_layout, _causal, hkv=1, cu_seqlens=(0, 5, 13, 14, 48)))
+PACKINGS = {"packed": (0, 5, 13, 14, 48), "packed-short-docs": (0, 1, 2, 19, 20, 31, 47, 48)}
+"""Documents shorter than a shard, spanning several ranks, and crossing zigzag chunks."""
+for _backend in BACKENDS:
+    for _layout in layout.LAYOUTS:
+        for _causal in (True, False):
+            for _pack, _cu in PACKINGS.items():
+                _hkv = 4 if _backend in ("allgather", "ring") else 1
+                _cfg = Parity(_layout, _causal, hkv=_hkv, cu_seqlens=_cu, backend=_backend)
+                _parity(f"{_backend}/{_layout}-{'causal' if _causal else 'full'}-{_pack}", _cfg)
 for _stride in (1, 3):  # 3 does not divide the 4 kv heads: a last chunk of 1 takes the rest
     _parity(f"allgather_stride{_stride}/zigzag-causal-gqa", Parity(hq=8, hkv=4, backend=f"allgather_stride{_stride}"))
 _parity("auto/zigzag-causal-gqa", Parity(backend="auto"))

@@ -59,3 +59,35 @@ def test_zigzag_ring_steps_have_equal_work(p):
             {_work(layout.block_runs(table[r], table[(r - s) % p], causal=True)) for r in range(p)} for s in range(1, p)
         ]
         assert all(len(w) == 1 for w in per_step) == balanced, (lay, per_step)
+
+
+def _segment_mask(segments, sq, sk):
+    mask = torch.zeros(sq, sk, dtype=torch.bool)
+    for q0, q1, k0, k1, diagonal in segments:
+        block = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+        mask[q0:q1, k0:k1] |= block.tril() if diagonal else block
+    return mask
+
+
+@pytest.mark.parametrize("cu", [None, (0, 16), (0, 1, 2, 7, 8, 9, 16), (0, 3, 11, 16), (0, 15, 16)])
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("lay", layout.LAYOUTS)
+def test_block_segments_cover_exactly_the_visible_pairs(lay, causal, cu):
+    """For every pair of ranks, the segments' union is the document (and causal) mask."""
+    p, n = 4, 16
+    pos = torch.arange(n)
+    visible = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        visible &= pos[:, None] >= pos[None, :]
+    if cu is not None:
+        doc = torch.bucketize(pos, torch.tensor(cu[1:]), right=True)
+        visible &= doc[:, None] == doc[None, :]
+    table = layout.chunk_table(lay, p)
+    chunk = n // (len(table[0]) * p)
+    for r in range(p):
+        for src in range(p):
+            segments = layout.block_segments(table[r], table[src], chunk, causal, cu)
+            want = visible[layout.positions(lay, n, p, r)][:, layout.positions(lay, n, p, src)]
+            assert torch.equal(_segment_mask(segments, len(want), len(want)), want)
+            counted = sum((q1 - q0) * (q1 - q0 + 1) // 2 if diag else (q1 - q0) * (k1 - k0) for q0, q1, k0, k1, diag in segments)
+            assert counted == int(want.sum()), "a pair is covered twice (it would be merged twice)"

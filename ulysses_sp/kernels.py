@@ -171,24 +171,23 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def blocks_forward(q, k, v, runs, chunk: int, scale: float, out_acc, lse_acc) -> None:
-    """Attend the query chunks of ``q`` to the key runs of ``k``/``v`` (see
-    ``layout.block_runs``; ``chunk`` tokens per chunk) and merge the results
-    into ``out_acc`` ``[B, Sq, H, D]`` / ``lse_acc`` ``[B, H, Sq]`` in place."""
-    for i, j0, j1, diagonal in runs:
-        qs, ks = slice(i * chunk, (i + 1) * chunk), slice(j0 * chunk, j1 * chunk)
-        o, lse = attention_with_lse(q[:, qs], k[:, ks], v[:, ks], causal=diagonal, scale=scale)
-        out_acc[:, qs], lse_acc[..., qs] = merge_partials(out_acc[:, qs], lse_acc[..., qs], o, lse)
+def blocks_forward(q, k, v, segments, scale: float, out_acc, lse_acc) -> None:
+    """Attend query ranges of ``q`` to key ranges of ``k``/``v`` (``layout.block_segments``:
+    ``(q0, q1, k0, k1, diagonal)``) and merge the results into ``out_acc``
+    ``[B, Sq, H, D]`` / ``lse_acc`` ``[B, H, Sq]`` in place."""
+    for q0, q1, k0, k1, diagonal in segments:
+        o, lse = attention_with_lse(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], causal=diagonal, scale=scale)
+        out_acc[:, q0:q1], lse_acc[..., q0:q1] = merge_partials(out_acc[:, q0:q1], lse_acc[..., q0:q1], o, lse)
 
 
-def blocks_backward(dout, q, k, v, out, lse, runs, chunk: int, scale: float, dq_acc, dk_acc, dv_acc) -> None:
+def blocks_backward(dout, q, k, v, out, lse, segments, scale: float, dq_acc, dk_acc, dv_acc) -> None:
     """Gradients of :func:`blocks_forward` given the final ``out``/``lse`` of every
     query row, added in place to ``dq_acc``, ``dk_acc``, ``dv_acc``."""
-    for i, j0, j1, diagonal in runs:
-        qs, ks = slice(i * chunk, (i + 1) * chunk), slice(j0 * chunk, j1 * chunk)
+    for q0, q1, k0, k1, diagonal in segments:
         dq, dk, dv = attention_with_lse_backward(
-            dout[:, qs], q[:, qs], k[:, ks], v[:, ks], out[:, qs], lse[..., qs].contiguous(), causal=diagonal, scale=scale
+            dout[:, q0:q1], q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], out[:, q0:q1], lse[..., q0:q1].contiguous(),
+            causal=diagonal, scale=scale,
         )
-        dq_acc[:, qs] += dq
-        dk_acc[:, ks] += dk
-        dv_acc[:, ks] += dv
+        dq_acc[:, q0:q1] += dq
+        dk_acc[:, k0:k1] += dk
+        dv_acc[:, k0:k1] += dv

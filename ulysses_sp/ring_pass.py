@@ -10,6 +10,7 @@ stays O(local tokens) and no graph is kept per step.
 
 Tokens are described by chunk ids (``layout.chunk_table``): ``chunk_lists[r]``
 lists, in local order, the equal-length global chunks group rank r holds.
+Packed sequences cut each block at document boundaries (``layout.block_segments``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm, kernels
-from .layout import block_runs
+from .layout import block_segments
 
 __all__ = ["ring_attention"]
 
@@ -27,7 +28,7 @@ _KV_TAG, _GRAD_TAG = 0, 1
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, chunk_lists, causal, scale):
+    def forward(ctx, q, k, v, group, chunk_lists, causal, scale, cu_seqlens):
         p, r = comm.group_size(group), dist.get_rank(group)
         c = q.shape[1] // len(chunk_lists[r])
         acc = kernels.accumulator_dtype(q.dtype)
@@ -38,20 +39,20 @@ class _RingAttention(torch.autograd.Function):
             src = (r - step) % p
             if step < p - 1:
                 (k_next, v_next), wait = comm.ring_send_recv([k_cur, v_cur], group, send_to=(r + 1) % p, recv_from=(r - 1) % p, tag=_KV_TAG)
-            runs = block_runs(chunk_lists[r], chunk_lists[src], causal)
-            kernels.blocks_forward(q, k_cur, v_cur, runs, c, scale, out_acc, lse_acc)
+            segments = block_segments(chunk_lists[r], chunk_lists[src], c, causal, cu_seqlens)
+            kernels.blocks_forward(q, k_cur, v_cur, segments, scale, out_acc, lse_acc)
             if step < p - 1:
                 wait()
                 k_cur, v_cur = k_next, v_next
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
-        ctx.group, ctx.chunk_lists, ctx.causal, ctx.scale = group, chunk_lists, causal, scale
+        ctx.args = (group, chunk_lists, causal, scale, cu_seqlens)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, chunk_lists, causal, scale = ctx.group, ctx.chunk_lists, ctx.causal, ctx.scale
+        group, chunk_lists, causal, scale, cu_seqlens = ctx.args
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         p, r = comm.group_size(group), dist.get_rank(group)
         c = q.shape[1] // len(chunk_lists[r])
@@ -65,8 +66,8 @@ class _RingAttention(torch.autograd.Function):
                 (k_next, v_next), wait_kv = comm.ring_send_recv([k_cur, v_cur], group, send_to=(r + 1) % p, recv_from=(r - 1) % p, tag=_KV_TAG)
             dk_blk = torch.zeros(k.shape, dtype=acc, device=k.device)
             dv_blk = torch.zeros(v.shape, dtype=acc, device=v.device)
-            runs = block_runs(chunk_lists[r], chunk_lists[src], causal)
-            kernels.blocks_backward(dout, q, k_cur, v_cur, out, lse, runs, c, scale, dq_acc, dk_blk, dv_blk)
+            segments = block_segments(chunk_lists[r], chunk_lists[src], c, causal, cu_seqlens)
+            kernels.blocks_backward(dout, q, k_cur, v_cur, out, lse, segments, scale, dq_acc, dk_blk, dv_blk)
             if need_k or need_v:
                 # The accumulators of block `src` travel with it: add what earlier ranks
                 # gave, pass on; after the last step each rank receives its own block's sum.
@@ -88,9 +89,10 @@ class _RingAttention(torch.autograd.Function):
             dk = arriving[0].to(k.dtype) if need_k else None
             dv = arriving[1].to(v.dtype) if need_v else None
         dq = dq_acc.to(q.dtype) if need_q else None
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, None, None, None, None, None
 
 
-def ring_attention(q_bshd, k_bshd, v_bshd, group, chunk_lists, *, causal: bool, scale: float) -> torch.Tensor:
-    """Attention of this rank's queries to the keys of every rank of ``group``."""
-    return _RingAttention.apply(q_bshd, k_bshd, v_bshd, group, chunk_lists, causal, scale)
+def ring_attention(q_bshd, k_bshd, v_bshd, group, chunk_lists, *, causal: bool, scale: float, cu_seqlens=None) -> torch.Tensor:
+    """Attention of this rank's queries to the keys of every rank of ``group``;
+    ``cu_seqlens`` (global document boundaries) keeps it inside each document."""
+    return _RingAttention.apply(q_bshd, k_bshd, v_bshd, group, chunk_lists, causal, scale, cu_seqlens)
