@@ -32,16 +32,12 @@ class HybridBackend:
     name = "hybrid"
 
     def check(self, spec: AttnSpec, topo) -> str | None:
-        u = topo.ulysses_degree
-        if spec.q_heads % u:
-            return f"hybrid: q heads ({spec.q_heads}) must divide by the Ulysses degree ({u}); pick ulysses_degree in init_sequence_parallel"
-        if spec.kv_heads % u and u % spec.kv_heads:
-            return f"hybrid: kv heads ({spec.kv_heads}) and the Ulysses degree ({u}) must divide one another"
-        return None
+        problem = comm.head_scatter_problem(spec.q_heads, spec.kv_heads, topo.ulysses_degree)
+        return f"hybrid: {problem}; pick another ulysses_degree in init_sequence_parallel" if problem else None
 
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
         u, r = topo.ulysses_degree, topo.ring_degree
-        hkv = spec.kv_heads if spec.kv_heads % u == 0 else u
+        hkv = comm.kv_heads_sent(spec.kv_heads, u)
         per_head = spec.batch * spec.local_seq_len * spec.head_dim * spec.element_size
         a2a = per_head * (2 * spec.q_heads + 2 * hkv) * (u - 1) // u
         ring = 2 * per_head * hkv * (r - 1)  # K/V of u ranks' tokens, hkv/u heads, per hop
@@ -54,10 +50,8 @@ class HybridBackend:
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=a2a + ring)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
-        u = topo.ulysses_degree
         mine, ring_chunks = _group_chunks(spec, topo)
-        if spec.kv_heads % u:
-            k, v = (t.repeat_interleave(u // spec.kv_heads, dim=2) for t in (k, v))
+        k, v = comm.replicate_kv_for_scatter(k, v, topo.ulysses_degree)
         q_h, k_h, v_h = comm.seq_to_heads([q, k, v], topo.ulysses_group, mine)
         out_h = ring_attention(
             q_h, k_h, v_h, topo.ring_group, ring_chunks, causal=spec.causal, scale=spec.softmax_scale, cu_seqlens=spec.cu_seqlens

@@ -16,12 +16,7 @@ import torch
 from ulysses_sp import comm, kernels, layout
 from ulysses_sp.spec import AttnSpec, Estimate, Profile
 
-__all__ = ["UlyssesBackend", "kv_heads_sent"]
-
-
-def kv_heads_sent(kv_heads: int, degree: int) -> int:
-    """KV heads after the minimal replication: ``kv_heads`` if P divides it, else P."""
-    return kv_heads if kv_heads % degree == 0 else degree
+__all__ = ["UlyssesBackend"]
 
 
 def _attend(q, k, v, spec: AttnSpec) -> torch.Tensor:
@@ -39,19 +34,12 @@ class UlyssesBackend:
     name = "ulysses"
 
     def check(self, spec: AttnSpec, topo) -> str | None:
-        p = topo.sp_size
-        if spec.q_heads % p:
-            return f"ulysses: q heads ({spec.q_heads}) must divide by the SP degree ({p}); use ring, allgather or hybrid"
-        if spec.kv_heads % p and p % spec.kv_heads:
-            return (
-                f"ulysses: kv heads ({spec.kv_heads}) and the SP degree ({p}) must divide one another "
-                "(scatter or replicate KV heads); use ring, allgather or hybrid"
-            )
-        return None
+        problem = comm.head_scatter_problem(spec.q_heads, spec.kv_heads, topo.sp_size)
+        return f"ulysses: {problem}; use ring, allgather or hybrid" if problem else None
 
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
         p = topo.sp_size
-        hkv = kv_heads_sent(spec.kv_heads, p)
+        hkv = comm.kv_heads_sent(spec.kv_heads, p)
         per_head = spec.batch * spec.local_seq_len * spec.head_dim * spec.element_size
         comm_bytes = per_head * (2 * spec.q_heads + 2 * hkv) * (p - 1) // p
         # inputs + their head-sharded copies + output, per rank
@@ -64,8 +52,7 @@ class UlyssesBackend:
         p = topo.sp_size
         if p == 1:
             return _attend(q, k, v, spec)
-        if spec.kv_heads % p:
-            k, v = (t.repeat_interleave(p // spec.kv_heads, dim=2) for t in (k, v))
+        k, v = comm.replicate_kv_for_scatter(k, v, p)
         table = layout.chunk_table(spec.layout, p)
         q_h, k_h, v_h = comm.seq_to_heads([q, k, v], topo.sp_group, table)
         (out,) = comm.heads_to_seq([_attend(q_h, k_h, v_h, spec)], topo.sp_group, table)

@@ -26,6 +26,7 @@ for _stride in (1, 3):
     usp.register_backend(_strided)
 
 from .reference import reference_attention
+from .tiny_model import TinyLM, make_batch
 
 CASES: dict = {}
 WORLDS = (1, 2, 3, 4)
@@ -383,6 +384,93 @@ def data_shard_gather(env: Env) -> dict:
             "grad_err": max_err(local.grad, p * w[:, positions]),
             "dim0_err": max_err(usp.gather_sequence(usp.shard_sequence(x.transpose(0, 1), topo, dim=0), topo, dim=0), x.transpose(0, 1)),
         }
+    return out
+
+
+# --------------------------------------------------------------------------- data side
+
+def _one_process_loss(model, batch):
+    """The reference: the whole sequence in one process, plain attention, mean over valid targets."""
+    position_ids = batch.get("position_ids")
+    cu = None
+    if position_ids is not None:
+        cu = tuple(usp.cu_seqlens_from_position_ids(position_ids).tolist())
+    else:
+        position_ids = torch.arange(batch["input_ids"].shape[1]).unsqueeze(0)
+    logits = model(batch["input_ids"], position_ids, lambda q, k, v: reference_attention(q, k, v, causal=True, cu_seqlens=cu))
+    labels = batch["labels"][:, 1:]
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), labels.reshape(-1), ignore_index=-100)
+
+
+TINY_BATCHES = ("padded", "packed", "mostly-padding")
+
+
+def tiny_model(env: Env, backend: str, kind: str) -> dict:
+    """Loss and every parameter gradient of a tiny LM with SP equal the one-process ones."""
+    import torch.distributed as dist
+
+    topo = _topo_for(env, Parity(), "zigzag")
+    batch = make_batch(kind)
+    ref_model = TinyLM()
+    ref_loss = _one_process_loss(ref_model, batch)
+    ref_loss.backward()
+
+    model = TinyLM()
+    local = usp.shard_batch(batch, topo)
+    attn = usp.SequenceParallelAttention(topo, backend=backend, layer_idx=0)
+    logits = model(local["input_ids"], local["position_ids"], lambda q, k, v: attn(q, k, v, cu_seqlens=local.get("cu_seqlens")))
+    loss = usp.sp_cross_entropy(logits, local["shift_labels"], topo)
+    loss.backward()
+    grad_err = 0.0
+    for p, p_ref in zip(model.parameters(), ref_model.parameters()):
+        grad = p.grad.clone()
+        dist.all_reduce(grad, group=topo.sp_group)  # the SP group's gradient is the sum of its ranks'
+        grad_err = max(grad_err, max_err(grad, p_ref.grad))
+    valid_here = int((local["shift_labels"] != -100).sum())
+    return {"loss_err": abs(loss.item() - ref_loss.item()), "grad_err": grad_err, "loss": loss.item(), "valid_here": valid_here}
+
+
+for _backend in BACKENDS:
+    for _kind in TINY_BATCHES:
+        case(f"model/{_backend}/{_kind}", (1, 2, 4))(lambda env, be=_backend, k=_kind: tiny_model(env, be, k))
+
+
+@case("data/shard_batch")
+def data_shard_batch(env: Env) -> dict:
+    """Round trip through shard_batch + gather_sequence, and the number of valid targets."""
+    out = {}
+    for lay in layout.LAYOUTS:
+        topo = env.topo(layout=lay)
+        for kind in TINY_BATCHES:
+            batch = make_batch(kind)
+            local = usp.shard_batch(batch, topo)
+            full = {k: usp.gather_sequence(v, topo) for k, v in local.items() if k != "cu_seqlens"}
+            s = batch["input_ids"].shape[1]
+            valid_total = int(comm.all_reduce_sum((local["shift_labels"] != -100).sum(), topo.sp_group))
+            out[(lay, kind)] = {
+                "ids_roundtrip": bool(torch.equal(full["input_ids"][:, :s], batch["input_ids"])),
+                "padded_len": full["input_ids"].shape[1],
+                "positions": full["position_ids"][0].tolist(),
+                "valid_targets_sp": valid_total,
+                "valid_targets_one_process": int((batch["labels"][:, 1:] != -100).sum()),
+                "cu_seqlens": None if "cu_seqlens" not in local else local["cu_seqlens"].tolist(),
+            }
+    return out
+
+
+@case("data/sampler", (4,))
+def data_sampler(env: Env) -> dict:
+    """Indices each rank draws for SP=2 x DP=2 and SP=4, two epochs, 11 samples (uneven over 2 DP groups)."""
+    out = {}
+    for sp in (2, 4):
+        topo = env.topo(sp, "zigzag")
+        for drop_last in (False, True):
+            sampler = usp.SequenceParallelSampler(range(11), topo, shuffle=True, seed=3, drop_last=drop_last)
+            epochs = []
+            for epoch in (0, 1):
+                sampler.set_epoch(epoch)
+                epochs.append(list(sampler))
+            out[(sp, drop_last)] = {"dp_rank": topo.dp_rank, "sp_rank": topo.sp_rank, "epochs": epochs}
     return out
 
 

@@ -8,7 +8,14 @@
 from . import comm
 from .attention import SequenceParallelAttention, sp_attention
 from .comm import CommCounter
-from .data import gather_sequence, shard_sequence
+from .data import (
+    SequenceParallelSampler,
+    cu_seqlens_from_position_ids,
+    gather_sequence,
+    shard_batch,
+    shard_sequence,
+    sp_cross_entropy,
+)
 from .layout import pad_to_multiple
 from .registry import get_backend, list_backends, register_backend
 from .spec import AttnSpec, Estimate, Profile
@@ -23,6 +30,10 @@ __all__ = [
     "sp_attention",
     "shard_sequence",
     "gather_sequence",
+    "shard_batch",
+    "cu_seqlens_from_position_ids",
+    "sp_cross_entropy",
+    "SequenceParallelSampler",
     "pad_to_multiple",
     "CommCounter",
     "comm",

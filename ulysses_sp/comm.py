@@ -30,7 +30,11 @@ __all__ = [
     "reduce_scatter",
     "ring_send_recv",
     "all_gather_ints",
+    "kv_heads_sent",
+    "head_scatter_problem",
+    "replicate_kv_for_scatter",
     "all_gather_start",
+    "all_reduce_sum",
     "reduce_scatter_sum",
     "group_size",
 ]
@@ -257,6 +261,30 @@ def heads_to_seq(tensors, group, table) -> list[torch.Tensor]:
     return list(_SeqHeadsAllToAll.apply(False, group, table, *tensors))
 
 
+def kv_heads_sent(kv_heads: int, degree: int) -> int:
+    """KV heads a head-scatter all-to-all moves: ``kv_heads`` if ``degree`` divides it,
+    else ``degree`` (each KV head replicated ``degree / kv_heads`` times)."""
+    return kv_heads if kv_heads % degree == 0 else degree
+
+
+def head_scatter_problem(q_heads: int, kv_heads: int, degree: int) -> str | None:
+    """Why heads cannot be scattered over ``degree`` ranks, or None."""
+    if q_heads % degree:
+        return f"q heads ({q_heads}) must divide by the all-to-all degree ({degree})"
+    if kv_heads % degree and degree % kv_heads:
+        return f"kv heads ({kv_heads}) and the all-to-all degree ({degree}) must divide one another (scatter or replicate KV heads)"
+    return None
+
+
+def replicate_kv_for_scatter(k: torch.Tensor, v: torch.Tensor, degree: int):
+    """Repeat each KV head so that ``degree`` ranks can each get the one their q heads
+    use (rank j gets KV head ``j * kv_heads // degree``); autograd sums the replicas."""
+    kv_heads = k.shape[2]
+    if kv_heads % degree == 0:
+        return k, v
+    return k.repeat_interleave(degree // kv_heads, dim=2), v.repeat_interleave(degree // kv_heads, dim=2)
+
+
 class _AllToAll(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, scatter_dim, gather_dim):
@@ -318,6 +346,16 @@ def reduce_scatter(x: torch.Tensor, group, dim: int = 0) -> torch.Tensor:
     if p == 1:
         return x
     return _GatherScatter.apply(x, False, group, dim)
+
+
+def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
+    """Sum of every rank's ``x`` (a new tensor; not differentiable). Counted as op
+    ``"all_reduce"`` with the logical volume: this rank's value reaches P-1 others."""
+    out = x.clone()
+    dist.all_reduce(out, group=group)
+    p = group_size(group)
+    _record("all_reduce", (p - 1) * _nbytes(x), (p - 1) * _nbytes(x))
+    return out
 
 
 def all_gather_ints(values, group, device) -> list[tuple[int, ...]]:

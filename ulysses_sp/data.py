@@ -1,18 +1,35 @@
-"""Cutting sequences into this rank's shard and putting them back together.
+"""The data side of SP: cutting sequences and batches into this rank's shard,
+feeding every rank of an SP group the same samples, and the loss over the group.
 
-``shard_sequence`` / ``gather_sequence`` follow ``topo.layout``; the batch-level
-helpers (labels, position ids, packed documents) build on them.
+``shard_sequence`` / ``gather_sequence`` follow ``topo.layout``. ``shard_batch``
+prepares a causal-LM batch (padding, labels shifted before sharding, global
+position ids, document boundaries of packed input). ``sp_cross_entropy`` is the
+token-weighted mean over the whole SP group. ``SequenceParallelSampler`` hands
+one SP group's ranks the same samples and different DP groups different ones.
 """
 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
+from torch.utils.data import DistributedSampler
 
 from . import comm
 from . import layout as _layout
+from .kernels import accumulator_dtype
 from .topology import Topology
 
-__all__ = ["shard_sequence", "gather_sequence"]
+__all__ = [
+    "shard_sequence",
+    "gather_sequence",
+    "cu_seqlens_from_position_ids",
+    "shard_batch",
+    "sp_cross_entropy",
+    "SequenceParallelSampler",
+    "IGNORE_INDEX",
+]
+
+IGNORE_INDEX = -100
 
 
 def shard_sequence(x: torch.Tensor, topo: Topology, dim: int = 1) -> torch.Tensor:
@@ -39,3 +56,124 @@ def gather_sequence(x_local: torch.Tensor, topo: Topology, dim: int = 1) -> torc
     seq_len = full.shape[dim]
     held = torch.cat([_layout.positions(topo.layout, seq_len, topo.sp_size, r) for r in range(topo.sp_size)])
     return full.index_select(dim, torch.argsort(held).to(full.device))
+
+
+def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """Document boundaries ``[0, ..., S]`` (int32) of a packed sequence whose position
+    ids restart at 0 at each document (the Hugging Face convention).
+
+    ``position_ids`` is ``[S]`` or ``[B, S]``; every row of a batch must be packed
+    the same way, since one ``cu_seqlens`` serves the whole batch.
+    """
+    pos = position_ids
+    if pos.dim() == 2:
+        if pos.shape[0] > 1 and not bool((pos == pos[:1]).all()):
+            raise ValueError(
+                "position_ids differ between the rows of the batch; one cu_seqlens serves the whole batch, "
+                "so pack each row the same way or use batch size 1 for packed sequences"
+            )
+        pos = pos[0]
+    if pos.dim() != 1 or pos.numel() == 0 or int(pos[0]) != 0:
+        raise ValueError(f"position_ids must be [S] or [B, S] starting at 0, got shape {tuple(position_ids.shape)}")
+    starts = torch.nonzero(pos == 0).flatten()
+    return torch.cat([starts, starts.new_tensor([pos.numel()])]).to(torch.int32)
+
+
+def _check_right_padding(attention_mask: torch.Tensor) -> None:
+    if bool((attention_mask[:, 1:] > attention_mask[:, :-1]).any()):
+        raise ValueError(
+            "attention_mask has padding before real tokens (left or middle padding); ulysses_sp supports "
+            "right padding or packed sequences (position_ids restarting at 0): pad on the right"
+        )
+
+
+def shard_batch(batch: dict, topo: Topology, *, pad_token_id: int = 0) -> dict:
+    """This rank's part of a causal-LM batch, in ``topo.layout``.
+
+    ``batch`` holds ``input_ids`` ``[B, S]`` and optionally ``labels``,
+    ``position_ids`` (restarting at 0 at each document for packed input) and
+    ``attention_mask`` (1 for tokens, 0 for right padding). Returns the local
+    ``input_ids`` and ``position_ids`` (global positions, so rotary embeddings are
+    right on every rank), ``attention_mask`` if given, ``shift_labels`` if labels
+    are given (labels shifted by one **before** sharding, so the last token of
+    each shard keeps its target; padding and the last token get -100), and
+    ``cu_seqlens`` (global, the same on every rank) when the input is packed.
+
+    The sequence is padded at the end to what the layout needs (ids with
+    ``pad_token_id``, labels with -100, mask with 0; packed input gets the
+    padding as one more document). A rank may end up with padding only: the
+    loss (:func:`sp_cross_entropy`) handles it.
+    """
+    input_ids = batch["input_ids"]
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    b, s = input_ids.shape
+    extra = -s % _layout.required_multiple(topo.layout, topo.sp_size)
+
+    def pad(x, value):
+        return F.pad(x, (0, extra), value=value) if extra else x
+
+    out = {"input_ids": pad(input_ids, pad_token_id)}
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        _check_right_padding(mask)
+        out["attention_mask"] = pad(mask, 0)
+    if batch.get("labels") is not None:
+        shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
+        if mask is not None:  # a padding token is nobody's target
+            shifted = shifted.masked_fill(F.pad(mask[:, 1:], (0, 1), value=0) == 0, IGNORE_INDEX)
+        out["shift_labels"] = pad(shifted, IGNORE_INDEX)
+    position_ids = batch.get("position_ids")
+    packed = position_ids is not None and bool((position_ids[..., 1:] == 0).any())
+    if position_ids is None:
+        position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
+    position_ids = position_ids.expand(b, s)
+    tail = torch.arange(extra, device=input_ids.device) + (0 if packed else s)
+    out["position_ids"] = torch.cat([position_ids, tail.expand(b, extra).to(position_ids.dtype)], dim=1)
+    sharded = {k: shard_sequence(v, topo) for k, v in out.items()}
+    if packed:
+        sharded["cu_seqlens"] = cu_seqlens_from_position_ids(out["position_ids"])
+    return sharded
+
+
+def sp_cross_entropy(logits_local: torch.Tensor, shift_labels_local: torch.Tensor, topo: Topology, *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+    """Token-weighted mean cross-entropy over the whole SP group.
+
+    The value, the same on every rank of the group, is the sum of every rank's
+    token losses divided by the group's number of valid targets: exactly the
+    loss of the unsharded sequence. Its gradient reaches only this rank's
+    logits and equals the unsharded loss's gradient for them, so summing
+    parameter gradients over the SP group gives the one-process gradient. One
+    all-reduce of two numbers. A rank with no valid target (padding only)
+    contributes zero; a group with none returns 0.
+
+    With data parallelism on top, averaging the SP-group sums over the DP
+    groups gives the mean of the DP groups' losses (each group weighted
+    equally, not by its token count); DeepSpeed's gradient scaling per ZeRO
+    stage is handled by the DeepSpeed integration.
+    """
+    acc = accumulator_dtype(logits_local.dtype)
+    summed = F.cross_entropy(
+        logits_local.reshape(-1, logits_local.shape[-1]).to(acc), shift_labels_local.reshape(-1), ignore_index=ignore_index, reduction="sum"
+    )
+    count = (shift_labels_local != ignore_index).sum()
+    totals = comm.all_reduce_sum(torch.stack([summed.detach().double(), count.double()]), topo.sp_group)
+    n = totals[1].clamp(min=1).to(acc)
+    local = summed / n
+    return local + (totals[0].to(acc) / n - local.detach())
+
+
+class SequenceParallelSampler(DistributedSampler):
+    """A ``DistributedSampler`` over data-parallel groups rather than ranks.
+
+    Every rank of one SP group gets the same indices (they share each sample's
+    sequence); different DP groups get disjoint ones. ``set_epoch``,
+    ``shuffle``, ``seed`` and ``drop_last`` behave as in ``DistributedSampler``:
+    with ``drop_last=False`` an uneven dataset is padded by repeating indices so
+    every DP group gets the same number of samples; with ``True`` the tail is
+    dropped. Needs no process group of its own: the topology says where this
+    rank stands.
+    """
+
+    def __init__(self, dataset, topo: Topology, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+        super().__init__(dataset, num_replicas=topo.dp_size, rank=topo.dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)
