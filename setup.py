@@ -4,8 +4,9 @@ from setuptools import setup
 
 EXTRAS = {
     "deepspeed": ["deepspeed>=0.14"],
-    "hf": ["transformers>=4.45"],
-    "dev": ["pytest>=7", "pytest-timeout>=2"],
+    "hf": ["transformers>=4.56"],
+    # what the tests need: they check the transformers integration too
+    "dev": ["pytest>=7", "pytest-timeout>=2", "transformers>=4.56"],
     # flash-attn builds only against CUDA; kept apart from `all`.
     "cuda": ["flash-attn>=2.5", "ring-flash-attn>=0.1"],
 }
@@ -21,7 +22,7 @@ setup(
     python_requires=">=3.10",
     # `backends/` and `cli/` sit at the top of the repository but install inside the package,
     # so nothing named plainly `backends` or `cli` lands in site-packages.
-    packages=["ulysses_sp", "ulysses_sp.backends", "ulysses_sp.cli"],
+    packages=["ulysses_sp", "ulysses_sp.integrations", "ulysses_sp.backends", "ulysses_sp.cli"],
     package_dir={"ulysses_sp.backends": "backends", "ulysses_sp.cli": "cli"},
     # A range, not a pin: on a CPU machine install the CPU build first
     # (`pip install torch==2.13.0` here); this requirement is then already met.

@@ -474,6 +474,24 @@ def data_sampler(env: Env) -> dict:
     return out
 
 
+# --------------------------------------------------------------------------- Hugging Face transformers
+
+def _hf_case(env: Env, name: str) -> dict:
+    from .hf_cases import HF_CASES, hf_parity
+
+    return hf_parity(_topo_for(env, Parity(), "zigzag"), **HF_CASES[name])
+
+
+try:
+    from .hf_cases import HF_CASES
+
+    for _name in HF_CASES:
+        case(f"hf/{_name}", (2, 4))(lambda env, n=_name: _hf_case(env, n))
+    case("hf/errors", (2, 4))(lambda env: __import__("tests.hf_cases", fromlist=["hf_errors"]).hf_errors(_topo_for(env, Parity(), "zigzag")))
+except ImportError:  # transformers missing: tests/test_transformers.py says so
+    pass
+
+
 # --------------------------------------------------------------------------- topology
 
 @case("topology/groups")

@@ -23,8 +23,25 @@ from .topology import Topology, init_sequence_parallel
 
 __version__ = "0.1.0"
 
+
+def apply_sequence_parallel(model, topo, backend: str = "auto", profile=None):
+    """Switch a Hugging Face transformers model to sequence-parallel attention (needs the ``hf``
+    extra); see :mod:`ulysses_sp.integrations.transformers`."""
+    from .integrations.transformers import apply_sequence_parallel as apply
+
+    return apply(model, topo, backend=backend, profile=profile)
+
+
+def remove_sequence_parallel(model):
+    """Undo :func:`apply_sequence_parallel`."""
+    from .integrations.transformers import remove_sequence_parallel as remove
+
+    return remove(model)
+
 __all__ = [
     "init_sequence_parallel",
+    "apply_sequence_parallel",
+    "remove_sequence_parallel",
     "Topology",
     "SequenceParallelAttention",
     "sp_attention",

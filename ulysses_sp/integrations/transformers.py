@@ -1,0 +1,105 @@
+"""Sequence parallelism for Hugging Face causal LMs through transformers' attention interface.
+
+``apply_sequence_parallel(model, topo)`` registers the ``"ulysses_sp"``
+attention implementation (and a mask function that builds no mask: causal
+masking and packed documents are handled inside the backends), gives every
+attention layer its own :class:`SequenceParallelAttention` (so ``auto`` can
+choose per layer) and switches the model to it. Inputs are this rank's shards
+from :func:`ulysses_sp.shard_batch`; pass its ``position_ids`` (global, so
+rotary embeddings are right on every rank) and, for packed input,
+``cu_seq_lens_q=local["cu_seqlens"]``.
+"""
+
+from __future__ import annotations
+
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from ..attention import SequenceParallelAttention
+from ..spec import Profile
+from ..topology import Topology
+
+__all__ = ["ATTN_IMPLEMENTATION", "apply_sequence_parallel", "remove_sequence_parallel", "sp_attention_forward"]
+
+ATTN_IMPLEMENTATION = "ulysses_sp"
+_STATE = "_ulysses_sp_attention"
+_PREVIOUS = "_ulysses_sp_previous"
+
+
+def _unsupported(module, what: str, fix: str) -> ValueError:
+    spa = module.__dict__.get(_STATE)
+    backend = spa.backend if spa is not None else "?"
+    return ValueError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): {what} is not supported by ulysses_sp (backend {backend!r}); {fix}")
+
+
+def sp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
+    """transformers attention function: ``[B, H, S_local, D]`` in, ``([B, S_local, H, D], None)`` out."""
+    spa = module.__dict__.get(_STATE)
+    if spa is None:
+        raise RuntimeError(f"attn_implementation {ATTN_IMPLEMENTATION!r} needs ulysses_sp.apply_sequence_parallel(model, topo) first")
+    if dropout and module.training:
+        raise _unsupported(module, f"attention dropout ({dropout})", "set config.attention_dropout = 0 for training")
+    if kwargs.get("softcap") is not None:
+        raise _unsupported(module, "logit softcapping", "use a model without attn_logit_softcapping")
+    if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
+        raise _unsupported(module, "an additive attention bias or sinks", "use a model without them")
+    window = kwargs.get("sliding_window")
+    if window is not None and query.shape[2] * spa.topo.sp_size > window:
+        raise _unsupported(module, f"sliding-window attention (window {window} < sequence {query.shape[2] * spa.topo.sp_size})", "use full attention layers")
+    if attention_mask is not None and not bool(attention_mask.all()):
+        raise _unsupported(module, "a padding attention mask", "pad on the right with ulysses_sp.shard_batch and drop attention_mask")
+    past = kwargs.get("past_key_values")
+    if past is not None and past.get_seq_length() > 0:
+        raise _unsupported(module, "a KV cache with past tokens (generation)", "call remove_sequence_parallel(model) to generate")
+    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    out = spa(
+        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
+        causal=causal, softmax_scale=scaling, cu_seqlens=kwargs.get("cu_seq_lens_q"),
+    )
+    return out, None
+
+
+def _no_mask(*args, **kwargs):
+    """Masks are the backends' business: causal via the flag, documents via cu_seqlens."""
+    return None
+
+
+AttentionInterface.register(ATTN_IMPLEMENTATION, sp_attention_forward)
+AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+
+
+def _attention_layers(model):
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+
+
+def apply_sequence_parallel(model, topo: Topology, backend: str = "auto", profile: Profile | None = None):
+    """Switch a loaded transformers model to sequence-parallel attention; returns the model.
+
+    Keeps the previous attention implementation for :func:`remove_sequence_parallel`
+    and turns the KV cache off (training and evaluation, not generation).
+    """
+    layers = _attention_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no attention layers with a layer_idx; ulysses_sp cannot switch it")
+    if _PREVIOUS not in model.__dict__:
+        model.__dict__[_PREVIOUS] = (model.config._attn_implementation, model.config.use_cache)
+    for layer in layers:  # plain attribute, not a submodule: state_dict and parameters stay as they were
+        layer.__dict__[_STATE] = SequenceParallelAttention(topo, backend=backend, layer_idx=layer.layer_idx, profile=profile)
+    model.set_attn_implementation(ATTN_IMPLEMENTATION)
+    model.config.use_cache = False
+    return model
+
+
+def remove_sequence_parallel(model):
+    """Undo :func:`apply_sequence_parallel` (e.g. to evaluate or generate on whole sequences)."""
+    previous = model.__dict__.pop(_PREVIOUS, None)
+    if previous is None:
+        return model
+    for layer in _attention_layers(model):
+        layer.__dict__.pop(_STATE, None)
+    attn_implementation, use_cache = previous
+    model.set_attn_implementation(attn_implementation)
+    model.config.use_cache = use_cache
+    return model
+
+
