@@ -6,7 +6,7 @@ EXTRAS = {
     "deepspeed": ["deepspeed>=0.14"],
     "hf": ["transformers>=4.56"],
     # what the tests need: they check the transformers integration too
-    "dev": ["pytest>=7", "pytest-timeout>=2", "transformers>=4.56"],
+    "dev": ["pytest>=7", "pytest-timeout>=2", "transformers>=4.56", "deepspeed>=0.17"],
     # flash-attn builds only against CUDA; kept apart from `all`.
     "cuda": ["flash-attn>=2.5", "ring-flash-attn>=0.1"],
 }

@@ -9,6 +9,7 @@ counts, messages); the tolerances and expected values live in the tests.
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
 import traceback
 import zlib
 
@@ -482,14 +483,28 @@ def _hf_case(env: Env, name: str) -> dict:
     return hf_parity(_topo_for(env, Parity(), "zigzag"), **HF_CASES[name])
 
 
-try:
-    from .hf_cases import HF_CASES
+if importlib.util.find_spec("transformers") is not None:  # else tests/test_transformers.py says it is missing
+    from .hf_cases import HF_CASES, hf_errors
 
     for _name in HF_CASES:
         case(f"hf/{_name}", (2, 4))(lambda env, n=_name: _hf_case(env, n))
-    case("hf/errors", (2, 4))(lambda env: __import__("tests.hf_cases", fromlist=["hf_errors"]).hf_errors(_topo_for(env, Parity(), "zigzag")))
-except ImportError:  # transformers missing: tests/test_transformers.py says so
-    pass
+    case("hf/errors", (2, 4))(lambda env: hf_errors(_topo_for(env, Parity(), "zigzag")))
+
+
+# --------------------------------------------------------------------------- DeepSpeed
+
+def _ds(env: Env, what: str):
+    from . import ds_cases
+
+    topo = _topo_for(env, Parity(sp_size=2), "zigzag")
+    if what == "gradients":
+        return {f"{stage}-{rs}": ds_cases.ds_gradients(topo, stage, rs) for stage, rs in ds_cases.STAGES}
+    return getattr(ds_cases, what)(topo)
+
+
+if importlib.util.find_spec("deepspeed") is not None:  # else tests/test_deepspeed.py says it is missing
+    for _what in ("gradients", "zero3_refused", "distributed_attention"):
+        case(f"deepspeed/{_what}", (2, 4))(lambda env, w=_what: _ds(env, w))
 
 
 # --------------------------------------------------------------------------- topology

@@ -136,7 +136,9 @@ def shard_batch(batch: dict, topo: Topology, *, pad_token_id: int = 0) -> dict:
     return sharded
 
 
-def sp_cross_entropy(logits_local: torch.Tensor, shift_labels_local: torch.Tensor, topo: Topology, *, ignore_index: int = IGNORE_INDEX) -> torch.Tensor:
+def sp_cross_entropy(
+    logits_local: torch.Tensor, shift_labels_local: torch.Tensor, topo: Topology, *, ignore_index: int = IGNORE_INDEX, count_group=None
+) -> torch.Tensor:
     """Token-weighted mean cross-entropy over the whole SP group.
 
     The value, the same on every rank of the group, is the sum of every rank's
@@ -149,15 +151,19 @@ def sp_cross_entropy(logits_local: torch.Tensor, shift_labels_local: torch.Tenso
 
     With data parallelism on top, averaging the SP-group sums over the DP
     groups gives the mean of the DP groups' losses (each group weighted
-    equally, not by its token count); DeepSpeed's gradient scaling per ZeRO
-    stage is handled by the DeepSpeed integration.
+    equally, not by its token count). ``count_group`` (default: the SP group)
+    widens the normalisation: with ``torch.distributed.group.WORLD`` the value
+    is the token-weighted mean of the whole global batch and the exact
+    gradient is the plain sum over every rank (what the DeepSpeed integration
+    uses, with ``gradient_scale`` undoing the engine's averaging).
     """
     acc = accumulator_dtype(logits_local.dtype)
     summed = F.cross_entropy(
         logits_local.reshape(-1, logits_local.shape[-1]).to(acc), shift_labels_local.reshape(-1), ignore_index=ignore_index, reduction="sum"
     )
     count = (shift_labels_local != ignore_index).sum()
-    totals = comm.all_reduce_sum(torch.stack([summed.detach().double(), count.double()]), topo.sp_group)
+    group = topo.sp_group if count_group is None else count_group
+    totals = comm.all_reduce_sum(torch.stack([summed.detach().double(), count.double()]), group)
     n = totals[1].clamp(min=1).to(acc)
     local = summed / n
     return local + (totals[0].to(acc) / n - local.detach())

@@ -26,6 +26,8 @@ class RankFailure(AssertionError):
 
 def _rank_main(fn, rank: int, world_size: int, tmp: str, args, collective_timeout: float, threads: int) -> None:
     torch.set_num_threads(threads)
+    # what torchrun sets; DeepSpeed, for one, insists on LOCAL_RANK
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     try:
         dist.init_process_group(
             "gloo",

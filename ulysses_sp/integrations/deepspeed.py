@@ -1,0 +1,158 @@
+"""DeepSpeed: the ``mpu`` for ``deepspeed.initialize``, the loss scale that makes ZeRO's
+gradient reduction exact, and a drop-in ``DistributedAttention``.
+
+ZeRO reduces gradients over the sequence-data-parallel group (every rank: DP x SP)
+but scales them differently per stage (measured with deepspeed 0.19.8, see
+``gradient_scale``). ``sp_cross_entropy(..., count_group=WORLD)`` makes each rank's
+loss its tokens' share of the global batch's token-weighted mean, so the exact
+gradient is the plain **sum** over all ranks; multiplying the loss by
+``gradient_scale(engine, topo)`` undoes whatever averaging the engine applies.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from .. import comm
+from ..topology import Topology
+
+__all__ = ["SequenceParallelMPU", "gradient_scale", "DistributedAttention", "use_cpu_accelerator_if_needed"]
+
+
+def use_cpu_accelerator_if_needed() -> None:
+    """Without CUDA, tell DeepSpeed to use its CPU accelerator (it then falls back to gloo).
+    Call before importing deepspeed."""
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+class SequenceParallelMPU:
+    """The model-parallel unit DeepSpeed asks for, built from a :class:`Topology`.
+
+    Model parallelism is 1 (each rank its own group); data parallelism is the
+    topology's DP group; the sequence-data-parallel group, over which ZeRO
+    shards and reduces, is every rank. Construct on every rank (it creates one
+    single-rank group per rank, collectively).
+    """
+
+    def __init__(self, topo: Topology):
+        self.topo = topo
+        self._model_group = None
+        for r in range(topo.world_size):
+            group = dist.new_group([r], timeout=topo.timeout)
+            if r == topo.rank:
+                self._model_group = group
+
+    # model (tensor) parallel: none
+    def get_model_parallel_group(self):
+        return self._model_group
+
+    def get_model_parallel_rank(self) -> int:
+        return 0
+
+    def get_model_parallel_world_size(self) -> int:
+        return 1
+
+    get_tensor_model_parallel_group = get_model_parallel_group
+    get_tensor_model_parallel_rank = get_model_parallel_rank
+    get_tensor_model_parallel_world_size = get_model_parallel_world_size
+
+    def get_tensor_model_parallel_src_rank(self) -> int:
+        return self.topo.rank
+
+    # data parallel: ranks that see different samples
+    def get_data_parallel_group(self):
+        return self.topo.dp_group
+
+    def get_data_parallel_rank(self) -> int:
+        return self.topo.dp_rank
+
+    def get_data_parallel_world_size(self) -> int:
+        return self.topo.dp_size
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self.topo.dp_group)
+
+    # sequence parallel: ranks that share one sequence
+    def get_sequence_parallel_group(self):
+        return self.topo.sp_group
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self.topo.sp_rank
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self.topo.sp_size
+
+    # sequence x data parallel: what ZeRO reduces and shards over
+    def get_sequence_data_parallel_group(self):
+        return dist.group.WORLD
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self.topo.rank
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self.topo.world_size
+
+
+def gradient_scale(engine, topo: Topology) -> float:
+    """Factor for the loss so that the gradient DeepSpeed applies is the plain sum over ranks.
+
+    Measured on deepspeed 0.19.8 (tests/test_deepspeed.py checks it on every run):
+    ZeRO 0, 1 and 2, with or without reduce-scatter, sum the gradient over the SP
+    ranks and average it over the DP groups, so the factor is the DP size.
+    ZeRO 3 with SP > 1 is refused: with it, the gathered gradients differ from
+    the one-process ones and between ranks (relative error ~1.7 in the tests
+    that found it), which no loss factor mends.
+    """
+    stage = engine.zero_optimization_stage()
+    if stage == 3 and topo.sp_size > 1:
+        raise ValueError(
+            "ZeRO stage 3 with sequence parallelism (sp_size > 1) does not give the one-process gradients "
+            "with deepspeed 0.19.8 in ulysses-sp's tests; use ZeRO stage 0, 1 or 2"
+        )
+    if stage == 3 and engine.zero_reduce_scatter():
+        return float(topo.dp_size * topo.sp_size)
+    return float(topo.dp_size)
+
+
+class DistributedAttention(nn.Module):
+    """Drop-in for ``deepspeed.sequence.layer.DistributedAttention`` running on ulysses-sp's
+    fused all-to-all: change the import, keep the call.
+
+    Inputs are this rank's contiguous sequence shards, ``[s, b, h, d]`` with
+    ``batch_dim_idx=1`` or ``[b, s, h, d]`` with ``batch_dim_idx=0``;
+    ``local_attention(q, k, v, *args, **kwargs)`` sees whole sequences and
+    ``heads / P`` heads in the same layout. Heads must divide by P (KV heads may
+    instead divide P: they are replicated as little as needed).
+    """
+
+    def __init__(self, local_attention, sequence_process_group, scatter_idx: int = 2, gather_idx: int = 0, sp_stream=None, num_kv_heads=None):
+        super().__init__()
+        if scatter_idx != 2:
+            raise ValueError(f"DistributedAttention scatters heads (scatter_idx=2), got scatter_idx={scatter_idx}")
+        self.local_attn, self.spg = local_attention, sequence_process_group
+        self.gather_idx = gather_idx
+
+    def forward(self, query, key, value, batch_dim_idx: int, rotary_pos_emb=None, *args, **kwargs):
+        if batch_dim_idx not in (0, 1):
+            raise ValueError(f"batch_dim_idx must be 0 ([b, s, h, d]) or 1 ([s, b, h, d]), got {batch_dim_idx}")
+        if rotary_pos_emb is not None:
+            raise ValueError("rotary_pos_emb is not supported: apply rotary embeddings with global positions before the call")
+        p = comm.group_size(self.spg)
+        problem = comm.head_scatter_problem(query.shape[2], key.shape[2], p)
+        if problem:
+            raise ValueError(f"DistributedAttention: {problem}")
+
+        def to_bshd(t):
+            return t if batch_dim_idx == 0 else t.transpose(0, 1)
+
+        k, v = comm.replicate_kv_for_scatter(to_bshd(key), to_bshd(value), p)
+        table = [[r] for r in range(p)]
+        q_h, k_h, v_h = comm.seq_to_heads([to_bshd(query), k, v], self.spg, table)
+        context = to_bshd(self.local_attn(*(to_bshd(t) for t in (q_h, k_h, v_h)), *args, **kwargs))
+        (out,) = comm.heads_to_seq([context], self.spg, table)
+        return to_bshd(out)
