@@ -38,8 +38,9 @@ def _rank_main(fn, rank: int, world_size: int, tmp: str, args, collective_timeou
         )
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(tmp, f"{rank}.pt"))
-        dist.barrier()
-        dist.destroy_process_group()
+        if dist.is_initialized():  # fn may have shut it down itself (the trainer does)
+            dist.barrier()
+            dist.destroy_process_group()
     except BaseException:
         with open(os.path.join(tmp, f"{rank}.err"), "w") as f:
             f.write(traceback.format_exc())

@@ -1,0 +1,13 @@
+"""Train a Hugging Face causal LM with sequence parallelism under DeepSpeed.
+
+    DS_ACCELERATOR=cpu deepspeed --num_gpus 2 train.py --sp-size 2 --sp-backend auto   # CPU, 2 ranks
+    torchrun --nproc_per_node 2 train.py --sp-size 2                                    # same, with torchrun
+    deepspeed --num_gpus 8 train.py --sp-size 4 --zero-stage 2 --model path/to/model --data data.jsonl
+
+All options: python train.py --help. The logic lives in ulysses_sp.trainer.
+"""
+
+from ulysses_sp.trainer import main
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,214 @@
+"""The main job: train a Hugging Face causal LM with sequence parallelism under DeepSpeed.
+
+``train.py`` at the repository root calls :func:`main`. Runs under the
+``deepspeed`` launcher or ``torchrun``; on a machine without CUDA it uses
+DeepSpeed's CPU accelerator and gloo. With no ``--model`` / ``--data`` it
+trains the embedded default: a small Llama-style model (random init, config
+below) on byte-level passkey retrieval (``ulysses_sp.tasks``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from . import comm
+from .data import shard_batch, sp_cross_entropy
+from .integrations.deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
+from .tasks import PAD_ID, VOCAB_SIZE, passkey_batch
+from .topology import init_sequence_parallel
+
+__all__ = ["TrainConfig", "main", "parse_args"]
+
+BACKENDS = ("auto", "ulysses", "allgather", "ring", "hybrid")
+
+
+@dataclass
+class TrainConfig:
+    sp_size: int
+    """Ranks that share one sequence; the rest of the world is data parallel."""
+    sp_backend: str = "auto"
+    zero_stage: int = 2
+    model: str | None = None
+    """A Hugging Face config.json, or a local model directory (weights loaded if present)."""
+    data: str | None = None
+    """A JSON-lines file of {"text": ...} records (byte-level tokens), instead of the passkey task."""
+    seq_len: int = 4096
+    steps: int = 200
+    lr: float = 3e-3
+    seed: int = 0
+    save: str | None = None
+    resume: str | None = None
+    ulysses_degree: int | None = None
+
+
+def parse_args(argv=None) -> TrainConfig:
+    p = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--sp-size", type=int, default=None, help="sequence-parallel size (default: every rank)")
+    p.add_argument("--sp-backend", choices=BACKENDS, default="auto")
+    p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2)
+    p.add_argument("--model", default=None, help="config.json or local model directory (default: the embedded tiny Llama)")
+    p.add_argument("--data", default=None, help="JSON lines with a 'text' field (default: the embedded passkey task)")
+    p.add_argument("--seq-len", type=int, default=4096)
+    p.add_argument("--steps", type=int, default=200)
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--ulysses-degree", type=int, default=None, help="for the hybrid backend (default: sp size)")
+    p.add_argument("--save", default=None, help="checkpoint directory (DeepSpeed format), written at the end")
+    p.add_argument("--resume", default=None, help="checkpoint directory to continue from")
+    p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
+    a = p.parse_args(argv)
+    return TrainConfig(
+        sp_size=a.sp_size, sp_backend=a.sp_backend, zero_stage=a.zero_stage, model=a.model, data=a.data, seq_len=a.seq_len,
+        steps=a.steps, lr=a.lr, seed=a.seed, save=a.save, resume=a.resume, ulysses_degree=a.ulysses_degree,
+    )
+
+
+def default_model_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=1 << 16, pad_token_id=PAD_ID,
+        bos_token_id=None, eos_token_id=None, tie_word_embeddings=False, use_cache=False,
+    )
+
+
+def build_model(cfg: TrainConfig):
+    import transformers
+
+    if cfg.model is None:
+        config = default_model_config()
+    elif os.path.isdir(cfg.model) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(cfg.model)):
+        return transformers.AutoModelForCausalLM.from_pretrained(cfg.model).float()
+    else:
+        config = transformers.AutoConfig.from_pretrained(cfg.model)
+    torch.manual_seed(cfg.seed)
+    return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
+class TextFile:
+    """Byte-level samples from a JSON-lines file: record ``step * dp_size + dp_rank`` (cycling)."""
+
+    def __init__(self, path: str, seq_len: int):
+        with open(path) as f:
+            self.records = [json.loads(line)["text"].encode() for line in f if line.strip()]
+        if not self.records:
+            raise ValueError(f"{path}: no records")
+        self.seq_len = seq_len
+
+    def batch(self, step: int, dp_rank: int, dp_size: int) -> dict:
+        raw = list(self.records[(step * dp_size + dp_rank) % len(self.records)][: self.seq_len])
+        ids = torch.tensor(raw, dtype=torch.long).unsqueeze(0)
+        return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set (Linux: KiB)
+
+
+def _chosen_backends(model) -> dict[int, str]:
+    return {
+        m.layer_idx: ",".join(sorted({b.name for b in m.__dict__["_ulysses_sp_attention"]._chosen.values()}))
+        for m in model.modules()
+        if "_ulysses_sp_attention" in m.__dict__
+    }
+
+
+def train(cfg: TrainConfig) -> list[float]:
+    """Run the job; returns the loss of every step run (on every rank)."""
+    use_cpu_accelerator_if_needed()
+    import deepspeed
+
+    from .integrations.transformers import apply_sequence_parallel
+
+    on_gpu = torch.cuda.is_available()
+    deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:  # ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))))
+    topo = init_sequence_parallel(cfg.sp_size or dist.get_world_size(), ulysses_degree=cfg.ulysses_degree, layout="zigzag")
+    rank0 = topo.rank == 0
+
+    model = apply_sequence_parallel(build_model(cfg), topo, backend=cfg.sp_backend)
+    model.train()
+    ds_config = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "zero_optimization": {"stage": cfg.zero_stage},
+        "steps_per_print": 1 << 30,
+    }
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
+    engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=SequenceParallelMPU(topo))
+    scale = gradient_scale(engine, topo)  # refuses combinations whose gradients are not exact
+
+    start = 0
+    if cfg.resume:
+        _, client = engine.load_checkpoint(cfg.resume)
+        start = int(client["step"])
+    source = TextFile(cfg.data, cfg.seq_len) if cfg.data else None
+    if rank0:
+        print(
+            f"ulysses-sp: world {topo.world_size} = dp {topo.dp_size} x sp {topo.sp_size}, backend {cfg.sp_backend}, "
+            f"ZeRO {cfg.zero_stage}, seq {cfg.seq_len}, steps {start}..{cfg.steps}, "
+            f"data {'passkey task' if source is None else cfg.data}",
+            flush=True,
+        )
+    progress = None
+    if rank0:
+        from tqdm import tqdm
+
+        # the bar only on a terminal; logs get the per-step lines alone
+        progress = tqdm(total=cfg.steps - start, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True, disable=not sys.stdout.isatty())
+
+    losses = []
+    for step in range(start, cfg.steps):
+        t0 = time.perf_counter()
+        if source is None:
+            batch = passkey_batch(cfg.seq_len, seed=cfg.seed, step=step, dp_rank=topo.dp_rank)
+        else:
+            batch = source.batch(step, topo.dp_rank, topo.dp_size)
+        local = shard_batch(batch, topo, pad_token_id=PAD_ID)
+        logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], cu_seq_lens_q=local.get("cu_seqlens")).logits
+        loss = sp_cross_entropy(logits, local["shift_labels"], topo, count_group=dist.group.WORLD)
+        engine.backward(loss * scale)
+        engine.step()
+        losses.append(loss.item())
+        seconds = time.perf_counter() - t0
+        peaks = comm.all_gather_ints((_peak_memory_bytes(topo.device) // 2**20,), dist.group.WORLD, topo.device)
+        if step == start and rank0:
+            layers = _chosen_backends(engine.module)
+            progress.write("backend per layer: " + ", ".join(f"{i}: {b}" for i, b in sorted(layers.items())))
+        if rank0:
+            tokens = cfg.seq_len * topo.dp_size
+            progress.write(
+                f"step {step + 1:4d}  loss {losses[-1]:.4f}  {tokens / seconds:8.0f} tokens/s  "
+                f"peak memory per rank {', '.join(f'{m[0]} MiB' for m in peaks)}"
+            )
+            progress.update(1)
+    if progress is not None:
+        progress.close()
+    if cfg.save:
+        engine.save_checkpoint(cfg.save, client_state={"step": cfg.steps})
+        if rank0:
+            print(f"checkpoint written to {cfg.save}", flush=True)
+    engine.destroy()
+    dist.barrier()  # gloo aborts at exit when a rank tears down while another still talks
+    dist.destroy_process_group()
+    return losses
+
+
+def main(argv=None) -> None:
+    train(parse_args(argv))
