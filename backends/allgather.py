@@ -20,7 +20,8 @@ import torch
 import torch.distributed as dist
 
 from ulysses_sp import comm, kernels, layout
-from ulysses_sp.spec import AttnSpec, Estimate, Profile
+from ulysses_sp.profile import Profile
+from ulysses_sp.spec import AttnSpec, Estimate
 
 __all__ = ["AllGatherBackend"]
 
@@ -130,13 +131,19 @@ class AllGatherBackend:
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
         p = topo.sp_size
         kv_local = 2 * spec.batch * spec.local_seq_len * spec.kv_heads * spec.head_dim * spec.element_size
+        acc = torch.empty((), dtype=kernels.accumulator_dtype(spec.dtype)).element_size() / spec.element_size
         comm_bytes = kv_local * (p - 1)
+        chunks = -(-spec.kv_heads // self.stride(spec))
+        spans = topo.spans_nodes("sp")
+        # forward and backward each gather K and V per head chunk; the backward reduce-scatters dK, dV (fp32)
+        transfer = 0.0
+        if p > 1:
+            transfer = profile.link("all_gather", spans).seconds(2 * comm_bytes, calls=4 * chunks)
+            transfer += profile.link("reduce_scatter", spans).seconds(comm_bytes * acc, calls=2 * chunks)
         gathered = 4 * spec.batch * spec.seq_len * self.stride(spec) * spec.head_dim * spec.element_size
         q_bytes = spec.batch * spec.local_seq_len * spec.q_heads * spec.head_dim * spec.element_size
-        acc = torch.empty((), dtype=kernels.accumulator_dtype(spec.dtype)).element_size() / spec.element_size
-        flops = 4 * spec.batch * spec.seq_len**2 * spec.head_dim * spec.q_heads / p / (2 if spec.causal else 1)
-        n_chunks = -(-spec.kv_heads // self.stride(spec))
-        seconds = n_chunks * profile.collective_latency + comm_bytes / profile.all_to_all_bandwidth + flops / profile.attention_flops
+        # the first chunk's gather is exposed; the rest overlaps the previous chunk's compute
+        seconds = transfer / chunks + profile.overlapped(profile.attention_fwd_bwd_seconds(spec, p), transfer * (1 - 1 / chunks))
         return Estimate(seconds=seconds, peak_bytes=int(q_bytes * (2 + acc) + kv_local + gathered), comm_bytes=comm_bytes)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:

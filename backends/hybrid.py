@@ -15,7 +15,8 @@ import torch
 from ulysses_sp import comm, layout
 from ulysses_sp.kernels import accumulator_dtype
 from ulysses_sp.ring_pass import ring_attention
-from ulysses_sp.spec import AttnSpec, Estimate, Profile
+from ulysses_sp.profile import Profile
+from ulysses_sp.spec import AttnSpec, Estimate
 
 __all__ = ["HybridBackend"]
 
@@ -40,13 +41,14 @@ class HybridBackend:
         hkv = comm.kv_heads_sent(spec.kv_heads, u)
         per_head = spec.batch * spec.local_seq_len * spec.head_dim * spec.element_size
         a2a = per_head * (2 * spec.q_heads + 2 * hkv) * (u - 1) // u
-        ring = 2 * per_head * hkv * (r - 1)  # K/V of u ranks' tokens, hkv/u heads, per hop
+        kv_bytes = 2 * per_head * hkv  # K/V of u ranks' tokens and hkv/u heads
+        ring = kv_bytes * (r - 1)
         acc = torch.empty((), dtype=accumulator_dtype(spec.dtype)).element_size() / spec.element_size
+        a2a_s = profile.link("all_to_all", topo.spans_nodes("ulysses")).seconds(2 * a2a, calls=4) if u > 1 else 0.0
+        link = profile.link("p2p", topo.spans_nodes("ring"))
+        ring_s = link.seconds(ring, r - 1) + link.seconds(ring + kv_bytes * acc * r, 2 * r - 1) if r > 1 else 0.0
         peak = int(per_head * (spec.q_heads * (3 + acc) + 2 * spec.kv_heads + 6 * hkv))
-        flops = 4 * spec.batch * spec.seq_len**2 * spec.head_dim * spec.q_heads / topo.sp_size / (2 if spec.causal else 1)
-        compute = flops / profile.attention_flops
-        ring_time = (r - 1) * profile.collective_latency + ring / profile.all_to_all_bandwidth
-        seconds = 2 * profile.collective_latency + a2a / profile.all_to_all_bandwidth + max(compute, ring_time)
+        seconds = a2a_s + profile.overlapped(profile.attention_fwd_bwd_seconds(spec, topo.sp_size), ring_s)
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=a2a + ring)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:

@@ -12,7 +12,8 @@ import torch
 from ulysses_sp import layout
 from ulysses_sp.kernels import accumulator_dtype
 from ulysses_sp.ring_pass import ring_attention
-from ulysses_sp.spec import AttnSpec, Estimate, Profile
+from ulysses_sp.profile import Profile
+from ulysses_sp.spec import AttnSpec, Estimate
 
 __all__ = ["RingBackend"]
 
@@ -26,14 +27,15 @@ class RingBackend:
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
         p = topo.sp_size
         kv_bytes = 2 * spec.batch * spec.local_seq_len * spec.kv_heads * spec.head_dim * spec.element_size
-        comm_bytes = kv_bytes * (p - 1)
-        q_bytes = spec.batch * spec.local_seq_len * spec.q_heads * spec.head_dim * spec.element_size
         acc = torch.empty((), dtype=accumulator_dtype(spec.dtype)).element_size() / spec.element_size
+        comm_bytes = kv_bytes * (p - 1)
+        link = profile.link("p2p", topo.spans_nodes("sp"))
+        # forward: P-1 hops of K/V; backward: P-1 hops of K/V and P of the fp32 dK/dV accumulators
+        transfer = link.seconds(comm_bytes, p - 1) + link.seconds(comm_bytes + kv_bytes * acc * p, 2 * p - 1) if p > 1 else 0.0
+        q_bytes = spec.batch * spec.local_seq_len * spec.q_heads * spec.head_dim * spec.element_size
         peak = int(q_bytes * (2 + acc) + 3 * kv_bytes)  # q, out, fp32 accumulator; own, in-flight and next K/V
-        flops = 4 * spec.batch * spec.seq_len**2 * spec.head_dim * spec.q_heads / p / (2 if spec.causal else 1)
-        compute = flops / profile.attention_flops
-        transfer = (p - 1) * profile.collective_latency + comm_bytes / profile.all_to_all_bandwidth
-        return Estimate(seconds=max(compute, transfer), peak_bytes=peak, comm_bytes=comm_bytes)
+        seconds = profile.overlapped(profile.attention_fwd_bwd_seconds(spec, p), transfer)
+        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         table = layout.chunk_table(spec.layout, topo.sp_size)

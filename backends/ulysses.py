@@ -14,7 +14,8 @@ from __future__ import annotations
 import torch
 
 from ulysses_sp import comm, kernels, layout
-from ulysses_sp.spec import AttnSpec, Estimate, Profile
+from ulysses_sp.profile import Profile
+from ulysses_sp.spec import AttnSpec, Estimate
 
 __all__ = ["UlyssesBackend"]
 
@@ -42,10 +43,10 @@ class UlyssesBackend:
         hkv = comm.kv_heads_sent(spec.kv_heads, p)
         per_head = spec.batch * spec.local_seq_len * spec.head_dim * spec.element_size
         comm_bytes = per_head * (2 * spec.q_heads + 2 * hkv) * (p - 1) // p
-        # inputs + their head-sharded copies + output, per rank
+        # forward and backward: two all-to-alls each, of the same volume; attention waits for them
+        transfer = profile.link("all_to_all", topo.spans_nodes("sp")).seconds(2 * comm_bytes, calls=4) if p > 1 else 0.0
         peak = per_head * (2 * spec.q_heads + 2 * spec.kv_heads) + per_head * (2 * spec.q_heads + 2 * hkv)
-        flops = 4 * spec.batch * spec.seq_len**2 * spec.head_dim * spec.q_heads / p / (2 if spec.causal else 1)
-        seconds = 2 * profile.collective_latency + comm_bytes / profile.all_to_all_bandwidth + flops / profile.attention_flops
+        seconds = transfer + profile.attention_fwd_bwd_seconds(spec, p)
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:

@@ -61,7 +61,7 @@ def _rank(rank, world, cfg):
             "fwd_bwd_s": total_times,
             "fwd_bytes_sent": fwd_bytes.bytes_sent,
             "bwd_bytes_sent": bwd_bytes.bytes_sent,
-            "estimated_fwd_bytes": usp.get_backend(backend).estimate(spec, topo, usp.spec.DEFAULT_PROFILE).comm_bytes,
+            "estimated_fwd_bytes": usp.get_backend(backend).estimate(spec, topo, usp.CPU_GLOO_PROFILE).comm_bytes,
         }
     return results
 

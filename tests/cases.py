@@ -222,7 +222,7 @@ def backend_bytes(env: Env, backend: str, hq: int, hkv: int, grads: str) -> dict
     return {
         "fwd": (fwd.bytes_sent, fwd.bytes_recv, {o: dataclasses.astuple(c) for o, c in fwd.by_op.items()}),
         "bwd": (bwd.bytes_sent, bwd.bytes_recv, {o: dataclasses.astuple(c) for o, c in bwd.by_op.items()}),
-        "estimate": usp.get_backend(backend).estimate(spec, topo, usp.spec.DEFAULT_PROFILE).comm_bytes,
+        "estimate": usp.get_backend(backend).estimate(spec, topo, usp.CPU_GLOO_PROFILE).comm_bytes,
         "degrees": (topo.ulysses_degree, topo.ring_degree),
     }
 

@@ -18,7 +18,8 @@ from .data import (
 )
 from .layout import pad_to_multiple
 from .registry import get_backend, list_backends, register_backend
-from .spec import AttnSpec, Estimate, Profile
+from .profile import CPU_GLOO_PROFILE, NVLINK_PROFILE, LinkCost, Profile, load_profile
+from .spec import AttnSpec, Estimate
 from .topology import Topology, init_sequence_parallel
 
 __version__ = "0.1.0"
@@ -60,4 +61,8 @@ __all__ = [
     "AttnSpec",
     "Estimate",
     "Profile",
+    "LinkCost",
+    "load_profile",
+    "CPU_GLOO_PROFILE",
+    "NVLINK_PROFILE",
 ]

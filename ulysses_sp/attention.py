@@ -20,7 +20,8 @@ from torch import nn
 from . import comm
 from . import layout as _layout
 from .registry import choose_backend, get_backend
-from .spec import AttnSpec, Profile
+from .profile import Profile
+from .spec import AttnSpec
 from .topology import Topology
 
 __all__ = ["SequenceParallelAttention", "sp_attention", "make_spec"]

@@ -14,7 +14,8 @@ from ulysses_sp.backends.allgather import AllGatherBackend
 from ulysses_sp.backends.hybrid import HybridBackend
 from ulysses_sp.backends.ring import RingBackend
 from ulysses_sp.backends.ulysses import UlyssesBackend
-from ulysses_sp.spec import DEFAULT_PROFILE, AttnSpec, Estimate, Profile
+from ulysses_sp.profile import Profile, default_profile
+from ulysses_sp.spec import AttnSpec, Estimate
 
 __all__ = ["Backend", "register_backend", "get_backend", "list_backends", "choose_backend"]
 
@@ -59,14 +60,27 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"unknown SP backend {name!r}; known: {', '.join(['auto', *_BACKENDS])}") from None
 
 
-def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tuple[Backend, dict[str, str | Estimate]]:
+def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None, backends=None) -> tuple[Backend, dict[str, str | Estimate]]:
     """The cheapest feasible backend for ``spec``, and for every backend either
-    its estimate or the reason it cannot run."""
-    profile = profile or DEFAULT_PROFILE
+    its estimate or the reason it was dropped (``check()`` failed, or its peak
+    memory exceeds the profile's budget).
+
+    ``profile`` defaults to the topology's, else the built-in one for its device;
+    ``backends`` (names) limits the candidates (default: every registered one).
+    """
+    profile = profile or getattr(topo, "profile", None) or default_profile(topo.device.type)
     considered: dict[str, str | Estimate] = {}
-    for name, backend in _BACKENDS.items():
+    for name in backends or _BACKENDS:
+        backend = get_backend(name)
         reason = backend.check(spec, topo)
-        considered[name] = reason if reason is not None else backend.estimate(spec, topo, profile)
+        if reason is None:
+            estimate = backend.estimate(spec, topo, profile)
+            budget = profile.memory_budget_bytes
+            if budget is not None and estimate.peak_bytes > budget:
+                reason = f"{name}: needs about {estimate.peak_bytes / 2**20:.0f} MiB, over the memory budget of {budget / 2**20:.0f} MiB"
+            else:
+                reason = estimate
+        considered[name] = reason
     feasible = {n: e for n, e in considered.items() if isinstance(e, Estimate)}
     if not feasible:
         reasons = "; ".join(f"{r}" for r in considered.values())

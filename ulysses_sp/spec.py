@@ -1,7 +1,7 @@
-"""What a backend is asked to do (:class:`AttnSpec`), what it costs (:class:`Estimate`),
-and the machine figures costs are computed from (:class:`Profile`).
+"""What a backend is asked to do (:class:`AttnSpec`) and what it costs (:class:`Estimate`).
 
-Kept below both the registry and the backends so that neither imports the other.
+Kept below both the registry and the backends so that neither imports the other;
+the machine figures costs come from are in :mod:`ulysses_sp.profile`.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AttnSpec", "Estimate", "Profile", "DEFAULT_PROFILE"]
+__all__ = ["AttnSpec", "Estimate"]
 
 
 @dataclass(frozen=True)
@@ -36,29 +36,24 @@ class AttnSpec:
     def element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
 
+    def attention_flops(self, ranks: int) -> float:
+        """Forward attention FLOPs per rank when ``ranks`` share the work evenly:
+        4 * B * (query-key pairs) * Hq * D / ranks, pairs halved under a causal mask
+        and counted per document for packed sequences."""
+        if self.cu_seqlens is None:
+            pairs = self.seq_len**2
+        else:
+            pairs = sum((b - a) ** 2 for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:]))
+        return 4 * self.batch * pairs * self.q_heads * self.head_dim / ranks / (2 if self.causal else 1)
+
 
 @dataclass(frozen=True)
 class Estimate:
-    """A backend's predicted cost for one forward of one layer, per rank."""
+    """A backend's predicted cost for one layer's attention, per rank."""
 
     seconds: float
+    """Forward plus backward, on this rank."""
     peak_bytes: int
     """Activation memory the backend holds at its peak (inputs and output included)."""
     comm_bytes: int
     """Bytes this rank sends in the forward (what ``CommCounter.bytes_sent`` reports)."""
-
-
-@dataclass(frozen=True)
-class Profile:
-    """Machine figures for cost estimates. ``sp-bench calibrate`` will measure one;
-    the default is a rough CPU/gloo figure."""
-
-    all_to_all_bandwidth: float = 2e9
-    """Bytes per second a rank sends in an all-to-all."""
-    collective_latency: float = 50e-6
-    """Seconds of fixed cost per collective call."""
-    attention_flops: float = 2e10
-    """Attention FLOP/s of the local kernel."""
-
-
-DEFAULT_PROFILE = Profile()

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import datetime
 import numbers
+import os
 from dataclasses import dataclass, field
 
 import torch
@@ -18,6 +19,7 @@ import torch.distributed as dist
 
 from . import comm
 from . import layout as _layout
+from .profile import load_profile
 
 __all__ = ["Topology", "init_sequence_parallel", "DEFAULT_TIMEOUT"]
 
@@ -53,12 +55,39 @@ class Topology:
     """Where tensors must live for this process group backend."""
     timeout: datetime.timedelta
     """Every collective on these groups fails after this long instead of hanging."""
+    ranks_per_node: int = 0
+    """Ranks on one machine (0: all of them); groups larger than this cross the slow links."""
     shape_check: str = "once"
     """``once``: ranks compare each call signature the first time they see it (one tiny
     all-gather per new shape). ``always``: compare on every call, which also catches a
     rank falling back to a shape it has already seen while the others have not."""
     verified_signatures: set = field(default_factory=set, repr=False, compare=False)
     """Call signatures already checked to agree across the SP group."""
+    profile: object = field(default=None, repr=False, compare=False)
+    """The ``ulysses_sp.profile.Profile`` that ``auto`` estimates with (None: the built-in one for the device)."""
+
+    def spans_nodes(self, group: str) -> bool:
+        """Whether the ``sp``, ``ulysses`` or ``ring`` group crosses machines (blocks of
+        ``ranks_per_node`` consecutive ranks)."""
+        per_node = self.ranks_per_node or self.world_size
+        if group == "ulysses":
+            return self.ulysses_degree > per_node
+        if group == "ring":
+            return self.ring_degree > 1 and self.sp_size > per_node
+        return self.sp_size > per_node
+
+    @classmethod
+    def for_planning(cls, sp_size: int, *, ulysses_degree: int | None = None, ranks_per_node: int = 0, layout: str = "zigzag", profile=None) -> "Topology":
+        """A topology without process groups, for estimating and choosing backends offline
+        (``sp-bench plan``): everything but communication works."""
+        sp_size = _check_degree("sp_size", sp_size, sp_size, "sp_size")
+        ulysses_degree = _check_degree("ulysses_degree", sp_size if ulysses_degree is None else ulysses_degree, sp_size, "sp_size")
+        return cls(
+            rank=0, world_size=sp_size, sp_group=None, sp_rank=0, sp_size=sp_size, dp_group=None, dp_rank=0, dp_size=1,
+            ulysses_group=None, ulysses_rank=0, ulysses_degree=ulysses_degree, ring_group=None, ring_rank=0,
+            ring_degree=sp_size // ulysses_degree, layout=_layout.check_layout(layout), device=torch.device("cpu"),
+            timeout=DEFAULT_TIMEOUT, ranks_per_node=ranks_per_node, profile=profile,
+        )
 
 
 def _check_degree(name: str, value, total: int, total_name: str) -> int:
@@ -105,7 +134,9 @@ def _my_group(rank_lists: list[list[int]], rank: int, timeout: datetime.timedelt
 SHAPE_CHECKS = ("once", "always")
 
 
-def init_sequence_parallel(sp_size, *, ulysses_degree=None, layout: str = "zigzag", timeout=None, shape_check: str = "once") -> Topology:
+def init_sequence_parallel(
+    sp_size, *, ulysses_degree=None, layout: str = "zigzag", timeout=None, shape_check: str = "once", profile=None, ranks_per_node=None
+) -> Topology:
     """Split the initialised default process group into DP x SP groups.
 
     Call on every rank, after ``torch.distributed.init_process_group`` (gloo or
@@ -116,8 +147,9 @@ def init_sequence_parallel(sp_size, *, ulysses_degree=None, layout: str = "zigza
     Raises ``ValueError`` on every rank, before creating any group, for an
     ``sp_size`` that is not a positive integer dividing the world size, an
     ``ulysses_degree`` that does not divide ``sp_size``, an unknown layout, or
-    arguments that differ between ranks. ``shape_check`` is described on
-    :class:`Topology`.
+    arguments that differ between ranks. ``shape_check``, ``profile`` (a
+    ``Profile`` or the path of one) and ``ranks_per_node`` (default: the
+    launcher's ``LOCAL_WORLD_SIZE``) are described on :class:`Topology`.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -168,4 +200,6 @@ def init_sequence_parallel(sp_size, *, ulysses_degree=None, layout: str = "zigza
         device=_device_for_backend(),
         timeout=timeout,
         shape_check=shape_check,
+        ranks_per_node=int(ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", 0)),
+        profile=load_profile(profile) if isinstance(profile, str) else profile,
     )

@@ -16,7 +16,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from ..attention import SequenceParallelAttention
-from ..spec import Profile
+from ..profile import Profile
 from ..topology import Topology
 
 __all__ = ["ATTN_IMPLEMENTATION", "apply_sequence_parallel", "remove_sequence_parallel", "sp_attention_forward"]
@@ -72,19 +72,35 @@ def _attention_layers(model):
     return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
 
 
-def apply_sequence_parallel(model, topo: Topology, backend: str = "auto", profile: Profile | None = None):
+def _backend_per_layer(backend, layers) -> dict[int, str]:
+    indices = sorted({layer.layer_idx for layer in layers})
+    if isinstance(backend, str):
+        return dict.fromkeys(indices, backend)
+    if callable(backend):
+        return {i: backend(i) for i in indices}
+    names = list(backend)
+    if len(names) != len(indices):
+        raise ValueError(f"a per-layer backend list needs one name per attention layer ({len(indices)}), got {len(names)}: {names}")
+    return dict(zip(indices, names))
+
+
+def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Profile | None = None):
     """Switch a loaded transformers model to sequence-parallel attention; returns the model.
 
-    Keeps the previous attention implementation for :func:`remove_sequence_parallel`
-    and turns the KV cache off (training and evaluation, not generation).
+    ``backend`` is one name for every layer (``"auto"`` decides per layer and
+    shape), a list with one name per attention layer (like Megatron's
+    ``--cp-comm-type``), or a callable ``layer_idx -> name``. Keeps the previous
+    attention implementation for :func:`remove_sequence_parallel` and turns the
+    KV cache off (training and evaluation, not generation).
     """
     layers = _attention_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attention layers with a layer_idx; ulysses_sp cannot switch it")
+    per_layer = _backend_per_layer(backend, layers)
     if _PREVIOUS not in model.__dict__:
         model.__dict__[_PREVIOUS] = (model.config._attn_implementation, model.config.use_cache)
     for layer in layers:  # plain attribute, not a submodule: state_dict and parameters stay as they were
-        layer.__dict__[_STATE] = SequenceParallelAttention(topo, backend=backend, layer_idx=layer.layer_idx, profile=profile)
+        layer.__dict__[_STATE] = SequenceParallelAttention(topo, backend=per_layer[layer.layer_idx], layer_idx=layer.layer_idx, profile=profile)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     model.config.use_cache = False
     return model

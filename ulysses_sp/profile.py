@@ -1,0 +1,114 @@
+"""Machine figures that backend cost estimates are computed from.
+
+A :class:`Profile` holds, per kind of collective, a latency and a bandwidth
+(inside a node, and across nodes), the local attention kernel's throughput
+forward and backward by dtype, whether communication overlaps computation,
+and an optional memory budget. Two are built in (CPU with gloo, NVLink GPUs);
+``sp-bench calibrate`` measures one for the machine at hand and writes JSON
+that :func:`load_profile` reads back.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass, field
+
+__all__ = ["LinkCost", "Profile", "CPU_GLOO_PROFILE", "NVLINK_PROFILE", "load_profile", "default_profile", "COLLECTIVES"]
+
+COLLECTIVES = ("all_to_all", "all_gather", "reduce_scatter", "p2p")
+
+
+@dataclass(frozen=True)
+class LinkCost:
+    latency: float
+    """Seconds of fixed cost per call."""
+    bandwidth: float
+    """Bytes per second one rank sends."""
+
+    def seconds(self, bytes_sent: float, calls: int = 1) -> float:
+        return calls * self.latency + bytes_sent / self.bandwidth
+
+
+@dataclass(frozen=True)
+class Profile:
+    name: str
+    collectives: dict[str, LinkCost]
+    """Inside a node, per collective of ``COLLECTIVES``."""
+    inter_node: LinkCost
+    """Any collective whose group spans nodes."""
+    attention_fwd_flops: dict[str, float]
+    """Forward attention FLOP/s of the local kernel by dtype name (``float32``, ``bfloat16``...);
+    FLOPs counted as 4 * B * Sq * Sk * H * D, halved under a causal mask."""
+    attention_bwd_flops: dict[str, float]
+    """The backward's rate against the same FLOP count (so backward seconds = FLOPs / this)."""
+    overlap: bool = True
+    """Whether communication posted before a computation runs while it runs."""
+    memory_budget_bytes: int | None = None
+    """Backends whose estimated peak exceeds this are not chosen by ``auto``."""
+    measured: dict = field(default_factory=dict, compare=False)
+    """What calibration measured (sizes, raw timings), for the record."""
+
+    def link(self, collective: str, spans_nodes: bool) -> LinkCost:
+        return self.inter_node if spans_nodes else self.collectives[collective]
+
+    def attention_seconds(self, flops: float, dtype, backward: bool = False) -> float:
+        rates = self.attention_bwd_flops if backward else self.attention_fwd_flops
+        name = str(dtype).replace("torch.", "")
+        return flops / rates.get(name, rates.get("float32"))
+
+    def overlapped(self, compute: float, transfer: float) -> float:
+        """Seconds for computation and communication posted alongside it."""
+        return max(compute, transfer) if self.overlap else compute + transfer
+
+    def attention_fwd_bwd_seconds(self, spec, ranks: int) -> float:
+        flops = spec.attention_flops(ranks)
+        return self.attention_seconds(flops, spec.dtype) + self.attention_seconds(flops, spec.dtype, backward=True)
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
+
+    def save(self, path: str) -> None:
+        with open(path, "w") as f:
+            f.write(self.to_json() + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict) -> "Profile":
+        data = dict(data)
+        data["collectives"] = {k: LinkCost(**v) for k, v in data["collectives"].items()}
+        data["inter_node"] = LinkCost(**data["inter_node"])
+        missing = set(COLLECTIVES) - set(data["collectives"])
+        if missing:
+            raise ValueError(f"profile lacks collectives {sorted(missing)}")
+        return cls(**data)
+
+
+def load_profile(path: str) -> Profile:
+    """A profile written by ``sp-bench calibrate`` (or by :meth:`Profile.save`)."""
+    with open(path) as f:
+        return Profile.from_dict(json.load(f))
+
+
+CPU_GLOO_PROFILE = Profile(
+    name="cpu-gloo (built in)",
+    collectives={c: LinkCost(latency=1e-4, bandwidth=2e9) for c in COLLECTIVES},
+    inter_node=LinkCost(latency=2e-4, bandwidth=1e9),
+    attention_fwd_flops={"float32": 1.5e10, "bfloat16": 8e9, "float64": 7e9, "float16": 4e9},
+    attention_bwd_flops={"float32": 6e9, "bfloat16": 3e9, "float64": 3e9, "float16": 1.5e9},
+    overlap=True,
+)
+"""Rough figures for gloo on one CPU machine, one thread per rank."""
+
+NVLINK_PROFILE = Profile(
+    name="nvlink-gpu (built in)",
+    collectives={c: LinkCost(latency=2e-5, bandwidth=1.5e11) for c in COLLECTIVES},
+    inter_node=LinkCost(latency=2e-5, bandwidth=2.5e10),
+    attention_fwd_flops={"bfloat16": 3e14, "float16": 3e14, "float32": 4e13, "float64": 2e13},
+    attention_bwd_flops={"bfloat16": 1.2e14, "float16": 1.2e14, "float32": 1.6e13, "float64": 8e12},
+    overlap=True,
+)
+"""Rough figures for H100-class GPUs with NVLink inside a node and 200 Gb/s across nodes."""
+
+
+def default_profile(device_type: str) -> Profile:
+    return NVLINK_PROFILE if device_type == "cuda" else CPU_GLOO_PROFILE
