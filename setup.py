@@ -5,12 +5,14 @@ from setuptools import setup
 EXTRAS = {
     "deepspeed": ["deepspeed>=0.14"],
     "hf": ["transformers>=4.56"],
+    # sp-bench's tables, progress bars and plots
+    "bench": ["rich>=13", "tqdm>=4.60", "matplotlib>=3.7"],
     # what the tests need: they check the transformers integration too
-    "dev": ["pytest>=7", "pytest-timeout>=2", "transformers>=4.56", "deepspeed>=0.17"],
+    "dev": ["pytest>=7", "pytest-timeout>=2", "transformers>=4.56", "deepspeed>=0.17", "rich>=13", "tqdm>=4.60"],
     # flash-attn builds only against CUDA; kept apart from `all`.
     "cuda": ["flash-attn>=2.5", "ring-flash-attn>=0.1"],
 }
-EXTRAS["all"] = sorted({req for name in ("deepspeed", "hf", "dev") for req in EXTRAS[name]})
+EXTRAS["all"] = sorted({req for name in ("deepspeed", "hf", "bench", "dev") for req in EXTRAS[name]})
 
 setup(
     name="ulysses-sp",

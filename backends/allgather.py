@@ -125,7 +125,7 @@ class AllGatherBackend:
 
     def check(self, spec: AttnSpec, topo) -> str | None:
         if self.heads_k_stride is not None and self.heads_k_stride > spec.kv_heads:
-            return f"allgather: heads_k_stride ({self.heads_k_stride}) exceeds the kv heads ({spec.kv_heads})"
+            return f"{self.name}: heads_k_stride ({self.heads_k_stride}) exceeds the kv heads ({spec.kv_heads})"
         return None
 
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:

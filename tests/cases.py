@@ -491,6 +491,28 @@ if importlib.util.find_spec("transformers") is not None:  # else tests/test_tran
     case("hf/errors", (2, 4))(lambda env: hf_errors(_topo_for(env, Parity(), "zigzag")))
 
 
+# --------------------------------------------------------------------------- the auto policy
+
+@case("policy/per-layer", (4,))
+def per_layer_backends(env: Env) -> dict:
+    """Two layers of one forward pass, 8 and 6 q heads on 4 ranks, one token layout:
+    with all-to-all made cheap, auto picks Ulysses for the first and something else
+    for the second (6 heads do not split over 4 ranks); both match the reference."""
+    from ulysses_sp.profile import COLLECTIVES, CPU_GLOO_PROFILE, LinkCost, Profile
+
+    cheap = {c: LinkCost(1e-9, 1e15) if c == "all_to_all" else LinkCost(1.0, 1e3) for c in COLLECTIVES}
+    profile = Profile(**{**CPU_GLOO_PROFILE.__dict__, "collectives": cheap})
+    topo = _topo_for(env, Parity(), "zigzag")
+    out = {}
+    for layer, hq in enumerate((8, 6)):
+        gen = generator(f"per-layer-{layer}")
+        full = [torch.randn(1, 48, h, 8, generator=gen, dtype=torch.float64) for h in (hq, 2, 2)]
+        attn = usp.SequenceParallelAttention(topo, backend="auto", layer_idx=layer, profile=profile)
+        got = usp.gather_sequence(attn(*(usp.shard_sequence(t, topo) for t in full)), topo)
+        out[layer] = {"chosen": [b.name for b in attn._chosen.values()], "err": max_err(got, reference_attention(*full))}
+    return out
+
+
 # --------------------------------------------------------------------------- DeepSpeed
 
 def _ds(env: Env, what: str):

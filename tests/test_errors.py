@@ -24,7 +24,7 @@ EXPECTED = {
     "shard length not divisible": "pad_to_multiple",
     "ulysses q heads not divisible": "ValueError: ulysses: q heads",
     "ulysses kv heads incompatible": "ValueError: ulysses: kv heads",
-    "allgather heads_k_stride above kv heads": "ValueError: allgather: heads_k_stride (3) exceeds the kv heads (2)",
+    "allgather heads_k_stride above kv heads": "ValueError: allgather_stride3: heads_k_stride (3) exceeds the kv heads (2)",
     "shard length differs per rank": "ValueError: the ranks of the SP group called attention with different local_seq_len",
     "cu_seqlens differ per rank": "ValueError: the ranks of the SP group called attention with different cu_seqlens",
     "requires_grad differs per rank": "ValueError: the ranks of the SP group called attention with different requires_grad",

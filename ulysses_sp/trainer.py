@@ -36,6 +36,7 @@ class TrainConfig:
     sp_size: int
     """Ranks that share one sequence; the rest of the world is data parallel."""
     sp_backend: str = "auto"
+    """A backend name, ``auto``, or comma-separated names, one per attention layer."""
     zero_stage: int = 2
     model: str | None = None
     """A Hugging Face config.json, or a local model directory (weights loaded if present)."""
@@ -48,12 +49,15 @@ class TrainConfig:
     save: str | None = None
     resume: str | None = None
     ulysses_degree: int | None = None
+    profile: str | None = None
+    """A profile JSON from ``sp-bench calibrate`` for the auto policy."""
 
 
 def parse_args(argv=None) -> TrainConfig:
     p = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--sp-size", type=int, default=None, help="sequence-parallel size (default: every rank)")
-    p.add_argument("--sp-backend", choices=BACKENDS, default="auto")
+    p.add_argument("--sp-backend", default="auto", help=f"one of {', '.join(BACKENDS)}, or a comma-separated name per layer")
+    p.add_argument("--profile", default=None, help="a profile from sp-bench calibrate, for auto (default: built in)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2)
     p.add_argument("--model", default=None, help="config.json or local model directory (default: the embedded tiny Llama)")
     p.add_argument("--data", default=None, help="JSON lines with a 'text' field (default: the embedded passkey task)")
@@ -66,9 +70,12 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--resume", default=None, help="checkpoint directory to continue from")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     a = p.parse_args(argv)
+    unknown = [name for name in a.sp_backend.split(",") if name not in BACKENDS]
+    if unknown:
+        p.error(f"--sp-backend: unknown {unknown}; choose from {', '.join(BACKENDS)} (one, or one per layer)")
     return TrainConfig(
         sp_size=a.sp_size, sp_backend=a.sp_backend, zero_stage=a.zero_stage, model=a.model, data=a.data, seq_len=a.seq_len,
-        steps=a.steps, lr=a.lr, seed=a.seed, save=a.save, resume=a.resume, ulysses_degree=a.ulysses_degree,
+        steps=a.steps, lr=a.lr, seed=a.seed, save=a.save, resume=a.resume, ulysses_degree=a.ulysses_degree, profile=a.profile,
     )
 
 
@@ -138,10 +145,11 @@ def train(cfg: TrainConfig) -> list[float]:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     else:  # ranks share the cores
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))))
-    topo = init_sequence_parallel(cfg.sp_size or dist.get_world_size(), ulysses_degree=cfg.ulysses_degree, layout="zigzag")
+    topo = init_sequence_parallel(cfg.sp_size or dist.get_world_size(), ulysses_degree=cfg.ulysses_degree, layout="zigzag", profile=cfg.profile)
     rank0 = topo.rank == 0
 
-    model = apply_sequence_parallel(build_model(cfg), topo, backend=cfg.sp_backend)
+    backend = cfg.sp_backend.split(",") if "," in cfg.sp_backend else cfg.sp_backend
+    model = apply_sequence_parallel(build_model(cfg), topo, backend=backend)
     model.train()
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,

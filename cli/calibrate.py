@@ -1,0 +1,119 @@
+"""``sp-bench calibrate``: measure a :class:`~ulysses_sp.profile.Profile` on this machine.
+
+On N spawned gloo ranks (CPU, one thread each), or inside an existing
+torchrun/deepspeed launch (NCCL on GPUs): latency (small messages) and
+bandwidth (large ones) of all-to-all, all-gather, reduce-scatter and p2p, the
+local attention kernel's forward and backward rate per dtype, and whether a
+p2p exchange overlaps computation. Every rank measures at once, as in training.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+from ulysses_sp import comm, kernels
+from ulysses_sp.profile import COLLECTIVES, LinkCost, Profile
+
+__all__ = ["measure"]
+
+SMALL, LARGE = 1 << 6, 1 << 22  # elements of float32: 256 B and 16 MiB
+
+
+def _timed(fn, repeat: int, device) -> float:
+    """Median seconds of ``fn`` over ``repeat`` runs, the slowest rank's, ranks in step."""
+    times = []
+    for _ in range(repeat):
+        dist.barrier()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    slowest = torch.tensor([statistics.median(times)], dtype=torch.float64, device=device)
+    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+    return slowest.item()
+
+
+def _collective(kind: str, n: int, group, device):
+    """(callable running one collective of ``n`` float32 elements per rank, bytes this rank sends)."""
+    p = dist.get_world_size(group)
+    x = torch.randn(n * p if kind in ("all_to_all", "reduce_scatter") else n, device=device)
+    if kind == "all_to_all":
+        rows = x.view(p, -1)
+        return (lambda: comm._all_to_all_rows(rows, group)), rows[0].numel() * 4 * (p - 1)
+    if kind == "all_gather":
+        return (lambda: comm.all_gather_start(x, group, 0)()), n * 4 * (p - 1)
+    if kind == "reduce_scatter":
+        return (lambda: comm.reduce_scatter_sum(x, group, 0)), n * 4 * (p - 1)
+    rank = dist.get_rank(group)
+
+    def exchange():
+        _, wait = comm.ring_send_recv([x], group, send_to=(rank + 1) % p, recv_from=(rank - 1) % p)
+        wait()
+
+    return exchange, n * 4
+
+
+def _kernel_rates(dtype, seq: int, repeat: int, device) -> tuple[float, float]:
+    """Forward and backward FLOP/s of causal local attention (8 q heads, 2 kv heads, dim 64)."""
+    q = torch.randn(1, seq, 8, 64, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, seq, 2, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    flops = 4 * seq * seq * 8 * 64 / 2  # causal
+    dout = kernels.local_attention(q, k, v, causal=True).detach()
+    t_fwd = _timed(lambda: kernels.local_attention(q, k, v, causal=True), repeat, device)
+    t_both = _timed(lambda: torch.autograd.grad(kernels.local_attention(q, k, v, causal=True), (q, k, v), dout), repeat, device)
+    return flops / t_fwd, flops / max(t_both - t_fwd, 1e-9)
+
+
+def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), progress=None) -> Profile:
+    """Run on every rank of the default group; every rank returns the same profile."""
+    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+    group = dist.group.WORLD
+    step = progress.update if progress is not None else (lambda *_: None)
+    collectives, measured = {}, {"world_size": dist.get_world_size(), "device": str(device), "repeat": repeat}
+    for kind in COLLECTIVES:
+        small, _ = _collective(kind, SMALL, group, device)
+        large, sent = _collective(kind, LARGE, group, device)
+        latency = _timed(small, repeat, device)
+        seconds = _timed(large, repeat, device)
+        bandwidth = sent / max(seconds - latency, 1e-9)
+        collectives[kind] = LinkCost(latency=latency, bandwidth=bandwidth)
+        measured[kind] = {"small_s": latency, "large_s": seconds, "large_bytes_sent": sent}
+        step(1)
+
+    fwd, bwd = {}, {}
+    for name in dtypes:
+        fwd[name], bwd[name] = _kernel_rates(getattr(torch, name), seq, repeat, device)
+        step(1)
+
+    # overlap: does a p2p exchange proceed while the rank computes?
+    exchange, _ = _collective("p2p", LARGE, group, device)
+    q = torch.randn(1, seq, 8, 64, device=device)
+    compute = lambda: kernels.local_attention(q, q[:, :, :2], q[:, :, :2], causal=True)  # noqa: E731
+    t_comm, t_compute = _timed(exchange, repeat, device), _timed(compute, repeat, device)
+    rank, p = dist.get_rank(), dist.get_world_size()
+
+    def both():
+        _, wait = comm.ring_send_recv([torch.randn(LARGE, device=device)], group, send_to=(rank + 1) % p, recv_from=(rank - 1) % p)
+        compute()
+        wait()
+
+    t_both = _timed(both, repeat, device)
+    overlap = t_both < 0.8 * (t_comm + t_compute)
+    measured["overlap"] = {"comm_s": t_comm, "compute_s": t_compute, "both_s": t_both}
+    step(1)
+    return Profile(
+        name=f"calibrated: {p} x {device.type}, {dist.get_backend()}",
+        collectives=collectives,
+        inter_node=min(collectives.values(), key=lambda c: c.bandwidth),  # one machine measured: no slower link seen
+        attention_fwd_flops=fwd,
+        attention_bwd_flops=bwd,
+        overlap=overlap,
+        measured=measured,
+    )

@@ -1,0 +1,106 @@
+"""``sp-bench plan``: which backend ``auto`` would pick for every layer of a model, and why.
+
+Needs no ranks: it builds each layer's :class:`AttnSpec` from a Hugging Face
+config (or flags) and asks every backend's ``check()`` and ``estimate()`` on a
+planning topology, with a profile (built-in or measured by ``calibrate``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import torch
+
+from ulysses_sp.profile import Profile
+from ulysses_sp.registry import choose_backend
+from ulysses_sp.spec import AttnSpec, Estimate
+from ulysses_sp.topology import Topology
+
+__all__ = ["LayerShape", "layers_from_config", "plan_rows", "parse_tokens"]
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    q_heads: int
+    kv_heads: int
+    head_dim: int
+
+
+def parse_tokens(text: str) -> int:
+    """``4096``, ``8k`` (8192) or ``1m`` (1048576)."""
+    text = str(text).strip().lower()
+    scale = {"k": 1 << 10, "m": 1 << 20}.get(text[-1:], 1)
+    try:
+        value = int(float(text[:-1] if scale > 1 else text) * scale)
+    except ValueError:
+        raise ValueError(f"not a token count: {text!r} (examples: 4096, 8k, 1m)") from None
+    if value <= 0:
+        raise ValueError(f"token count must be positive, got {text!r}")
+    return value
+
+
+def layers_from_config(path: str) -> list[LayerShape]:
+    """Per-layer attention shapes from a Hugging Face config.json (lists per layer are honoured)."""
+    with open(path) as f:
+        config = json.load(f)
+    config = config.get("text_config", config)
+    n = config["num_hidden_layers"]
+    heads = config["num_attention_heads"]
+    kv = config.get("num_key_value_heads") or heads
+    head_dim = config.get("head_dim") or config["hidden_size"] // (heads if isinstance(heads, int) else heads[0])
+
+    def per_layer(value):
+        return value if isinstance(value, list) else [value] * n
+
+    return [LayerShape(*shape) for shape in zip(per_layer(heads), per_layer(kv), per_layer(head_dim))]
+
+
+def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_degree=None, ranks_per_node: int = 0,
+              batch: int = 1, dtype=torch.bfloat16, causal: bool = True, layout: str = "zigzag", profile: Profile | None = None):
+    """One row per group of consecutive identical layers: (first, last, shape, chosen name, considered)."""
+    topo = Topology.for_planning(sp_size, ulysses_degree=ulysses_degree, ranks_per_node=ranks_per_node, layout=layout, profile=profile)
+    multiple = sp_size * (2 if layout == "zigzag" else 1)
+    if seq_len % multiple:
+        raise ValueError(f"sequence length {seq_len} must be a multiple of {multiple} for {layout} over {sp_size} ranks")
+    rows = []
+    for index, shape in enumerate(layers):
+        if rows and rows[-1][2] == shape:
+            rows[-1][1] = index
+            continue
+        spec = AttnSpec(
+            batch=batch, seq_len=seq_len, local_seq_len=seq_len // sp_size, q_heads=shape.q_heads, kv_heads=shape.kv_heads,
+            head_dim=shape.head_dim, dtype=dtype, causal=causal, softmax_scale=shape.head_dim**-0.5, layout=layout,
+        )
+        chosen, considered = choose_backend(spec, topo, profile)
+        rows.append([index, index, shape, chosen.name, considered])
+    return rows
+
+
+def render(rows, *, title: str) -> None:
+    """A rich table: per layer group, every backend's estimate or the reason it was dropped."""
+    import sys
+
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title, show_lines=True)
+    for column in ("layers", "heads q/kv x dim", "chosen", "backend", "est. fwd+bwd", "fwd bytes/rank", "peak memory/rank", "or why not"):
+        table.add_column(column)
+    for first, last, shape, chosen, considered in rows:
+        layers = f"{first}" if first == last else f"{first}-{last}"
+        for i, (name, what) in enumerate(considered.items()):
+            head = (layers, f"{shape.q_heads}/{shape.kv_heads} x {shape.head_dim}", chosen) if i == 0 else ("", "", "")
+            mark = "[bold green]" + name if name == chosen else name
+            if isinstance(what, Estimate):
+                table.add_row(*head, mark, f"{what.seconds * 1e3:.2f} ms", _size(what.comm_bytes), _size(what.peak_bytes), "")
+            else:
+                table.add_row(*head, mark, "", "", "", what)
+    Console(width=None if sys.stdout.isatty() else 150).print(table)
+
+
+def _size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024

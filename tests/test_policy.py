@@ -1,0 +1,124 @@
+"""The auto policy, profiles and `sp-bench plan` (no ranks needed)."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+import ulysses_sp as usp
+from ulysses_sp.integrations.transformers import _backend_per_layer
+from ulysses_sp.profile import COLLECTIVES, CPU_GLOO_PROFILE, NVLINK_PROFILE, LinkCost, Profile
+from ulysses_sp.registry import choose_backend
+from ulysses_sp.spec import AttnSpec, Estimate
+from ulysses_sp.topology import Topology
+
+from ulysses_sp.cli.main import main as sp_bench
+from ulysses_sp.cli.plan import LayerShape, layers_from_config, plan_rows
+
+
+def spec(hq, hkv, seq, p, d=64, dtype=torch.bfloat16):
+    return AttnSpec(batch=1, seq_len=seq, local_seq_len=seq // p, q_heads=hq, kv_heads=hkv, head_dim=d, dtype=dtype,
+                    causal=True, softmax_scale=d**-0.5, layout="zigzag")
+
+
+@pytest.mark.parametrize("profile", [CPU_GLOO_PROFILE, NVLINK_PROFILE])
+def test_infeasible_backends_are_never_chosen(profile):
+    for p, ud in [(2, None), (3, None), (4, 2), (8, 8), (64, 8), (64, 1)]:
+        topo = Topology.for_planning(p, ulysses_degree=ud, ranks_per_node=8)
+        for hq, hkv in [(4, 1), (6, 3), (8, 2), (32, 8), (40, 8), (12, 12)]:
+            chosen, considered = choose_backend(spec(hq, hkv, 64 * p * 2, p), topo, profile)
+            assert chosen.check(spec(hq, hkv, 64 * p * 2, p), topo) is None
+            assert isinstance(considered[chosen.name], Estimate)
+            for name, what in considered.items():
+                assert isinstance(what, Estimate) or what.startswith(f"{name}: ")
+
+
+def test_memory_budget_drops_backends_with_a_reason():
+    topo = Topology.for_planning(4)
+    s = spec(8, 2, 1 << 16, 4)
+    _, considered = choose_backend(s, topo, NVLINK_PROFILE)
+    gather_peak = considered["allgather"].peak_bytes
+    tight = Profile(**{**NVLINK_PROFILE.__dict__, "memory_budget_bytes": gather_peak - 1})
+    chosen, considered = choose_backend(s, topo, tight)
+    assert chosen.name != "allgather" and "over the memory budget" in considered["allgather"]
+    nothing = Profile(**{**NVLINK_PROFILE.__dict__, "memory_budget_bytes": 1})
+    with pytest.raises(ValueError, match="no SP backend can run this attention"):
+        choose_backend(s, topo, nothing)
+
+
+def test_estimates_follow_the_profile():
+    """Make all-to-all free and p2p/all-gather dear: Ulysses wins where it can run."""
+    cheap = {c: LinkCost(1e-9, 1e15) if c == "all_to_all" else LinkCost(1.0, 1e3) for c in COLLECTIVES}
+    profile = Profile(**{**CPU_GLOO_PROFILE.__dict__, "collectives": cheap})
+    topo = Topology.for_planning(4)
+    assert choose_backend(spec(8, 2, 4096, 4), topo, profile)[0].name == "ulysses"
+    assert choose_backend(spec(6, 2, 4096, 4), topo, profile)[0].name != "ulysses"  # 6 heads over 4 ranks
+
+
+def test_profile_json_round_trip(tmp_path):
+    path = tmp_path / "profile.json"
+    CPU_GLOO_PROFILE.save(str(path))
+    assert usp.load_profile(str(path)) == CPU_GLOO_PROFILE
+    broken = json.loads(path.read_text())
+    del broken["collectives"]["p2p"]
+    path.write_text(json.dumps(broken))
+    with pytest.raises(ValueError, match="lacks collectives"):
+        usp.load_profile(str(path))
+
+
+def test_the_choice_is_cached_per_shape():
+    topo = Topology.for_planning(1)
+    attn = usp.SequenceParallelAttention(topo, backend="auto", layer_idx=3)
+    for s in (8, 16, 8):
+        q = torch.randn(1, s, 4, 8)
+        attn(q, q, q)
+    assert len(attn._chosen) == 2
+
+
+def test_per_layer_backend_lists():
+    class Layer:
+        def __init__(self, i):
+            self.layer_idx = i
+
+    layers = [Layer(i) for i in range(3)]
+    assert _backend_per_layer("ring", layers) == {0: "ring", 1: "ring", 2: "ring"}
+    assert _backend_per_layer(["ulysses", "ring", "auto"], layers) == {0: "ulysses", 1: "ring", 2: "auto"}
+    assert _backend_per_layer(lambda i: "ring" if i % 2 else "ulysses", layers)[1] == "ring"
+    with pytest.raises(ValueError, match="one name per attention layer \\(3\\), got 2"):
+        _backend_per_layer(["ulysses", "ring"], layers)
+
+
+LLAMA3_8B = {"num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "hidden_size": 4096, "head_dim": 128}
+
+
+@pytest.mark.parametrize("ranks,ulysses", [(8, None), (64, 8)])
+def test_plan_names_a_feasible_backend_for_every_layer(tmp_path, ranks, ulysses):
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(LLAMA3_8B))
+
+
+    layers = layers_from_config(str(config))
+    rows = plan_rows(layers, seq_len=128 * 1024, sp_size=ranks, ulysses_degree=ulysses, ranks_per_node=8, profile=NVLINK_PROFILE)
+    assert sum(last - first + 1 for first, last, *_ in rows) == 32
+    for _, _, shape, chosen, considered in rows:
+        assert shape == LayerShape(32, 8, 128)
+        assert isinstance(considered[chosen], Estimate)
+    result = CliRunner().invoke(sp_bench, ["plan", "--model-config", str(config), "--seq", "128k", "--sp-size", str(ranks)]
+                                + (["--ulysses-degree", str(ulysses)] if ulysses else []))
+    assert result.exit_code == 0, result.output
+    assert "0-31" in result.output and rows[0][3] in result.output
+
+
+def test_plan_explains_bad_input():
+    result = CliRunner().invoke(sp_bench, ["plan", "--heads", "8", "--seq", "1000", "--sp-size", "3"])
+    assert result.exit_code != 0 and "multiple of 6" in result.output
+
+
+def test_layers_of_one_pass_get_different_backends(ranks):
+    for r in ranks(4):
+        got = r["policy/per-layer"]
+        assert got["ok"], got.get("error")
+        first, second = got["value"][0], got["value"][1]
+        assert first["chosen"] == ["ulysses"] and second["chosen"] not in (["ulysses"], [])
+        assert first["err"] < 1e-10 and second["err"] < 1e-10
