@@ -1,0 +1,93 @@
+"""How far `auto` is from the fastest backend, measured: for every cell of a grid,
+forward+backward time of every backend on N spawned gloo ranks, the backend
+`auto` picks with a given profile, and its regret (its time / the best time).
+
+    sp-bench calibrate --nproc 2 --out benchmarks/results/cpu-profile.json
+    python benchmarks/auto_regret.py --profile benchmarks/results/cpu-profile.json \\
+        --heads 4,8,16 --kv-heads 1,2,q --seq 4k,8k,16k --nproc 2,4 --json benchmarks/results/auto-regret.json
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import statistics
+import time
+
+import click
+import torch
+
+import ulysses_sp as usp
+from ulysses_sp.cli.plan import parse_tokens
+from ulysses_sp.launch import run_ranks
+from ulysses_sp.registry import choose_backend
+
+BACKENDS = ("ulysses", "allgather", "ring", "hybrid")
+
+
+def _cells(heads, kv_heads, seqs):
+    for hq, kv, seq in itertools.product(heads, kv_heads, seqs):
+        hkv = hq if kv == "q" else int(kv)
+        if hkv <= hq and hq % hkv == 0:
+            yield hq, hkv, seq
+
+
+def _rank(rank, world, cells, repeat, profile_path):
+    import torch.distributed as dist
+
+    profile = usp.load_profile(profile_path)
+    topo = usp.init_sequence_parallel(world, ulysses_degree=2 if world % 2 == 0 and world > 2 else None, profile=profile)
+    out = []
+    for hq, hkv, seq in cells:
+        gen = torch.Generator().manual_seed(rank)
+        s = seq // world
+        q, dout = (torch.randn(1, s, hq, 64, generator=gen) for _ in range(2))
+        k, v = (torch.randn(1, s, hkv, 64, generator=gen) for _ in range(2))
+        spec = usp.attention.make_spec(q, k, v, topo)
+        chosen, considered = choose_backend(spec, topo)
+        times = {}
+        for backend in BACKENDS:
+            if usp.get_backend(backend).check(spec, topo):
+                continue
+            runs = []
+            for i in range(repeat + 1):  # the first run warms up
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                dist.barrier()
+                t0 = time.perf_counter()
+                usp.sp_attention(*leaves, topo, backend=backend).backward(dout)
+                runs.append(time.perf_counter() - t0)
+            slowest = torch.tensor([statistics.median(runs[1:])], dtype=torch.float64)
+            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+            times[backend] = slowest.item()
+        estimates = {n: e.seconds for n, e in considered.items() if not isinstance(e, str)}
+        out.append({"heads": hq, "kv_heads": hkv, "seq": seq, "ranks": world, "auto": chosen.name, "measured_s": times,
+                    "estimated_s": estimates, "regret": times[chosen.name] / min(times.values())})
+    return out
+
+
+@click.command()
+@click.option("--profile", "profile_path", required=True, type=click.Path(exists=True, dir_okay=False))
+@click.option("--heads", default="4,8,16", show_default=True)
+@click.option("--kv-heads", default="1,2,q", show_default=True, help="'q': as many as q heads")
+@click.option("--seq", default="4k,8k,16k", show_default=True)
+@click.option("--nproc", default="2,4", show_default=True)
+@click.option("--repeat", default=2, show_default=True)
+@click.option("--json", "json_path", default=None)
+def main(profile_path, heads, kv_heads, seq, nproc, repeat, json_path):
+    cells = list(_cells([int(h) for h in heads.split(",")], kv_heads.split(","), [parse_tokens(s) for s in seq.split(",")]))
+    rows = []
+    for world in (int(n) for n in nproc.split(",")):
+        rows += run_ranks(_rank, world, cells, repeat, profile_path, timeout=7200, collective_timeout=3600)[0]
+        for r in rows[-len(cells):]:
+            best = min(r["measured_s"], key=r["measured_s"].get)
+            click.echo(f"P{r['ranks']} H{r['heads']}/{r['kv_heads']} S{r['seq']}: auto {r['auto']} "
+                       f"{r['measured_s'][r['auto']]:.3f}s, best {best} {r['measured_s'][best]:.3f}s, regret {r['regret']:.3f}")
+    worst = max(rows, key=lambda r: r["regret"])
+    click.echo(f"worst regret {worst['regret']:.3f} at P{worst['ranks']} H{worst['heads']}/{worst['kv_heads']} S{worst['seq']}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"profile": profile_path, "repeat": repeat, "torch": torch.__version__, "cells": rows}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
