@@ -91,13 +91,20 @@ def load_profile(path: str) -> Profile:
 
 CPU_GLOO_PROFILE = Profile(
     name="cpu-gloo (built in)",
-    collectives={c: LinkCost(latency=1e-4, bandwidth=2e9) for c in COLLECTIVES},
-    inter_node=LinkCost(latency=2e-4, bandwidth=1e9),
-    attention_fwd_flops={"float32": 1.5e10, "bfloat16": 8e9, "float64": 7e9, "float16": 4e9},
-    attention_bwd_flops={"float32": 6e9, "bfloat16": 3e9, "float64": 3e9, "float16": 1.5e9},
-    overlap=True,
+    collectives={
+        "all_to_all": LinkCost(latency=3e-4, bandwidth=5e8),
+        "all_gather": LinkCost(latency=4.5e-4, bandwidth=3.5e8),
+        "reduce_scatter": LinkCost(latency=5e-4, bandwidth=3.2e8),
+        "p2p": LinkCost(latency=3.6e-4, bandwidth=1.5e9),
+    },
+    inter_node=LinkCost(latency=5e-4, bandwidth=3e8),
+    attention_fwd_flops={"float32": 5.5e10, "bfloat16": 5e10, "float64": 2.5e10, "float16": 1e10},
+    attention_bwd_flops={"float32": 2.2e10, "bfloat16": 2.9e10, "float64": 1e10, "float16": 4e9},
+    overlap=False,
 )
-"""Rough figures for gloo on one CPU machine, one thread per rank."""
+"""gloo on one CPU machine, one thread per rank: ``sp-bench calibrate --nproc 2`` on the
+2-core development machine (benchmarks/results/cpu-gloo-profile-P2.json), rounded;
+float64 and float16 rates are guesses."""
 
 NVLINK_PROFILE = Profile(
     name="nvlink-gpu (built in)",
