@@ -525,7 +525,7 @@ def _ds(env: Env, what: str):
 
 
 if importlib.util.find_spec("deepspeed") is not None:  # else tests/test_deepspeed.py says it is missing
-    for _what in ("gradients", "zero3_refused", "distributed_attention"):
+    for _what in ("gradients", "distributed_attention"):
         case(f"deepspeed/{_what}", (2, 4))(lambda env, w=_what: _ds(env, w))
 
 

@@ -22,7 +22,7 @@ from ulysses_sp.integrations.deepspeed import (
 from .hf_cases import tiny_model
 
 SEQ = 40
-STAGES = [(0, True), (1, True), (1, False), (2, True), (2, False)]
+STAGES = [(0, True), (1, True), (1, False), (2, True), (2, False), (3, True), (3, False)]
 
 
 def _global_batch(dp_size: int) -> dict:
@@ -75,23 +75,6 @@ def ds_gradients(topo, stage: int, reduce_scatter: bool) -> dict:
         ratios.append((grad.norm() / p_ref.grad.norm()).item())
     engine.destroy()
     return {"rel_err": worst, "ratio": sum(ratios) / len(ratios), "scale": scale}
-
-
-def zero3_refused(topo) -> str:
-    """ZeRO-3 with SP: gradient_scale refuses it (see its docstring)."""
-    use_cpu_accelerator_if_needed()
-    import deepspeed
-
-
-    from .cases import raised
-
-    model = tiny_model("llama")
-    engine, *_ = deepspeed.initialize(
-        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=0.0), config=_ds_config(3, True), mpu=SequenceParallelMPU(topo)
-    )
-    message = raised(lambda: gradient_scale(engine, topo))
-    engine.destroy()
-    return message
 
 
 def distributed_attention(topo) -> dict:

@@ -160,7 +160,7 @@ def train(cfg: TrainConfig) -> list[float]:
     }
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=SequenceParallelMPU(topo))
-    scale = gradient_scale(engine, topo)  # refuses combinations whose gradients are not exact
+    scale = gradient_scale(engine, topo)  # undoes the averaging of this ZeRO stage
 
     start = 0
     if cfg.resume:

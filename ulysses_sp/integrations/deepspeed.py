@@ -1,9 +1,8 @@
 """DeepSpeed: the ``mpu`` for ``deepspeed.initialize``, the loss scale that makes ZeRO's
 gradient reduction exact, and a drop-in ``DistributedAttention``.
 
-ZeRO reduces gradients over the sequence-data-parallel group (every rank: DP x SP)
-but scales them differently per stage (measured with deepspeed 0.19.8, see
-``gradient_scale``). ``sp_cross_entropy(..., count_group=WORLD)`` makes each rank's
+ZeRO reduces gradients over every rank (DP x SP) but scales them differently per
+stage (measured with deepspeed 0.19.8, see ``gradient_scale``). ``sp_cross_entropy(..., count_group=WORLD)`` makes each rank's
 loss its tokens' share of the global batch's token-weighted mean, so the exact
 gradient is the plain **sum** over all ranks; multiplying the loss by
 ``gradient_scale(engine, topo)`` undoes whatever averaging the engine applies.
@@ -33,9 +32,10 @@ def use_cpu_accelerator_if_needed() -> None:
 class SequenceParallelMPU:
     """The model-parallel unit DeepSpeed asks for, built from a :class:`Topology`.
 
-    Model parallelism is 1 (each rank its own group); data parallelism is the
-    topology's DP group; the sequence-data-parallel group, over which ZeRO
-    shards and reduces, is every rank. Construct on every rank (it creates one
+    Model parallelism is 1 (each rank its own group); the sequence-parallel
+    group is the topology's; the sequence-data-parallel group and what
+    DeepSpeed calls the data-parallel group, over which ZeRO shards and
+    reduces, are every rank. Construct on every rank (it creates one
     single-rank group per rank, collectively).
     """
 
@@ -64,18 +64,21 @@ class SequenceParallelMPU:
     def get_tensor_model_parallel_src_rank(self) -> int:
         return self.topo.rank
 
-    # data parallel: ranks that see different samples
+    # "data parallel" as DeepSpeed means it: the ranks ZeRO shards over. ZeRO-3 reduces
+    # gradients over this group, so it must hold every rank (DP x SP), as DeepSpeed's own SP
+    # mpu does; with only the topology's DP group, ZeRO-3 never summed over the SP ranks
+    # (each rank kept its own partial gradient). Samplers use topo.dp_rank / topo.dp_size.
     def get_data_parallel_group(self):
-        return self.topo.dp_group
+        return dist.group.WORLD
 
     def get_data_parallel_rank(self) -> int:
-        return self.topo.dp_rank
+        return self.topo.rank
 
     def get_data_parallel_world_size(self) -> int:
-        return self.topo.dp_size
+        return self.topo.world_size
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        return dist.get_process_group_ranks(self.topo.dp_group)
+        return list(range(self.topo.world_size))
 
     # sequence parallel: ranks that share one sequence
     def get_sequence_parallel_group(self):
@@ -101,20 +104,13 @@ class SequenceParallelMPU:
 def gradient_scale(engine, topo: Topology) -> float:
     """Factor for the loss so that the gradient DeepSpeed applies is the plain sum over ranks.
 
-    Measured on deepspeed 0.19.8 (tests/test_deepspeed.py checks it on every run):
-    ZeRO 0, 1 and 2, with or without reduce-scatter, sum the gradient over the SP
-    ranks and average it over the DP groups, so the factor is the DP size.
-    ZeRO 3 with SP > 1 is refused: with it, the gathered gradients differ from
-    the one-process ones and between ranks (relative error ~1.7 in the tests
-    that found it), which no loss factor mends.
+    Measured on deepspeed 0.19.8 with :class:`SequenceParallelMPU` (tests/test_deepspeed.py
+    checks it on every run): ZeRO 0, 1 and 2 (reduce-scatter on or off) and ZeRO 3
+    without reduce-scatter sum the gradient over the SP ranks and average it over the
+    DP groups, so the factor is the DP size; ZeRO 3 with reduce-scatter (its default)
+    averages over every rank, so the factor is DP x SP.
     """
-    stage = engine.zero_optimization_stage()
-    if stage == 3 and topo.sp_size > 1:
-        raise ValueError(
-            "ZeRO stage 3 with sequence parallelism (sp_size > 1) does not give the one-process gradients "
-            "with deepspeed 0.19.8 in ulysses-sp's tests; use ZeRO stage 0, 1 or 2"
-        )
-    if stage == 3 and engine.zero_reduce_scatter():
+    if engine.zero_optimization_stage() == 3 and engine.zero_reduce_scatter():
         return float(topo.dp_size * topo.sp_size)
     return float(topo.dp_size)
 
