@@ -50,7 +50,7 @@ def _rank(rank, world, cells, repeat, profile_path):
             if usp.get_backend(backend).check(spec, topo):
                 continue
             runs = []
-            for i in range(repeat + 1):  # the first run warms up
+            for _ in range(repeat + 1):  # the first run warms up
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]
                 dist.barrier()
                 t0 = time.perf_counter()
