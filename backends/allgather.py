@@ -130,8 +130,8 @@ class AllGatherBackend:
 
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
         p = topo.sp_size
-        kv_local = 2 * spec.batch * spec.local_seq_len * spec.kv_heads * spec.head_dim * spec.element_size
-        acc = torch.empty((), dtype=kernels.accumulator_dtype(spec.dtype)).element_size() / spec.element_size
+        kv_local = 2 * spec.head_bytes * spec.kv_heads
+        acc = spec.accumulator_ratio
         comm_bytes = kv_local * (p - 1)
         chunks = -(-spec.kv_heads // self.stride(spec))
         spans = topo.spans_nodes("sp")
@@ -141,7 +141,7 @@ class AllGatherBackend:
             transfer = profile.link("all_gather", spans).seconds(2 * comm_bytes, calls=4 * chunks)
             transfer += profile.link("reduce_scatter", spans).seconds(comm_bytes * acc, calls=2 * chunks)
         gathered = 4 * spec.batch * spec.seq_len * self.stride(spec) * spec.head_dim * spec.element_size
-        q_bytes = spec.batch * spec.local_seq_len * spec.q_heads * spec.head_dim * spec.element_size
+        q_bytes = spec.head_bytes * spec.q_heads
         # the first chunk's gather is exposed; the rest overlaps the previous chunk's compute
         seconds = transfer / chunks + profile.overlapped(profile.attention_fwd_bwd_seconds(spec, p), transfer * (1 - 1 / chunks))
         return Estimate(seconds=seconds, peak_bytes=int(q_bytes * (2 + acc) + kv_local + gathered), comm_bytes=comm_bytes)

@@ -13,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from ulysses_sp import comm, layout
-from ulysses_sp.kernels import accumulator_dtype
 from ulysses_sp.ring_pass import ring_attention
 from ulysses_sp.profile import Profile
 from ulysses_sp.spec import AttnSpec, Estimate
@@ -39,15 +38,14 @@ class HybridBackend:
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
         u, r = topo.ulysses_degree, topo.ring_degree
         hkv = comm.kv_heads_sent(spec.kv_heads, u)
-        per_head = spec.batch * spec.local_seq_len * spec.head_dim * spec.element_size
-        a2a = per_head * (2 * spec.q_heads + 2 * hkv) * (u - 1) // u
-        kv_bytes = 2 * per_head * hkv  # K/V of u ranks' tokens and hkv/u heads
+        a2a = comm.head_scatter_bytes(spec, u)
+        kv_bytes = 2 * spec.head_bytes * hkv  # K/V of u ranks' tokens and hkv/u heads
         ring = kv_bytes * (r - 1)
-        acc = torch.empty((), dtype=accumulator_dtype(spec.dtype)).element_size() / spec.element_size
+        acc = spec.accumulator_ratio
         a2a_s = profile.link("all_to_all", topo.spans_nodes("ulysses")).seconds(2 * a2a, calls=4) if u > 1 else 0.0
         link = profile.link("p2p", topo.spans_nodes("ring"))
         ring_s = link.seconds(ring, r - 1) + link.seconds(ring + kv_bytes * acc * r, 2 * r - 1) if r > 1 else 0.0
-        peak = int(per_head * (spec.q_heads * (3 + acc) + 2 * spec.kv_heads + 6 * hkv))
+        peak = int(spec.head_bytes * (spec.q_heads * (3 + acc) + 2 * spec.kv_heads + 6 * hkv))
         seconds = a2a_s + profile.overlapped(profile.attention_fwd_bwd_seconds(spec, topo.sp_size), ring_s)
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=a2a + ring)
 

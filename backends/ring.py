@@ -10,7 +10,6 @@ from __future__ import annotations
 import torch
 
 from ulysses_sp import layout
-from ulysses_sp.kernels import accumulator_dtype
 from ulysses_sp.ring_pass import ring_attention
 from ulysses_sp.profile import Profile
 from ulysses_sp.spec import AttnSpec, Estimate
@@ -26,13 +25,13 @@ class RingBackend:
 
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
         p = topo.sp_size
-        kv_bytes = 2 * spec.batch * spec.local_seq_len * spec.kv_heads * spec.head_dim * spec.element_size
-        acc = torch.empty((), dtype=accumulator_dtype(spec.dtype)).element_size() / spec.element_size
+        kv_bytes = 2 * spec.head_bytes * spec.kv_heads
+        acc = spec.accumulator_ratio
         comm_bytes = kv_bytes * (p - 1)
         link = profile.link("p2p", topo.spans_nodes("sp"))
         # forward: P-1 hops of K/V; backward: P-1 hops of K/V and P of the fp32 dK/dV accumulators
         transfer = link.seconds(comm_bytes, p - 1) + link.seconds(comm_bytes + kv_bytes * acc * p, 2 * p - 1) if p > 1 else 0.0
-        q_bytes = spec.batch * spec.local_seq_len * spec.q_heads * spec.head_dim * spec.element_size
+        q_bytes = spec.head_bytes * spec.q_heads
         peak = int(q_bytes * (2 + acc) + 3 * kv_bytes)  # q, out, fp32 accumulator; own, in-flight and next K/V
         seconds = profile.overlapped(profile.attention_fwd_bwd_seconds(spec, p), transfer)
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes)

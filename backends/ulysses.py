@@ -40,12 +40,11 @@ class UlyssesBackend:
 
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
         p = topo.sp_size
-        hkv = comm.kv_heads_sent(spec.kv_heads, p)
-        per_head = spec.batch * spec.local_seq_len * spec.head_dim * spec.element_size
-        comm_bytes = per_head * (2 * spec.q_heads + 2 * hkv) * (p - 1) // p
+        comm_bytes = comm.head_scatter_bytes(spec, p)
         # forward and backward: two all-to-alls each, of the same volume; attention waits for them
         transfer = profile.link("all_to_all", topo.spans_nodes("sp")).seconds(2 * comm_bytes, calls=4) if p > 1 else 0.0
-        peak = per_head * (2 * spec.q_heads + 2 * spec.kv_heads) + per_head * (2 * spec.q_heads + 2 * hkv)
+        hkv = comm.kv_heads_sent(spec.kv_heads, p)
+        peak = spec.head_bytes * (2 * spec.q_heads + 2 * spec.kv_heads + 2 * spec.q_heads + 2 * hkv)
         seconds = transfer + profile.attention_fwd_bwd_seconds(spec, p)
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes)
 

@@ -46,7 +46,7 @@ def _collective(kind: str, n: int, group, device):
     x = torch.randn(n * p if kind in ("all_to_all", "reduce_scatter") else n, device=device)
     if kind == "all_to_all":
         rows = x.view(p, -1)
-        return (lambda: comm._all_to_all_rows(rows, group)), rows[0].numel() * 4 * (p - 1)
+        return (lambda: comm.all_to_all(rows, group, scatter_dim=0, gather_dim=0)), rows[0].numel() * 4 * (p - 1)
     if kind == "all_gather":
         return (lambda: comm.all_gather_start(x, group, 0)()), n * 4 * (p - 1)
     if kind == "reduce_scatter":

@@ -32,6 +32,7 @@ __all__ = [
     "all_gather_ints",
     "kv_heads_sent",
     "head_scatter_problem",
+    "head_scatter_bytes",
     "replicate_kv_for_scatter",
     "all_gather_start",
     "all_reduce_sum",
@@ -139,11 +140,11 @@ def _reduce_scatter_raw(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     return out
 
 
-def _natural_order_index(table: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+def _natural_order_index(table: list[list[int]], device) -> tuple[torch.Tensor, torch.Tensor]:
     """For each chunk the group holds, in increasing chunk id: which rank holds it and at which local slot."""
     where = {n: (r, i) for r, chunks in enumerate(table) for i, n in enumerate(chunks)}
     src, slot = zip(*(where[n] for n in sorted(where)))
-    return torch.tensor(src), torch.tensor(slot)
+    return torch.tensor(src, device=device), torch.tensor(slot, device=device)
 
 
 def _fused_all_to_all(tensors, group, pack, unpack):
@@ -165,7 +166,7 @@ def _seq_to_heads_raw(tensors, group, table):
     """[B, S/P, H, D] sequence shards -> [B, S, H/P, D] head shards, the group's
     chunks in increasing id. Wire block for one destination: [B, S/P, H/P, D]."""
     p, k = group_size(group), len(table[0])
-    src, slot = _natural_order_index(table)
+    src, slot = _natural_order_index(table, tensors[0].device)
 
     def pack(t, rows):
         b, s, h, d = t.shape
@@ -265,6 +266,12 @@ def kv_heads_sent(kv_heads: int, degree: int) -> int:
     """KV heads a head-scatter all-to-all moves: ``kv_heads`` if ``degree`` divides it,
     else ``degree`` (each KV head replicated ``degree / kv_heads`` times)."""
     return kv_heads if kv_heads % degree == 0 else degree
+
+
+def head_scatter_bytes(spec, degree: int) -> int:
+    """Bytes one rank sends in the forward all-to-alls of q, k, v and out when heads are
+    scattered over ``degree`` ranks: head_bytes * (2*Hq + 2*Hkv') * (degree-1)/degree."""
+    return spec.head_bytes * (2 * spec.q_heads + 2 * kv_heads_sent(spec.kv_heads, degree)) * (degree - 1) // degree
 
 
 def head_scatter_problem(q_heads: int, kv_heads: int, degree: int) -> str | None:

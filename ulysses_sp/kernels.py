@@ -99,7 +99,7 @@ def _math_with_lse(q, k, v, causal, scale):
     return out.transpose(1, 2).to(q.dtype), lse
 
 
-def _math_backward(dout, q, k, v, lse, out, causal, scale):
+def _math_backward(dout, q, k, v, out, lse, causal, scale):
     acc = lse.dtype
     b, sq, hq, d = q.shape
     hk = k.shape[2]
@@ -144,7 +144,7 @@ def attention_with_lse_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse
             *(t.transpose(1, 2) for t in (dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd)), lse_bhs, 0.0, causal, scale=scale
         )
         return tuple(g.transpose(1, 2) for g in grads)
-    return _math_backward(dout_bshd, q_bshd, k_bshd, v_bshd, lse_bhs, out_bshd, causal, scale)
+    return _math_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, causal, scale)
 
 
 def merge_partials(out, lse, block_out, block_lse):

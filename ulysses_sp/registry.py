@@ -60,18 +60,16 @@ def get_backend(name: str) -> Backend:
         raise ValueError(f"unknown SP backend {name!r}; known: {', '.join(['auto', *_BACKENDS])}") from None
 
 
-def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None, backends=None) -> tuple[Backend, dict[str, str | Estimate]]:
+def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tuple[Backend, dict[str, str | Estimate]]:
     """The cheapest feasible backend for ``spec``, and for every backend either
     its estimate or the reason it was dropped (``check()`` failed, or its peak
     memory exceeds the profile's budget).
 
-    ``profile`` defaults to the topology's, else the built-in one for its device;
-    ``backends`` (names) limits the candidates (default: every registered one).
+    ``profile`` defaults to the topology's, else the built-in one for its device.
     """
     profile = profile or getattr(topo, "profile", None) or default_profile(topo.device.type)
     considered: dict[str, str | Estimate] = {}
-    for name in backends or _BACKENDS:
-        backend = get_backend(name)
+    for name, backend in _BACKENDS.items():
         reason = backend.check(spec, topo)
         if reason is None:
             estimate = backend.estimate(spec, topo, profile)

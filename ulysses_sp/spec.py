@@ -10,6 +10,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .kernels import accumulator_dtype
+
 __all__ = ["AttnSpec", "Estimate"]
 
 
@@ -35,6 +37,16 @@ class AttnSpec:
     @property
     def element_size(self) -> int:
         return torch.empty((), dtype=self.dtype).element_size()
+
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one head of this rank's shard of q, k or v."""
+        return self.batch * self.local_seq_len * self.head_dim * self.element_size
+
+    @property
+    def accumulator_ratio(self) -> float:
+        """Bytes of a partial-result accumulator (``kernels.accumulator_dtype``) per byte of input."""
+        return torch.empty((), dtype=accumulator_dtype(self.dtype)).element_size() / self.element_size
 
     def attention_flops(self, ranks: int) -> float:
         """Forward attention FLOPs per rank when ``ranks`` share the work evenly:
