@@ -7,8 +7,9 @@ EXTRAS = {
     "hf": ["transformers>=4.56"],
     # sp-bench's tables, progress bars and plots
     "bench": ["rich>=13", "tqdm>=4.60", "matplotlib>=3.7"],
-    # what the tests need: they check the transformers integration too
-    "dev": ["pytest>=7", "pytest-timeout>=2", "transformers>=4.56", "deepspeed>=0.17", "rich>=13", "tqdm>=4.60"],
+    # what the tests need: they check the transformers and DeepSpeed integrations and sp-bench's outputs too
+    "dev": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "transformers>=4.56", "deepspeed>=0.17", "rich>=13", "tqdm>=4.60",
+            "matplotlib>=3.7"],
     # flash-attn builds only against CUDA; kept apart from `all`.
     "cuda": ["flash-attn>=2.5", "ring-flash-attn>=0.1"],
 }

@@ -55,11 +55,14 @@ def _gathered_head_chunks(k, v, group, stride: int, to_global):
     token order; the next chunk's all-gather is posted before this one is used."""
     chunks = _head_chunks(k.shape[2], stride)
     pending = _gather(k, v, chunks[0], group)
-    for n, (h0, h1) in enumerate(chunks):
-        k_full, v_full = (wait().index_select(1, to_global) for wait in pending)
-        if n + 1 < len(chunks):
-            pending = _gather(k, v, chunks[n + 1], group)
-        yield h0, h1, k_full, v_full
+    try:
+        for n, (h0, h1) in enumerate(chunks):
+            k_full, v_full = (wait().index_select(1, to_global) for wait in pending)
+            if n + 1 < len(chunks):
+                pending = _gather(k, v, chunks[n + 1], group)
+            yield h0, h1, k_full, v_full
+    finally:  # the consumer raised (or stopped): no prefetch may stay in flight
+        comm.drain(pending)
 
 
 def _gather(k, v, heads: tuple[int, int], group):
@@ -144,7 +147,8 @@ class AllGatherBackend:
         q_bytes = spec.head_bytes * spec.q_heads
         # the first chunk's gather is exposed; the rest overlaps the previous chunk's compute
         seconds = transfer / chunks + profile.overlapped(profile.attention_fwd_bwd_seconds(spec, p), transfer * (1 - 1 / chunks))
-        return Estimate(seconds=seconds, peak_bytes=int(q_bytes * (2 + acc) + kv_local + gathered), comm_bytes=comm_bytes)
+        return Estimate(seconds=seconds, peak_bytes=int(q_bytes * (2 + acc) + kv_local + gathered), comm_bytes=comm_bytes,
+                        bwd_comm_bytes=int(comm_bytes * (1 + acc)))  # re-gather K/V, reduce-scatter dK/dV
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         table = layout.chunk_table(spec.layout, topo.sp_size)

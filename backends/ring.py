@@ -34,7 +34,8 @@ class RingBackend:
         q_bytes = spec.head_bytes * spec.q_heads
         peak = int(q_bytes * (2 + acc) + 3 * kv_bytes)  # q, out, fp32 accumulator; own, in-flight and next K/V
         seconds = profile.overlapped(profile.attention_fwd_bwd_seconds(spec, p), transfer)
-        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes)
+        bwd_bytes = comm_bytes + int(kv_bytes * acc * p) if p > 1 else 0
+        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=bwd_bytes)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         table = layout.chunk_table(spec.layout, topo.sp_size)

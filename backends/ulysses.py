@@ -46,7 +46,7 @@ class UlyssesBackend:
         hkv = comm.kv_heads_sent(spec.kv_heads, p)
         peak = spec.head_bytes * (2 * spec.q_heads + 2 * spec.kv_heads + 2 * spec.q_heads + 2 * hkv)
         seconds = transfer + profile.attention_fwd_bwd_seconds(spec, p)
-        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes)
+        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=comm_bytes)  # dout in, dq dk dv out
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         p = topo.sp_size

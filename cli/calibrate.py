@@ -5,10 +5,17 @@ torchrun/deepspeed launch (NCCL on GPUs): latency (small messages) and
 bandwidth (large ones) of all-to-all, all-gather, reduce-scatter and p2p, the
 local attention kernel's forward and backward rate per dtype, and whether a
 p2p exchange overlaps computation. Every rank measures at once, as in training.
+
+Last, every registered backend runs one reference attention (8 q and kv heads,
+dim 64, fp32, causal, ``backend_seq`` tokens); its measured time over the time
+the profile so far predicts is its ``backend_factor``. Factors within
+``NOISE`` of their median are set to the median: differences that small are
+not measured reliably, and they would only reorder backends at random.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import statistics
 import time
 
@@ -21,6 +28,7 @@ from ulysses_sp.profile import COLLECTIVES, LinkCost, Profile
 __all__ = ["measure"]
 
 SMALL, LARGE = 1 << 6, 1 << 22  # elements of float32: 256 B and 16 MiB
+NOISE = 0.05
 
 
 def _timed(fn, repeat: int, device) -> float:
@@ -71,7 +79,33 @@ def _kernel_rates(dtype, seq: int, repeat: int, device) -> tuple[float, float]:
     return flops / t_fwd, flops / max(t_both - t_fwd, 1e-9)
 
 
-def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), progress=None) -> Profile:
+def _backend_factors(profile: Profile, seq: int, ulysses_degree, repeat: int, device) -> tuple[dict, dict]:
+    """(factor per backend, the raw measured and estimated seconds)."""
+    import ulysses_sp as usp
+
+    topo = usp.init_sequence_parallel(dist.get_world_size(), ulysses_degree=ulysses_degree, timeout=3600)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    q, k, v, dout = (torch.randn(1, seq // topo.sp_size, 8, 64, generator=gen).to(device) for _ in range(4))
+    spec = usp.attention.make_spec(q, k, v, topo)
+    raw = {}
+    for name in usp.list_backends():
+        backend = usp.get_backend(name)
+        if backend.check(spec, topo):
+            continue
+        def step(backend=backend):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            backend.forward(*leaves, spec, topo).backward(dout)
+
+        step()  # warm-up
+        raw[name] = {"measured_s": _timed(step, repeat, device), "estimated_s": backend.estimate(spec, topo, profile).seconds}
+    ratios = {name: r["measured_s"] / r["estimated_s"] for name, r in raw.items()}
+    median = statistics.median(ratios.values())
+    factors = {name: (r if abs(r / median - 1) > NOISE else median) for name, r in ratios.items()}
+    return factors, {"seq": seq, "ulysses_degree": topo.ulysses_degree, **raw}
+
+
+def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), progress=None, backend_seq: int = 4096,
+            ulysses_degree=None) -> Profile:
     """Run on every rank of the default group; every rank returns the same profile."""
     device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     group = dist.group.WORLD
@@ -108,7 +142,7 @@ def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), pr
     overlap = t_both < 0.8 * (t_comm + t_compute)
     measured["overlap"] = {"comm_s": t_comm, "compute_s": t_compute, "both_s": t_both}
     step(1)
-    return Profile(
+    profile = Profile(
         name=f"calibrated: {p} x {device.type}, {dist.get_backend()}",
         collectives=collectives,
         inter_node=min(collectives.values(), key=lambda c: c.bandwidth),  # one machine measured: no slower link seen
@@ -117,3 +151,6 @@ def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), pr
         overlap=overlap,
         measured=measured,
     )
+    factors, measured["backends"] = _backend_factors(profile, backend_seq, ulysses_degree, repeat, device)
+    step(1)
+    return dataclasses.replace(profile, backend_factors=factors)

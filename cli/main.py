@@ -23,15 +23,15 @@ def backends() -> None:
         click.echo(f"{name:10s} {doc[0] if doc else ''}")
 
 
-def _calibrate_rank(rank, world, repeat, seq):
+def _calibrate_rank(rank, world, repeat, seq, backend_seq, ulysses_degree):
     from .calibrate import measure
 
     progress = None
     if rank == 0:
         from tqdm import tqdm
 
-        progress = tqdm(total=7, desc="calibrate", unit="measure")
-    profile = measure(repeat=repeat, seq=seq, progress=progress)
+        progress = tqdm(total=8, desc="calibrate", unit="measure")
+    profile = measure(repeat=repeat, seq=seq, progress=progress, backend_seq=backend_seq, ulysses_degree=ulysses_degree)
     if progress is not None:
         progress.close()
     return profile.to_json()
@@ -42,7 +42,9 @@ def _calibrate_rank(rank, world, repeat, seq):
 @click.option("--out", type=click.Path(dir_okay=False), default="profile.json", show_default=True)
 @click.option("--repeat", type=int, default=5, show_default=True)
 @click.option("--seq", type=int, default=2048, show_default=True, help="tokens of the attention kernel measurement")
-def calibrate(nproc, out, repeat, seq):
+@click.option("--backend-seq", type=int, default=4096, show_default=True, help="tokens of the per-backend reference attention")
+@click.option("--ulysses-degree", type=int, default=None, help="the hybrid's Ulysses degree, as it will run (default: all ranks)")
+def calibrate(nproc, out, repeat, seq, backend_seq, ulysses_degree):
     """Measure collectives and the attention kernel here; write a profile for auto and plan."""
     import os
 
@@ -54,17 +56,18 @@ def calibrate(nproc, out, repeat, seq):
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # inside a launcher: use its ranks
         if not dist.is_initialized():
             dist.init_process_group("nccl" if __import__("torch").cuda.is_available() else "gloo")
-        text = _calibrate_rank(dist.get_rank(), dist.get_world_size(), repeat, seq)
+        text = _calibrate_rank(dist.get_rank(), dist.get_world_size(), repeat, seq, backend_seq, ulysses_degree)
         if dist.get_rank() != 0:
             return
     else:
-        text = run_ranks(_calibrate_rank, nproc, repeat, seq, timeout=1800)[0]
+        text = run_ranks(_calibrate_rank, nproc, repeat, seq, backend_seq, ulysses_degree, timeout=1800)[0]
     profile = Profile.from_dict(__import__("json").loads(text))
     profile.save(out)
     click.echo(f"wrote {out}: " + ", ".join(f"{k} {c.latency * 1e6:.0f} us + {c.bandwidth / 1e9:.2f} GB/s" for k, c in profile.collectives.items()))
     click.echo("attention fwd/bwd GFLOP/s: " + ", ".join(
         f"{d} {profile.attention_fwd_flops[d] / 1e9:.1f}/{profile.attention_bwd_flops[d] / 1e9:.1f}" for d in profile.attention_fwd_flops
     ) + f"; overlap {profile.overlap}")
+    click.echo("backend factors (measured / modelled time): " + ", ".join(f"{n} {f:.3f}" for n, f in profile.backend_factors.items()))
 
 
 @main.command("plan")
@@ -103,6 +106,134 @@ def plan(model_config, heads, kv_heads, head_dim, layers, seq, sp_size, ulysses_
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     render(rows, title=f"{parse_tokens(seq)} tokens on {sp_size} ranks ({gpus_per_node} per node), {dtype}, profile {profile.name}")
+
+def _csv(text: str, convert=str) -> list:
+    try:
+        return [convert(x.strip()) for x in str(text).split(",") if x.strip()]
+    except ValueError as e:
+        raise click.BadParameter(f"{text!r}: {e}") from None
+
+
+def _bench_rank(rank, world, cells, entries, options):
+    from .bench import measure_rank
+
+    return measure_rank(cells, entries, **options)
+
+
+@main.command("run")
+@click.option("--backends", default="ulysses,allgather,ring,hybrid,auto", show_default=True, help="comma list of registered backends (and auto)")
+@click.option("--peers", is_flag=False, flag_value="all", default="", metavar="[NAMES]",
+              help="also run other libraries: --peers alone for all of deepspeed,torch-ring,ring-flash-attn,yunchang")
+@click.option("--seq", default="4k,16k", show_default=True, help="global tokens per sequence, comma list (4096, 8k, 1m)")
+@click.option("--heads", default="8", show_default=True, help="q heads, comma list")
+@click.option("--kv-heads", default="q", show_default=True, help="kv heads, comma list; q: as many as q heads")
+@click.option("--head-dim", default="64", show_default=True, help="comma list")
+@click.option("--batch", default="1", show_default=True, help="comma list")
+@click.option("--dtype", default="float32", show_default=True, help="comma list of float32, bfloat16, float16")
+@click.option("--causal/--no-causal", default=True, show_default=True)
+@click.option("--layout", type=click.Choice(["zigzag", "contiguous"]), default="zigzag", show_default=True)
+@click.option("--nproc", type=int, default=2, show_default=True, help="gloo ranks to spawn (ignored under torchrun/deepspeed, which set RANK)")
+@click.option("--ulysses-degree", type=int, default=None, help="Ulysses part of the hybrid (default: all ranks)")
+@click.option("--warmup", type=int, default=1, show_default=True)
+@click.option("--repeat", type=int, default=3, show_default=True)
+@click.option("--threads-per-rank", type=int, default=1, show_default=True)
+@click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False), help="for auto (default: built-in for the device)")
+@click.option("--check", is_flag=True, help="also the max error of out and grads against fp64 one-process attention")
+@click.option("--baseline/--no-baseline", default=True, show_default=True, help="time one rank on the whole sequence (T1) for scaling efficiency T1 / (P x T)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="every field and the environment")
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False))
+@click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="PNG: time and memory against sequence length")
+def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, layout, nproc, ulysses_degree, warmup, repeat,
+        threads_per_rank, profile_path, check, baseline, json_path, csv_path, plot_path):
+    """Time every backend (and peers) side by side on a grid of attention shapes."""
+    import datetime
+    import os
+    import platform
+
+    import torch
+    import torch.distributed as dist
+
+    from ulysses_sp.launch import run_ranks
+
+    from . import report
+    from .bench import BACKENDS, MMAP_THRESHOLD, cells as make_cells, memory_method, one_process, summarise
+    from .peers import PEERS
+    from .plan import parse_tokens
+
+    entries = _csv(backends)
+    for name in entries:
+        if name not in registry.list_backends() + ["auto"]:
+            raise click.BadParameter(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}", param_hint="--backends")
+    peer_names = list(PEERS) if peers == "all" else _csv(peers)
+    for name in peer_names:
+        if name not in PEERS:
+            raise click.BadParameter(f"unknown peer {name!r}; known: {', '.join(PEERS)}", param_hint="--peers")
+    entries += [f"peer:{p}" for p in peer_names]
+    for name in _csv(dtype):
+        if name not in ("float32", "bfloat16", "float16"):
+            raise click.BadParameter(f"{name!r}: one of float32, bfloat16, float16", param_hint="--dtype")
+    heads_ = _csv(heads, int)
+    kv_raw = _csv(kv_heads)
+    try:
+        seqs = [parse_tokens(s) for s in _csv(seq)]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--seq") from None
+    grid = []
+    for h in heads_:
+        kvs = [h if kv == "q" else int(kv) for kv in kv_raw]
+        cells, dropped = make_cells(seqs, [h], kvs, _csv(head_dim, int), _csv(batch, int), _csv(dtype), causal, layout)
+        grid += [c for c in cells if c not in grid]
+        for note in dropped:
+            click.echo(f"left out: {note}", err=True)
+    if not grid:
+        raise click.UsageError("the grid is empty")
+
+    options = dict(warmup=warmup, repeat=repeat, check=check, progress=True,
+                   topo_args={"ulysses_degree": ulysses_degree, "profile": profile_path, "timeout": 3600})
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if launched:  # under torchrun / deepspeed: use its ranks, rank 0 reports
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        world = dist.get_world_size()
+        per_rank = [None] * world
+        dist.all_gather_object(per_rank, _bench_rank(dist.get_rank(), world, grid, entries, options))
+        t1 = one_process(grid, warmup=warmup, repeat=repeat, progress=True) if baseline and dist.get_rank() == 0 else None
+        dist.barrier()
+        if dist.get_rank() != 0:
+            return
+    else:
+        world = nproc
+        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))  # read by the spawned ranks' libc
+        per_rank = run_ranks(_bench_rank, nproc, grid, entries, options, timeout=24 * 3600, collective_timeout=3600, threads_per_rank=threads_per_rank)
+        t1 = None
+        if baseline:
+            threads = torch.get_num_threads()
+            torch.set_num_threads(threads_per_rank)
+            t1 = one_process(grid, warmup=warmup, repeat=repeat, progress=True)
+            torch.set_num_threads(threads)
+    rows = summarise(grid, entries, per_rank, t1, world)
+
+    device = "cuda" if launched and torch.cuda.is_available() else "cpu"
+    env = {
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": "sp-bench " + " ".join(__import__("sys").argv[1:]),
+        "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+        "cpus": os.cpu_count(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+        "process_group": "nccl" if device == "cuda" else "gloo", "world_size": world, "threads_per_rank": threads_per_rank,
+        "warmup": warmup, "repeat": repeat, "memory": memory_method(torch.device(device)),
+        "timing": "per repeat the slowest rank; median and min-max over repeats; each repeat starts at a barrier",
+    }
+    title = f"sp-bench: {world} ranks ({env['process_group']}, {threads_per_rank} thread(s) each), {layout}, {'causal' if causal else 'full'}"
+    report.render(rows, title)
+    if json_path:
+        report.write_json(json_path, rows, env)
+    if csv_path:
+        report.write_csv(csv_path, rows, env)
+    if plot_path:
+        report.write_plot(plot_path, rows, title)
+    for path in (json_path, csv_path, plot_path):
+        if path:
+            click.echo(f"wrote {path}")
 
 
 if __name__ == "__main__":

@@ -4,12 +4,14 @@ Spawning costs seconds of imports per rank, so each world size spawns once
 (tests/conftest.py) and runs every case registered here; the pytest tests then
 assert on what each rank returned. A case returns plain data (errors, byte
 counts, messages); the tolerances and expected values live in the tests.
+``USP_CASES=grad/,fuzz/`` (comma-separated name prefixes) runs only the matching cases.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import os
 import traceback
 import zlib
 
@@ -56,8 +58,9 @@ class Env:
 
 def run_cases(rank: int, world: int) -> dict:
     env, results = Env(rank, world), {}
+    only = tuple(p for p in os.environ.get("USP_CASES", "").split(",") if p)
     for name, (fn, worlds) in CASES.items():
-        if world not in worlds:
+        if world not in worlds or (only and not name.startswith(only)):
             continue
         try:
             results[name] = {"ok": True, "value": fn(env)}
@@ -222,7 +225,7 @@ def backend_bytes(env: Env, backend: str, hq: int, hkv: int, grads: str) -> dict
     return {
         "fwd": (fwd.bytes_sent, fwd.bytes_recv, {o: dataclasses.astuple(c) for o, c in fwd.by_op.items()}),
         "bwd": (bwd.bytes_sent, bwd.bytes_recv, {o: dataclasses.astuple(c) for o, c in bwd.by_op.items()}),
-        "estimate": usp.get_backend(backend).estimate(spec, topo, usp.CPU_GLOO_PROFILE).comm_bytes,
+        "estimate": dataclasses.astuple(usp.get_backend(backend).estimate(spec, topo, usp.CPU_GLOO_PROFILE))[2:],
         "degrees": (topo.ulysses_degree, topo.ring_degree),
     }
 
@@ -587,6 +590,7 @@ def _bad_attention(env: Env) -> dict:
         "q not a tensor": lambda: attn([1.0], t(), t()),
         "integer input": lambda: attn(t().long(), t().long(), t().long()),
         "dtype mismatch": lambda: attn(t(), t(dtype=torch.float64), t(dtype=torch.float64)),
+        "device mismatch": lambda: attn(t(), t().to("meta"), t().to("meta")),
         "k and v differ": lambda: attn(t(), t(), t(h=2)),
         "sequence mismatch": lambda: attn(t(), t(seq=2 * s), t(seq=2 * s)),
         "batch mismatch": lambda: attn(t(), t(b=3), t(b=3)),
@@ -613,6 +617,8 @@ def _bad_attention(env: Env) -> dict:
         cases["cu_seqlens differ per rank"] = lambda: attn(t(b=5), t(b=5), t(b=5), cu_seqlens=torch.tensor([0, 1 + r, s * p]))
         # ...and inputs that need a gradient on one rank only (the backward would carry different tensors)
         cases["requires_grad differs per rank"] = lambda: attn(t(b=6).requires_grad_(r == 0), t(b=6), t(b=6))
+        dt = torch.float64 if r == 0 else torch.float32
+        cases["dtype differs per rank"] = lambda: attn(t(b=7, dtype=dt), t(b=7, dtype=dt), t(b=7, dtype=dt))
     result = {name: raised(fn) for name, fn in cases.items()}
     # after all that, the group still works
     result["still works"] = tuple(attn(t(), t(), t()).shape)
@@ -625,3 +631,78 @@ def _bad_attention(env: Env) -> dict:
 
 
 case("errors/attention")(_bad_attention)
+
+
+@case("errors/raise-mid-exchange", (2, 3, 4))
+def raise_mid_exchange(env: Env) -> dict:
+    """A kernel that raises on every rank between posting an exchange and waiting for it
+    (ring hops, all-gather prefetch): the error propagates, nothing stays in flight, and the
+    next calls of every backend are exact."""
+    from ulysses_sp import kernels
+
+    topo = _topo_for(env, Parity(), "zigzag")
+    gen = generator("raise-mid-exchange")
+    full = [torch.randn(2, 48, h, 8, generator=gen, dtype=torch.float64) for h in (12, 2, 2)]
+    ref_leaves = [t.clone().requires_grad_() for t in full]
+    ref = reference_attention(*ref_leaves, causal=True)
+    ref.sum().backward()
+    result = {}
+    for backend in ("ring", "hybrid", "allgather_stride1"):
+        for where in ("blocks_forward", "blocks_backward"):
+            original, calls = getattr(kernels, where), []
+
+            def failing(*args, original=original, calls=calls):
+                calls.append(1)
+                if len(calls) == 1:  # the first block: a ring hop or the next head chunk's gather is in flight
+                    raise RuntimeError("injected kernel failure")
+                return original(*args)
+
+            setattr(kernels, where, failing)
+            try:
+                shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full]
+                message = raised_any(lambda s=shards, b=backend: usp.sp_attention(*s, topo, backend=b).sum().backward())
+            finally:
+                setattr(kernels, where, original)
+            shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full]
+            out = usp.sp_attention(*shards, topo, backend=backend)
+            out.sum().backward()
+            errors = [max_err(usp.gather_sequence(a, topo), b) for a, b in zip([out, *(s.grad for s in shards)], [ref, *(t.grad for t in ref_leaves)])]
+            result[f"{backend}/{where}"] = (message, max(errors))
+    return result
+
+
+@case("errors/non-finite")
+def non_finite_input(env: Env) -> dict:
+    """NaN in k, Inf in q: NaN wherever one-process attention has NaN, on every rank; no hang."""
+    topo = _topo_for(env, Parity(), "zigzag")
+    gen = generator("non-finite")
+    result = {}
+    for what, causal in (("nan in k", False), ("inf in q", True)):
+        full = [torch.randn(1, 48, h, 8, generator=gen, dtype=torch.float64) for h in (12, 1, 1)]
+        if what == "nan in k":
+            full[1][:, 0] = float("nan")
+        else:
+            full[0][:, 7, 3] = float("inf")
+        ref = reference_attention(*full, causal=causal).isnan()
+        for backend in BACKENDS:
+            shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full]
+            out = usp.sp_attention(*shards, topo, backend=backend, causal=causal)
+            out.sum().backward()
+            ours = usp.gather_sequence(out.detach(), topo).isnan()
+            result[f"{backend}/{what}"] = {
+                "reference nan kept": bool((ours | ~ref).all()),
+                "local out has nan": bool(out.isnan().any()),
+                "grads have nan": [bool(s.grad.isnan().any()) for s in shards],
+            }
+    return result
+
+
+def raised_any(fn) -> str:
+    try:
+        fn()
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return "NO ERROR"
+
+
+from . import reliability_cases  # noqa: E402,F401

@@ -9,6 +9,7 @@ EXPECTED = {
     "q not a tensor": "TypeError: q must be a torch.Tensor",
     "integer input": "TypeError: q must be a floating-point tensor",
     "dtype mismatch": "TypeError: q, k, v must share one dtype",
+    "device mismatch": "ValueError: q, k, v must be on this rank's cpu device",
     "k and v differ": "ValueError: k and v must have the same shape",
     "sequence mismatch": "ValueError: q and k/v must agree in batch and local sequence length",
     "batch mismatch": "ValueError: q and k/v must agree in batch and local sequence length",
@@ -28,6 +29,7 @@ EXPECTED = {
     "shard length differs per rank": "ValueError: the ranks of the SP group called attention with different local_seq_len",
     "cu_seqlens differ per rank": "ValueError: the ranks of the SP group called attention with different cu_seqlens",
     "requires_grad differs per rank": "ValueError: the ranks of the SP group called attention with different requires_grad",
+    "dtype differs per rank": "ValueError: the ranks of the SP group called attention with different dtype",
     "seen shape differs per rank (always)": "ValueError: the ranks of the SP group called attention with different local_seq_len",
 }
 MULTI_ONLY = {k for k in EXPECTED if "per rank" in k or k.startswith(("ulysses ", "allgather "))}
@@ -40,3 +42,22 @@ def test_bad_input_raises_on_every_rank(ranks, world):
         assert set(got) == set(EXPECTED) - (MULTI_ONLY if world == 1 else set())
         for case, message in got.items():
             assert EXPECTED[case] in message, f"rank {rank}, {case}: {message}"
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w > 1])
+def test_a_failure_mid_exchange_leaves_nothing_in_flight(ranks, world):
+    for r in values(ranks(world), "errors/raise-mid-exchange"):
+        assert len(r) == 6
+        for where, (message, error_after) in r.items():
+            assert message == "RuntimeError: injected kernel failure", where
+            assert error_after < 1e-10, f"{where}: the next call is off by {error_after}"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_non_finite_input_gives_nan_on_every_rank(ranks, world):
+    for rank, r in enumerate(values(ranks(world), "errors/non-finite")):
+        assert len(r) == 8
+        for where, got in r.items():
+            assert got["reference nan kept"], f"rank {rank}, {where}: a NaN of the reference vanished"
+            if where.endswith("nan in k"):  # every query sees key 0: all of out and every gradient is NaN
+                assert got["local out has nan"] and all(got["grads have nan"]), f"rank {rank}, {where}: {got}"

@@ -122,3 +122,15 @@ def test_layers_of_one_pass_get_different_backends(ranks):
         first, second = got["value"][0], got["value"][1]
         assert first["chosen"] == ["ulysses"] and second["chosen"] not in (["ulysses"], [])
         assert first["err"] < 1e-10 and second["err"] < 1e-10
+
+
+def test_backend_factors_scale_the_estimates():
+    """A calibrated factor multiplies a backend's estimate: one measured 3x slower than modelled loses."""
+    topo = Topology.for_planning(4)
+    s = spec(8, 2, 4096, 4)
+    chosen, before = choose_backend(s, topo, CPU_GLOO_PROFILE)
+    slower = Profile(**{**CPU_GLOO_PROFILE.__dict__, "backend_factors": {chosen.name: 3.0}})
+    again, after = choose_backend(s, topo, slower)
+    assert again.name != chosen.name
+    assert after[chosen.name].seconds == pytest.approx(3 * before[chosen.name].seconds)
+    assert Profile.from_dict(json.loads(slower.to_json())).backend_factors == {chosen.name: 3.0}

@@ -15,12 +15,14 @@ module knows nothing of layouts.
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 __all__ = [
+    "CollectiveError",
     "CommCounter",
     "OpBytes",
     "all_to_all",
@@ -38,6 +40,7 @@ __all__ = [
     "all_reduce_sum",
     "reduce_scatter_sum",
     "group_size",
+    "drain",
 ]
 
 
@@ -109,10 +112,30 @@ def group_size(group) -> int:
 
 # --------------------------------------------------------------------------- raw collectives
 
+class CollectiveError(RuntimeError):
+    """A collective of an SP group failed: another rank died, timed out, or called a different
+    collective. Raised on the ranks still alive instead of a hang (every group has a timeout)."""
+
+
+@contextmanager
+def _failing_clearly(op: str, group):
+    try:
+        yield
+    except CollectiveError:
+        raise
+    except RuntimeError as e:  # gloo/NCCL failures and timeouts (DistBackendError is one)
+        raise CollectiveError(
+            f"ulysses-sp: {op} over {group_size(group)} ranks failed on global rank {dist.get_rank()}: {e}\n"
+            "Another rank of the group probably died (see its log) or stopped making the same attention calls; "
+            "a rank that is merely slow fails this way after the timeout given to init_sequence_parallel."
+        ) from e
+
+
 def _all_to_all_rows(buf: torch.Tensor, group) -> torch.Tensor:
     """Row j of ``buf`` ([P, n]) goes to rank j; row i of the result came from rank i."""
     recv = torch.empty_like(buf)
-    dist.all_to_all_single(recv, buf, group=group)
+    with _failing_clearly("all_to_all", group):
+        dist.all_to_all_single(recv, buf, group=group)
     moved = (buf.shape[0] - 1) * buf[0].numel() * buf.element_size()
     _record("all_to_all", moved, moved)
     return recv
@@ -125,7 +148,8 @@ _reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.redu
 def _all_gather_raw(x: torch.Tensor, group, dim: int, op: str = "all_gather") -> torch.Tensor:
     p = group_size(group)
     out = x.new_empty((p,) + tuple(x.shape))
-    _all_gather_flat(out.view(-1), x.contiguous().view(-1), group=group)
+    with _failing_clearly(op, group):
+        _all_gather_flat(out.view(-1), x.contiguous().view(-1), group=group)
     _record(op, (p - 1) * _nbytes(x), (p - 1) * _nbytes(x))
     return out.movedim(0, dim).flatten(dim, dim + 1)
 
@@ -134,7 +158,8 @@ def _reduce_scatter_raw(x: torch.Tensor, group, dim: int) -> torch.Tensor:
     p = group_size(group)
     chunks = x.unflatten(dim, (p, -1)).movedim(dim, 0).contiguous()
     out = x.new_empty(chunks.shape[1:])
-    _reduce_scatter_flat(out.view(-1), chunks.view(-1), group=group)
+    with _failing_clearly("reduce_scatter", group):
+        _reduce_scatter_flat(out.view(-1), chunks.view(-1), group=group)
     moved = (p - 1) * _nbytes(out)
     _record("reduce_scatter", moved, moved)
     return out
@@ -359,7 +384,8 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
     """Sum of every rank's ``x`` (a new tensor; not differentiable). Counted as op
     ``"all_reduce"`` with the logical volume: this rank's value reaches P-1 others."""
     out = x.clone()
-    dist.all_reduce(out, group=group)
+    with _failing_clearly("all_reduce", group):
+        dist.all_reduce(out, group=group)
     p = group_size(group)
     _record("all_reduce", (p - 1) * _nbytes(x), (p - 1) * _nbytes(x))
     return out
@@ -378,11 +404,13 @@ def all_gather_start(x: torch.Tensor, group, dim: int):
     Not differentiable: for backends that prefetch inside their own autograd Function."""
     p = group_size(group)
     out = x.new_empty((p,) + tuple(x.shape))
-    work = _all_gather_flat(out.view(-1), x.contiguous().view(-1), group=group, async_op=True)
+    with _failing_clearly("all_gather", group):
+        work = _all_gather_flat(out.view(-1), x.contiguous().view(-1), group=group, async_op=True)
     _record("all_gather", (p - 1) * _nbytes(x), (p - 1) * _nbytes(x))
 
-    def wait() -> torch.Tensor:
-        work.wait()
+    def wait() -> torch.Tensor:  # idempotent, so drain() may call it again
+        with _failing_clearly("all_gather", group):
+            work.wait()
         return out.movedim(0, dim).flatten(dim, dim + 1)
 
     return wait
@@ -402,17 +430,31 @@ def ring_send_recv(tensors, group, *, send_to: int, recv_from: int, tag: int = 0
     ``tag``s (gloo matches by tag).
     Not differentiable: ring backends call it inside their own autograd Function.
     """
-    received = [torch.empty_like(t) for t in tensors]
+    # contiguous: empty_like keeps a strided input's stride order, and gloo's recv needs a contiguous buffer
+    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
     to_rank = dist.get_global_rank(group, send_to)
     from_rank = dist.get_global_rank(group, recv_from)
     ops = [dist.P2POp(dist.isend, t.contiguous(), to_rank, group, tag) for t in tensors]
     ops += [dist.P2POp(dist.irecv, r, from_rank, group, tag) for r in received]
-    works = dist.batch_isend_irecv(ops)
+    with _failing_clearly("send_recv", group):
+        works = dist.batch_isend_irecv(ops)
     moved = sum(_nbytes(t) for t in tensors)
     _record("send_recv", moved, moved)
 
-    def wait() -> None:
-        for w in works:
-            w.wait()
+    def wait() -> None:  # idempotent, so drain() may call it again
+        with _failing_clearly("send_recv", group):
+            while works:
+                works.pop().wait()
 
     return received, wait
+
+
+def drain(waits) -> None:
+    """Wait for exchanges posted but not yet waited for, before an exception propagates, so
+    that none is still in flight when the caller's next collective starts (yunchang's ring
+    hangs there). Their own failures are dropped: the error being raised is the one to report."""
+    for wait in waits:
+        try:
+            wait()
+        except Exception:
+            pass

@@ -69,6 +69,8 @@ def local_attention(q_bshd, k_bshd, v_bshd, *, causal: bool, scale: float | None
         from flash_attn import flash_attn_func
 
         return flash_attn_func(q_bshd, k_bshd, v_bshd, softmax_scale=scale, causal=causal)
+    if q_bshd.device.type == "cpu" and not _cpu_flash_ok(q_bshd, k_bshd):
+        return _math_with_lse(q_bshd, k_bshd, v_bshd, causal, scale)[0]
     q_bhsd, k_bhsd, v_bhsd = (t.transpose(1, 2) for t in (q_bshd, k_bshd, v_bshd))
     if q_bshd.device.type == "cpu":
         out_bhsd, _ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
@@ -122,12 +124,19 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
 
 
 @torch.no_grad()
+def _cpu_flash_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
+    """The CPU flash op returns out 0 and lse 0, not NaN, for a query row holding an inf
+    (seen with torch 2.13): non-finite q or k take the math path, which propagates NaN.
+    The check reads q and k once, against the S_q x S_k work of the block."""
+    return q.device.type == "cpu" and bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all())
+
+
 def attention_with_lse(q_bshd, k_bshd, v_bshd, *, causal: bool, scale: float | None = None):
     """``(out_bshd, lse_bhs)``; lse is the natural log-sum-exp of the scaled scores,
     fp32 (fp64 for fp64 inputs). Not differentiable: pair with the backward below."""
     _check_nonempty(q_bshd, k_bshd)
     scale = _scale(q_bshd, scale)
-    if q_bshd.device.type == "cpu":
+    if _cpu_flash_ok(q_bshd, k_bshd):
         out_bhsd, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
             *(t.transpose(1, 2) for t in (q_bshd, k_bshd, v_bshd)), 0.0, causal, scale=scale
         )
@@ -139,7 +148,7 @@ def attention_with_lse(q_bshd, k_bshd, v_bshd, *, causal: bool, scale: float | N
 def attention_with_lse_backward(dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd, lse_bhs, *, causal: bool, scale: float | None = None):
     """``(dq, dk, dv)`` in ``[B, S, H, D]`` from the saved forward results."""
     scale = _scale(q_bshd, scale)
-    if q_bshd.device.type == "cpu":
+    if _cpu_flash_ok(q_bshd, k_bshd):
         grads = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
             *(t.transpose(1, 2) for t in (dout_bshd, q_bshd, k_bshd, v_bshd, out_bshd)), lse_bhs, 0.0, causal, scale=scale
         )
@@ -174,7 +183,10 @@ def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
 def blocks_forward(q, k, v, segments, scale: float, out_acc, lse_acc) -> None:
     """Attend query ranges of ``q`` to key ranges of ``k``/``v`` (``layout.block_segments``:
     ``(q0, q1, k0, k1, diagonal)``) and merge the results into ``out_acc``
-    ``[B, Sq, H, D]`` / ``lse_acc`` ``[B, H, Sq]`` in place."""
+    ``[B, Sq, H, D]`` / ``lse_acc`` ``[B, H, Sq]`` in place. fp16/bf16 blocks are computed
+    from fp32 copies: the kernel returns its input dtype, and rounding every partial result
+    before the merge made the error grow with the number of blocks (up to 2.4x at P=4)."""
+    q, k, v = (t.to(out_acc.dtype) for t in (q, k, v))
     for q0, q1, k0, k1, diagonal in segments:
         o, lse = attention_with_lse(q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], causal=diagonal, scale=scale)
         out_acc[:, q0:q1], lse_acc[..., q0:q1] = merge_partials(out_acc[:, q0:q1], lse_acc[..., q0:q1], o, lse)
@@ -182,7 +194,8 @@ def blocks_forward(q, k, v, segments, scale: float, out_acc, lse_acc) -> None:
 
 def blocks_backward(dout, q, k, v, out, lse, segments, scale: float, dq_acc, dk_acc, dv_acc) -> None:
     """Gradients of :func:`blocks_forward` given the final ``out``/``lse`` of every
-    query row, added in place to ``dq_acc``, ``dk_acc``, ``dv_acc``."""
+    query row, added in place to ``dq_acc``, ``dk_acc``, ``dv_acc``; in their dtype, as the forward."""
+    dout, q, k, v, out = (t.to(dq_acc.dtype) for t in (dout, q, k, v, out))
     for q0, q1, k0, k1, diagonal in segments:
         dq, dk, dv = attention_with_lse_backward(
             dout[:, q0:q1], q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], out[:, q0:q1], lse[..., q0:q1].contiguous(),

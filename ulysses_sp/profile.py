@@ -46,6 +46,10 @@ class Profile:
     """Whether communication posted before a computation runs while it runs."""
     memory_budget_bytes: int | None = None
     """Backends whose estimated peak exceeds this are not chosen by ``auto``."""
+    backend_factors: dict[str, float] = field(default_factory=dict)
+    """Per backend, measured / estimated seconds on calibration's reference shape: what the
+    model misses (blockwise kernels, stragglers at every ring step on oversubscribed cores).
+    ``auto`` multiplies each estimate by its factor (1 when absent)."""
     measured: dict = field(default_factory=dict, compare=False)
     """What calibration measured (sizes, raw timings), for the record."""
 

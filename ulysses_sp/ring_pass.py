@@ -35,15 +35,21 @@ class _RingAttention(torch.autograd.Function):
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
         k_cur, v_cur = k, v
-        for step in range(p):
-            src = (r - step) % p
-            if step < p - 1:
-                (k_next, v_next), wait = comm.ring_send_recv([k_cur, v_cur], group, send_to=(r + 1) % p, recv_from=(r - 1) % p, tag=_KV_TAG)
-            segments = block_segments(chunk_lists[r], chunk_lists[src], c, causal, cu_seqlens)
-            kernels.blocks_forward(q, k_cur, v_cur, segments, scale, out_acc, lse_acc)
-            if step < p - 1:
-                wait()
-                k_cur, v_cur = k_next, v_next
+        posted = []
+        try:
+            for step in range(p):
+                src = (r - step) % p
+                if step < p - 1:
+                    (k_next, v_next), wait = comm.ring_send_recv([k_cur, v_cur], group, send_to=(r + 1) % p, recv_from=(r - 1) % p, tag=_KV_TAG)
+                    posted.append(wait)
+                segments = block_segments(chunk_lists[r], chunk_lists[src], c, causal, cu_seqlens)
+                kernels.blocks_forward(q, k_cur, v_cur, segments, scale, out_acc, lse_acc)
+                if step < p - 1:
+                    wait()
+                    k_cur, v_cur = k_next, v_next
+        except BaseException:
+            comm.drain(posted)
+            raise
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
         ctx.args = (group, chunk_lists, causal, scale, cu_seqlens)
@@ -60,28 +66,35 @@ class _RingAttention(torch.autograd.Function):
         dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         k_cur, v_cur = k, v
         arriving, wait_grads = None, None
-        for step in range(p):
-            src = (r - step) % p
-            if step < p - 1:
-                (k_next, v_next), wait_kv = comm.ring_send_recv([k_cur, v_cur], group, send_to=(r + 1) % p, recv_from=(r - 1) % p, tag=_KV_TAG)
-            dk_blk = torch.zeros(k.shape, dtype=acc, device=k.device)
-            dv_blk = torch.zeros(v.shape, dtype=acc, device=v.device)
-            segments = block_segments(chunk_lists[r], chunk_lists[src], c, causal, cu_seqlens)
-            kernels.blocks_backward(dout, q, k_cur, v_cur, out, lse, segments, scale, dq_acc, dk_blk, dv_blk)
-            if need_k or need_v:
-                # The accumulators of block `src` travel with it: add what earlier ranks
-                # gave, pass on; after the last step each rank receives its own block's sum.
-                if wait_grads is not None:
-                    wait_grads()
-                    dk_blk += arriving[0]
-                    dv_blk += arriving[1]
-                if p == 1:
-                    arriving = (dk_blk, dv_blk)
-                else:
-                    arriving, wait_grads = comm.ring_send_recv([dk_blk, dv_blk], group, send_to=(r + 1) % p, recv_from=(r - 1) % p, tag=_GRAD_TAG)
-            if step < p - 1:
-                wait_kv()
-                k_cur, v_cur = k_next, v_next
+        posted = []
+        try:
+            for step in range(p):
+                src = (r - step) % p
+                if step < p - 1:
+                    (k_next, v_next), wait_kv = comm.ring_send_recv([k_cur, v_cur], group, send_to=(r + 1) % p, recv_from=(r - 1) % p, tag=_KV_TAG)
+                    posted.append(wait_kv)
+                dk_blk = torch.zeros(k.shape, dtype=acc, device=k.device)
+                dv_blk = torch.zeros(v.shape, dtype=acc, device=v.device)
+                segments = block_segments(chunk_lists[r], chunk_lists[src], c, causal, cu_seqlens)
+                kernels.blocks_backward(dout, q, k_cur, v_cur, out, lse, segments, scale, dq_acc, dk_blk, dv_blk)
+                if need_k or need_v:
+                    # The accumulators of block `src` travel with it: add what earlier ranks
+                    # gave, pass on; after the last step each rank receives its own block's sum.
+                    if wait_grads is not None:
+                        wait_grads()
+                        dk_blk += arriving[0]
+                        dv_blk += arriving[1]
+                    if p == 1:
+                        arriving = (dk_blk, dv_blk)
+                    else:
+                        arriving, wait_grads = comm.ring_send_recv([dk_blk, dv_blk], group, send_to=(r + 1) % p, recv_from=(r - 1) % p, tag=_GRAD_TAG)
+                        posted.append(wait_grads)
+                if step < p - 1:
+                    wait_kv()
+                    k_cur, v_cur = k_next, v_next
+        except BaseException:
+            comm.drain(posted)
+            raise
         dk = dv = None
         if need_k or need_v:
             if wait_grads is not None:

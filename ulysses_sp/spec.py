@@ -69,3 +69,5 @@ class Estimate:
     """Activation memory the backend holds at its peak (inputs and output included)."""
     comm_bytes: int
     """Bytes this rank sends in the forward (what ``CommCounter.bytes_sent`` reports)."""
+    bwd_comm_bytes: int = 0
+    """Bytes this rank sends in the backward when q, k and v all need a gradient."""

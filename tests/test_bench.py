@@ -1,0 +1,72 @@
+"""``sp-bench run``: a tiny grid on 2 spawned ranks; the outputs' schema, never timings."""
+
+import csv
+import json
+
+import pytest
+from click.testing import CliRunner
+
+from ulysses_sp.cli.main import main as sp_bench
+from ulysses_sp.cli.report import CSV_COLUMNS
+
+BACKENDS = ["ulysses", "allgather", "ring", "hybrid", "auto"]
+PEERS = ["peer:deepspeed", "peer:torch-ring", "peer:ring-flash-attn", "peer:yunchang"]
+
+
+@pytest.fixture(scope="module")
+def bench(tmp_path_factory):
+    out = tmp_path_factory.mktemp("bench")
+    args = ["run", "--nproc", "2", "--seq", "64,128", "--heads", "4", "--kv-heads", "2,q", "--head-dim", "8",
+            "--warmup", "0", "--repeat", "2", "--peers", "--check",
+            "--json", str(out / "b.json"), "--csv", str(out / "b.csv"), "--plot", str(out / "b.png")]
+    result = CliRunner().invoke(sp_bench, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    return out, result.output, json.loads((out / "b.json").read_text())
+
+
+def test_every_backend_and_peer_has_a_row_per_cell(bench):
+    _, output, data = bench
+    rows = data["rows"]
+    cells = {(r["seq"], r["kv_heads"]) for r in rows}
+    assert cells == {(64, 2), (64, 4), (128, 2), (128, 4)}
+    for cell in cells:
+        assert sorted(r["entry"] for r in rows if (r["seq"], r["kv_heads"]) == cell) == sorted(BACKENDS + PEERS)
+    for r in rows:
+        if r["kind"] == "ulysses-sp":
+            assert "skipped" not in r, r
+            assert r["fwd_s"]["min"] <= r["fwd_s"]["median"] <= r["fwd_s"]["max"]
+            assert len(r["fwd_bwd_s_all"]) == 2 and r["fwd_bwd_s"]["median"] > r["fwd_s"]["median"] > 0
+            assert r["bytes_match"] and r["fwd_bytes_sent"] == r["analytic_fwd_bytes"] > 0
+            assert r["bwd_bytes_sent"] == r["analytic_bwd_bytes"] > 0
+            assert r["max_error"] < 1e-5 and r["efficiency"] > 0 and r["peak_mem_bytes"] >= 0
+    auto = [r for r in rows if r["entry"] == "auto"]
+    assert all(r["resolved"] in BACKENDS for r in auto)
+
+
+def test_peers_run_or_say_why(bench):
+    _, output, data = bench
+    for r in data["rows"]:
+        if r["entry"] in ("peer:deepspeed", "peer:torch-ring"):  # both run on CPU/gloo
+            assert "skipped" not in r and r["max_error"] < 1e-5, r
+        elif r["kind"] == "peer":
+            assert "not installed" in r["skipped"] or "CUDA" in r["skipped"], r
+            assert f"skipped {r['entry']} at S={r['seq']}" in output
+
+
+def test_environment_csv_and_plot(bench):
+    out, _, data = bench
+    env = data["env"]
+    assert env["world_size"] == 2 and env["threads_per_rank"] == 1 and env["process_group"] == "gloo"
+    assert {"torch", "date", "command", "device", "memory", "timing"} <= set(env)
+    lines = (out / "b.csv").read_text().splitlines()
+    assert lines[0].startswith("# ")
+    table = list(csv.DictReader(line for line in lines if not line.startswith("#")))
+    assert list(table[0]) == CSV_COLUMNS and len(table) == len(data["rows"])
+    assert (out / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_grid_is_a_usage_error():
+    for args, message in ((["--backends", "ringg"], "unknown backend 'ringg'"), (["--peers", "megatron"], "unknown peer"),
+                          (["--seq", "4q"], "not a token count"), (["--dtype", "float8"], "float32, bfloat16, float16")):
+        result = CliRunner().invoke(sp_bench, ["run", *args])
+        assert result.exit_code == 2 and message in result.output, result.output
