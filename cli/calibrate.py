@@ -8,9 +8,9 @@ p2p exchange overlaps computation. Every rank measures at once, as in training.
 
 Last, every registered backend runs one reference attention (8 q and kv heads,
 dim 64, fp32, causal, ``backend_seq`` tokens); its measured time over the time
-the profile so far predicts is its ``backend_factor``. Factors within
-``NOISE`` of their median are set to the median: differences that small are
-not measured reliably, and they would only reorder backends at random.
+the profile so far predicts is its ``backend_factor``. The backends take turns
+(one run each, ``repeat`` rounds) so that a drift of the machine's speed
+during calibration does not favour one of them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from ulysses_sp.profile import COLLECTIVES, LinkCost, Profile
 __all__ = ["measure"]
 
 SMALL, LARGE = 1 << 6, 1 << 22  # elements of float32: 256 B and 16 MiB
-NOISE = 0.05
 
 
 def _timed(fn, repeat: int, device) -> float:
@@ -87,20 +86,21 @@ def _backend_factors(profile: Profile, seq: int, ulysses_degree, repeat: int, de
     gen = torch.Generator().manual_seed(dist.get_rank())
     q, k, v, dout = (torch.randn(1, seq // topo.sp_size, 8, 64, generator=gen).to(device) for _ in range(4))
     spec = usp.attention.make_spec(q, k, v, topo)
-    raw = {}
-    for name in usp.list_backends():
-        backend = usp.get_backend(name)
-        if backend.check(spec, topo):
-            continue
-        def step(backend=backend):
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            backend.forward(*leaves, spec, topo).backward(dout)
+    backends = {name: usp.get_backend(name) for name in usp.list_backends() if usp.get_backend(name).check(spec, topo) is None}
 
-        step()  # warm-up
-        raw[name] = {"measured_s": _timed(step, repeat, device), "estimated_s": backend.estimate(spec, topo, profile).seconds}
-    ratios = {name: r["measured_s"] / r["estimated_s"] for name, r in raw.items()}
-    median = statistics.median(ratios.values())
-    factors = {name: (r if abs(r / median - 1) > NOISE else median) for name, r in ratios.items()}
+    def step(backend):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        backend.forward(*leaves, spec, topo).backward(dout)
+
+    times = {name: [] for name in backends}
+    for round_ in range(repeat + 1):  # the first round warms up
+        for name, backend in backends.items():
+            seconds = _timed(lambda b=backend: step(b), 1, device)
+            if round_:
+                times[name].append(seconds)
+    raw = {name: {"measured_s": statistics.median(times[name]), "estimated_s": b.estimate(spec, topo, profile).seconds}
+           for name, b in backends.items()}
+    factors = {name: r["measured_s"] / r["estimated_s"] for name, r in raw.items()}
     return factors, {"seq": seq, "ulysses_degree": topo.ulysses_degree, **raw}
 
 

@@ -107,6 +107,7 @@ def plan(model_config, heads, kv_heads, head_dim, layers, seq, sp_size, ulysses_
         raise click.UsageError(str(e)) from None
     render(rows, title=f"{parse_tokens(seq)} tokens on {sp_size} ranks ({gpus_per_node} per node), {dtype}, profile {profile.name}")
 
+
 def _csv(text: str, convert=str) -> list:
     try:
         return [convert(x.strip()) for x in str(text).split(",") if x.strip()]
@@ -178,6 +179,8 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, l
         seqs = [parse_tokens(s) for s in _csv(seq)]
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--seq") from None
+    if any(kv != "q" and not kv.isdigit() for kv in kv_raw):
+        raise click.BadParameter(f"{kv_heads!r}: integers or q", param_hint="--kv-heads")
     grid = []
     for h in heads_:
         kvs = [h if kv == "q" else int(kv) for kv in kv_raw]
@@ -191,10 +194,15 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, l
     options = dict(warmup=warmup, repeat=repeat, check=check, progress=True,
                    topo_args={"ulysses_degree": ulysses_degree, "profile": profile_path, "timeout": 3600})
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    world = int(os.environ["WORLD_SIZE"]) if launched else nproc
+    multiple = world * (2 if layout == "zigzag" else 1)
+    if world < 1 or any(c.seq % multiple for c in grid):
+        raise click.BadParameter(f"every length must divide by {multiple} ({world} ranks, {layout} layout)", param_hint="--seq")
     if launched:  # under torchrun / deepspeed: use its ranks, rank 0 reports
         if not dist.is_initialized():
+            if torch.cuda.is_available():
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        world = dist.get_world_size()
         per_rank = [None] * world
         dist.all_gather_object(per_rank, _bench_rank(dist.get_rank(), world, grid, entries, options))
         t1 = one_process(grid, warmup=warmup, repeat=repeat, progress=True) if baseline and dist.get_rank() == 0 else None
@@ -202,7 +210,6 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, l
         if dist.get_rank() != 0:
             return
     else:
-        world = nproc
         os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))  # read by the spawned ranks' libc
         per_rank = run_ranks(_bench_rank, nproc, grid, entries, options, timeout=24 * 3600, collective_timeout=3600, threads_per_rank=threads_per_rank)
         t1 = None

@@ -67,6 +67,7 @@ def test_environment_csv_and_plot(bench):
 
 def test_bad_grid_is_a_usage_error():
     for args, message in ((["--backends", "ringg"], "unknown backend 'ringg'"), (["--peers", "megatron"], "unknown peer"),
-                          (["--seq", "4q"], "not a token count"), (["--dtype", "float8"], "float32, bfloat16, float16")):
+                          (["--seq", "4q"], "not a token count"), (["--dtype", "float8"], "float32, bfloat16, float16"),
+                          (["--seq", "100", "--nproc", "3"], "every length must divide by 6"), (["--kv-heads", "x"], "integers or q")):
         result = CliRunner().invoke(sp_bench, ["run", *args])
         assert result.exit_code == 2 and message in result.output, result.output

@@ -123,7 +123,6 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
     return dq_.transpose(1, 2).to(q.dtype), fold(dk_).to(k.dtype), fold(dv_).to(v.dtype)
 
 
-@torch.no_grad()
 def _cpu_flash_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
     """The CPU flash op returns out 0 and lse 0, not NaN, for a query row holding an inf
     (seen with torch 2.13): non-finite q or k take the math path, which propagates NaN.
@@ -131,6 +130,7 @@ def _cpu_flash_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
     return q.device.type == "cpu" and bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all())
 
 
+@torch.no_grad()
 def attention_with_lse(q_bshd, k_bshd, v_bshd, *, causal: bool, scale: float | None = None):
     """``(out_bshd, lse_bhs)``; lse is the natural log-sum-exp of the scaled scores,
     fp32 (fp64 for fp64 inputs). Not differentiable: pair with the backward below."""
