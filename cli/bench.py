@@ -103,8 +103,9 @@ def memory_method(device) -> str:
     if device.type == "cuda":
         return "CUDA allocator: max_memory_allocated above the allocation before the call"
     if os.path.exists("/proc/self/clear_refs"):
-        return ("process peak resident set (VmHWM, reset via /proc/self/clear_refs) above the resident set before the call; "
-                f"ranks run with MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} so freed tensors leave the resident set")
+        threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
+        return "process peak resident set (VmHWM, reset via /proc/self/clear_refs) above the resident set before the call" + (
+            f"; ranks run with MALLOC_MMAP_THRESHOLD_={threshold} so freed tensors leave the resident set" if threshold else "")
     return "not measured on this platform"
 
 
