@@ -253,25 +253,28 @@ def all_backends_agree(env: Env) -> dict:
     return {be: max(max_err(a, b) for a, b in zip(got, ref)) for be, got in results.items()}
 
 
-@case("numerics/bf16", (1, 2, 4))
-def bf16_error(env: Env) -> dict:
-    """bf16 error against fp64 attention of the same (bf16-rounded) inputs, per backend."""
+def low_precision_error(env: Env, dtype: torch.dtype) -> dict:
+    """Error against fp64 attention of the same (rounded) inputs, per backend: [out, dq, dk, dv]."""
     topo = _topo_for(env, Parity(), "zigzag")
-    gen = generator("bf16")
-    full = [torch.randn(2, 48, h, 16, generator=gen).bfloat16().double() for h in (12, 4, 4)]
-    dout = torch.randn(2, 48, 12, 16, generator=gen).bfloat16().double()
+    gen = generator(str(dtype))
+    full = [torch.randn(2, 48, h, 16, generator=gen).to(dtype).double() for h in (12, 4, 4)]
+    dout = torch.randn(2, 48, 12, 16, generator=gen).to(dtype).double()
     leaves = [t.clone().requires_grad_() for t in full]
     reference_attention(*leaves).backward(dout)
     errors = {}
     for backend in BACKENDS:
-        shards = [usp.shard_sequence(t, topo).bfloat16().requires_grad_() for t in full]
+        shards = [usp.shard_sequence(t, topo).to(dtype).requires_grad_() for t in full]
         out = usp.sp_attention(*shards, topo, backend=backend)
-        (out * usp.shard_sequence(dout, topo).bfloat16()).sum().backward()
+        (out * usp.shard_sequence(dout, topo).to(dtype)).sum().backward()
         with torch.no_grad():
             got = [out] + [t.grad for t in shards]
             want = [reference_attention(*full)] + [t.grad for t in leaves]
             errors[backend] = [max_err(usp.gather_sequence(g, topo).double(), w) for g, w in zip(got, want)]
     return errors
+
+
+for _name, _dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
+    case(f"numerics/{_name}", (1, 2, 4))(lambda env, d=_dtype: low_precision_error(env, d))
 
 
 # --------------------------------------------------------------------------- comm primitives

@@ -66,11 +66,12 @@ def test_all_backends_give_the_same_answer(ranks, world):
         assert max(r.values()) < 1e-10, r
 
 
+@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("world", [2, 4])
-def test_bf16_error_does_not_grow_with_ranks(ranks, world):
-    """Accumulators stay fp32: error at P ranks <= 1.5x the error at P=1, per backend."""
-    one = values(ranks(1), "numerics/bf16")[0]
-    for r in values(ranks(world), "numerics/bf16"):
+def test_low_precision_error_does_not_grow_with_ranks(ranks, world, dtype):
+    """Blocks computed and merged in fp32: error at P ranks <= 1.5x the error at P=1, per backend."""
+    one = values(ranks(1), f"numerics/{dtype}")[0]
+    for r in values(ranks(world), f"numerics/{dtype}"):
         for backend, errors in r.items():
             for what, err, base in zip(("out", "dq", "dk", "dv"), errors, one[backend]):
                 assert err <= 1.5 * base, f"{backend} {what}: {err:.3g} at P={world} vs {base:.3g} at P=1"
