@@ -61,8 +61,9 @@ def _gathered_head_chunks(k, v, group, stride: int, to_global):
             if n + 1 < len(chunks):
                 pending = _gather(k, v, chunks[n + 1], group)
             yield h0, h1, k_full, v_full
-    finally:  # the consumer raised (or stopped): no prefetch may stay in flight
+    except BaseException:  # the consumer raised (GeneratorExit here): no prefetch may stay in flight
         comm.drain(pending)
+        raise
 
 
 def _gather(k, v, heads: tuple[int, int], group):

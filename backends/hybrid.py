@@ -44,10 +44,10 @@ class HybridBackend:
         acc = spec.accumulator_ratio
         a2a_s = profile.link("all_to_all", topo.spans_nodes("ulysses")).seconds(2 * a2a, calls=4) if u > 1 else 0.0
         link = profile.link("p2p", topo.spans_nodes("ring"))
-        ring_s = link.seconds(ring, r - 1) + link.seconds(ring + kv_bytes * acc * r, 2 * r - 1) if r > 1 else 0.0
+        ring_bwd = ring + int(kv_bytes * acc * r) if r > 1 else 0  # K/V again, and the dK/dV accumulators R hops
+        ring_s = link.seconds(ring, r - 1) + link.seconds(ring_bwd, 2 * r - 1) if r > 1 else 0.0
         peak = int(spec.head_bytes * (spec.q_heads * (3 + acc) + 2 * spec.kv_heads + 6 * hkv))
         seconds = a2a_s + profile.overlapped(profile.attention_fwd_bwd_seconds(spec, topo.sp_size), ring_s)
-        ring_bwd = ring + int(kv_bytes * acc * r) if r > 1 else 0
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=a2a + ring, bwd_comm_bytes=a2a + ring_bwd)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:

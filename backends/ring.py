@@ -30,11 +30,11 @@ class RingBackend:
         comm_bytes = kv_bytes * (p - 1)
         link = profile.link("p2p", topo.spans_nodes("sp"))
         # forward: P-1 hops of K/V; backward: P-1 hops of K/V and P of the fp32 dK/dV accumulators
-        transfer = link.seconds(comm_bytes, p - 1) + link.seconds(comm_bytes + kv_bytes * acc * p, 2 * p - 1) if p > 1 else 0.0
+        bwd_bytes = comm_bytes + int(kv_bytes * acc * p) if p > 1 else 0
+        transfer = link.seconds(comm_bytes, p - 1) + link.seconds(bwd_bytes, 2 * p - 1) if p > 1 else 0.0
         q_bytes = spec.head_bytes * spec.q_heads
         peak = int(q_bytes * (2 + acc) + 3 * kv_bytes)  # q, out, fp32 accumulator; own, in-flight and next K/V
         seconds = profile.overlapped(profile.attention_fwd_bwd_seconds(spec, p), transfer)
-        bwd_bytes = comm_bytes + int(kv_bytes * acc * p) if p > 1 else 0
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=bwd_bytes)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:

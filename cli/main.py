@@ -46,8 +46,10 @@ def _calibrate_rank(rank, world, repeat, seq, backend_seq, ulysses_degree):
 @click.option("--ulysses-degree", type=int, default=None, help="the hybrid's Ulysses degree, as it will run (default: all ranks)")
 def calibrate(nproc, out, repeat, seq, backend_seq, ulysses_degree):
     """Measure collectives and the attention kernel here; write a profile for auto and plan."""
+    import json
     import os
 
+    import torch
     import torch.distributed as dist
 
     from ulysses_sp.launch import run_ranks
@@ -55,13 +57,13 @@ def calibrate(nproc, out, repeat, seq, backend_seq, ulysses_degree):
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # inside a launcher: use its ranks
         if not dist.is_initialized():
-            dist.init_process_group("nccl" if __import__("torch").cuda.is_available() else "gloo")
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
         text = _calibrate_rank(dist.get_rank(), dist.get_world_size(), repeat, seq, backend_seq, ulysses_degree)
         if dist.get_rank() != 0:
             return
     else:
         text = run_ranks(_calibrate_rank, nproc, repeat, seq, backend_seq, ulysses_degree, timeout=1800)[0]
-    profile = Profile.from_dict(__import__("json").loads(text))
+    profile = Profile.from_dict(json.loads(text))
     profile.save(out)
     click.echo(f"wrote {out}: " + ", ".join(f"{k} {c.latency * 1e6:.0f} us + {c.bandwidth / 1e9:.2f} GB/s" for k, c in profile.collectives.items()))
     click.echo("attention fwd/bwd GFLOP/s: " + ", ".join(
@@ -223,7 +225,7 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, l
     device = "cuda" if launched and torch.cuda.is_available() else "cpu"
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
-        "command": "sp-bench " + " ".join(__import__("sys").argv[1:]),
+        "command": "sp-bench " + " ".join(sys.argv[1:]),
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
         "cpus": os.cpu_count(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "process_group": "nccl" if device == "cuda" else "gloo", "world_size": world, "threads_per_rank": threads_per_rank,

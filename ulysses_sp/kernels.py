@@ -126,7 +126,8 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
 def _cpu_flash_ok(q: torch.Tensor, k: torch.Tensor) -> bool:
     """The CPU flash op returns out 0 and lse 0, not NaN, for a query row holding an inf
     (seen with torch 2.13): non-finite q or k take the math path, which propagates NaN.
-    The check reads q and k once, against the S_q x S_k work of the block."""
+    The check reads q and k once, against the S_q x S_k work of the block; the math path
+    holds S_q x S_k scores, so a long sequence with an inf may run out of memory instead."""
     return q.device.type == "cpu" and bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all())
 
 
