@@ -32,36 +32,50 @@ def _cells(heads, kv_heads, seqs):
             yield hq, hkv, seq
 
 
+def _step(backend, q, k, v, dout, topo):
+    """Seconds of one forward+backward on this rank, started together with the other ranks."""
+    import torch.distributed as dist
+
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    dist.barrier()
+    t0 = time.perf_counter()
+    usp.sp_attention(*leaves, topo, backend=backend).backward(dout)
+    return time.perf_counter() - t0
+
+
 def _rank(rank, world, cells, repeat, profile_path):
+    """Per cell, ``repeat`` rounds in which every feasible backend runs once, the order
+    rotating between rounds: drift on a shared machine then falls on every backend alike
+    instead of on whichever ran last. A run's time is its slowest rank's; a backend's time
+    is the median of its rounds."""
     import torch.distributed as dist
 
     profile = usp.load_profile(profile_path)
     topo = usp.init_sequence_parallel(world, ulysses_degree=2 if world % 2 == 0 and world > 2 else None, profile=profile)
     out = []
-    for hq, hkv, seq in cells:
+    for index, (hq, hkv, seq) in enumerate(cells):
         gen = torch.Generator().manual_seed(rank)
         s = seq // world
         q, dout = (torch.randn(1, s, hq, 64, generator=gen) for _ in range(2))
         k, v = (torch.randn(1, s, hkv, 64, generator=gen) for _ in range(2))
         spec = usp.attention.make_spec(q, k, v, topo)
         chosen, considered = choose_backend(spec, topo)
-        times = {}
-        for backend in BACKENDS:
-            if usp.get_backend(backend).check(spec, topo):
-                continue
-            runs = []
-            for _ in range(repeat + 1):  # the first run warms up
-                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-                dist.barrier()
-                t0 = time.perf_counter()
-                usp.sp_attention(*leaves, topo, backend=backend).backward(dout)
-                runs.append(time.perf_counter() - t0)
-            slowest = torch.tensor([statistics.median(runs[1:])], dtype=torch.float64)
-            dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-            times[backend] = slowest.item()
+        feasible = [b for b in BACKENDS if usp.get_backend(b).check(spec, topo) is None]
+        if index == 0:  # warm up the process (thread pools, allocator) once
+            for backend in feasible:
+                _step(backend, q, k, v, dout, topo)
+        runs = {b: [] for b in feasible}
+        for round_ in range(repeat):
+            shift = (round_ + index) % len(feasible)
+            for backend in feasible[shift:] + feasible[:shift]:
+                runs[backend].append(_step(backend, q, k, v, dout, topo))
+        slowest = torch.tensor([runs[b] for b in feasible], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        runs = dict(zip(feasible, slowest.tolist()))
+        times = {b: statistics.median(r) for b, r in runs.items()}
         estimates = {n: e.seconds for n, e in considered.items() if not isinstance(e, str)}
         out.append({"heads": hq, "kv_heads": hkv, "seq": seq, "ranks": world, "auto": chosen.name, "measured_s": times,
-                    "estimated_s": estimates, "regret": times[chosen.name] / min(times.values())})
+                    "runs_s": runs, "estimated_s": estimates, "regret": times[chosen.name] / min(times.values())})
     return out
 
 
@@ -71,7 +85,7 @@ def _rank(rank, world, cells, repeat, profile_path):
 @click.option("--kv-heads", default="1,2,q", show_default=True, help="'q': as many as q heads")
 @click.option("--seq", default="4k,8k,16k", show_default=True)
 @click.option("--nproc", default="2,4", show_default=True)
-@click.option("--repeat", default=2, show_default=True)
+@click.option("--repeat", default=3, show_default=True, help="rounds per cell; every backend runs once a round")
 @click.option("--json", "json_path", default=None)
 def main(profile_path, heads, kv_heads, seq, nproc, repeat, json_path):
     cells = list(_cells([int(h) for h in heads.split(",")], kv_heads.split(","), [parse_tokens(s) for s in seq.split(",")]))

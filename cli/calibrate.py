@@ -7,10 +7,11 @@ local attention kernel's forward and backward rate per dtype, and whether a
 p2p exchange overlaps computation. Every rank measures at once, as in training.
 
 Last, every registered backend runs one reference attention (8 q and kv heads,
-dim 64, fp32, causal, ``backend_seq`` tokens); its measured time over the time
-the profile so far predicts is its ``backend_factor``. The backends take turns
-(one run each, ``repeat`` rounds) so that a drift of the machine's speed
-during calibration does not favour one of them.
+dim 64, fp32, causal, ``backend_seq`` tokens); what it takes beyond the time the
+profile so far predicts, per byte of the rank's shards and less the leanest
+backend's figure, is its ``backend_overhead``. The backends take turns (one run
+each, ``repeat`` rounds) so that a drift of the machine's speed during
+calibration does not favour one of them.
 """
 
 from __future__ import annotations
@@ -78,8 +79,8 @@ def _kernel_rates(dtype, seq: int, repeat: int, device) -> tuple[float, float]:
     return flops / t_fwd, flops / max(t_both - t_fwd, 1e-9)
 
 
-def _backend_factors(profile: Profile, seq: int, ulysses_degree, repeat: int, device) -> tuple[dict, dict]:
-    """(factor per backend, the raw measured and estimated seconds)."""
+def _backend_overhead(profile: Profile, seq: int, ulysses_degree, repeat: int, device) -> tuple[dict, dict]:
+    """(``backend_overhead`` per backend, the raw measured and estimated seconds)."""
     import ulysses_sp as usp
 
     topo = usp.init_sequence_parallel(dist.get_world_size(), ulysses_degree=ulysses_degree, timeout=3600)
@@ -92,16 +93,18 @@ def _backend_factors(profile: Profile, seq: int, ulysses_degree, repeat: int, de
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         backend.forward(*leaves, spec, topo).backward(dout)
 
-    times = {name: [] for name in backends}
-    for round_ in range(repeat + 1):  # the first round warms up
-        for name, backend in backends.items():
-            seconds = _timed(lambda b=backend: step(b), 1, device)
+    names = list(backends)
+    times = {name: [] for name in names}
+    for round_ in range(repeat + 1):  # the first round warms up; the order rotates
+        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+            seconds = _timed(lambda b=backends[name]: step(b), 1, device)
             if round_:
                 times[name].append(seconds)
     raw = {name: {"measured_s": statistics.median(times[name]), "estimated_s": b.estimate(spec, topo, profile).seconds}
            for name, b in backends.items()}
-    factors = {name: r["measured_s"] / r["estimated_s"] for name, r in raw.items()}
-    return factors, {"seq": seq, "ulysses_degree": topo.ulysses_degree, **raw}
+    per_byte = {name: (r["measured_s"] - r["estimated_s"]) / spec.shard_bytes for name, r in raw.items()}
+    leanest = min(per_byte.values())
+    return {name: x - leanest for name, x in per_byte.items()}, {"seq": seq, "ulysses_degree": topo.ulysses_degree, **raw}
 
 
 def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), progress=None, backend_seq: int = 4096,
@@ -151,6 +154,6 @@ def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), pr
         overlap=overlap,
         measured=measured,
     )
-    factors, measured["backends"] = _backend_factors(profile, backend_seq, ulysses_degree, repeat, device)
+    overhead, measured["backends"] = _backend_overhead(profile, backend_seq, ulysses_degree, repeat, device)
     step(1)
-    return dataclasses.replace(profile, backend_factors=factors)
+    return dataclasses.replace(profile, backend_overhead=overhead)

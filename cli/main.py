@@ -69,7 +69,8 @@ def calibrate(nproc, out, repeat, seq, backend_seq, ulysses_degree):
     click.echo("attention fwd/bwd GFLOP/s: " + ", ".join(
         f"{d} {profile.attention_fwd_flops[d] / 1e9:.1f}/{profile.attention_bwd_flops[d] / 1e9:.1f}" for d in profile.attention_fwd_flops
     ) + f"; overlap {profile.overlap}")
-    click.echo("backend factors (measured / modelled time): " + ", ".join(f"{n} {f:.3f}" for n, f in profile.backend_factors.items()))
+    click.echo("backend overhead beyond the model, ns per byte of a rank's shards: "
+               + ", ".join(f"{n} {x * 1e9:.2f}" for n, x in profile.backend_overhead.items()))
 
 
 @main.command("plan")

@@ -124,13 +124,23 @@ def test_layers_of_one_pass_get_different_backends(ranks):
         assert first["err"] < 1e-10 and second["err"] < 1e-10
 
 
-def test_backend_factors_scale_the_estimates():
-    """A calibrated factor multiplies a backend's estimate: one measured 3x slower than modelled loses."""
+def test_backend_overhead_adds_per_shard_byte():
+    """A calibrated overhead adds seconds in proportion to the rank's shard bytes: linear in
+    the sequence, so it decides short sequences and fades against the kernel at long ones."""
     topo = Topology.for_planning(4)
-    s = spec(8, 2, 4096, 4)
-    chosen, before = choose_backend(s, topo, CPU_GLOO_PROFILE)
-    slower = Profile(**{**CPU_GLOO_PROFILE.__dict__, "backend_factors": {chosen.name: 3.0}})
-    again, after = choose_backend(s, topo, slower)
+    short, long = spec(8, 2, 4096, 4), spec(8, 2, 65536, 4)
+    chosen, before = choose_backend(short, topo, CPU_GLOO_PROFILE)
+    per_byte = before[chosen.name].seconds / short.shard_bytes  # doubles its estimate at 4k
+    slower = Profile(**{**CPU_GLOO_PROFILE.__dict__, "backend_overhead": {chosen.name: per_byte}})
+    again, after = choose_backend(short, topo, slower)
     assert again.name != chosen.name
-    assert after[chosen.name].seconds == pytest.approx(3 * before[chosen.name].seconds)
-    assert Profile.from_dict(json.loads(slower.to_json())).backend_factors == {chosen.name: 3.0}
+    assert after[chosen.name].seconds == pytest.approx(2 * before[chosen.name].seconds)
+    assert short.shard_bytes == 4096 // 4 * 64 * 2 * (2 * 8 + 2 * 2)  # bf16
+    _, long_before = choose_backend(long, topo, CPU_GLOO_PROFILE)
+    _, long_after = choose_backend(long, topo, slower)
+    added = long_after[chosen.name].seconds - long_before[chosen.name].seconds
+    assert added == pytest.approx(16 * (after[chosen.name].seconds - before[chosen.name].seconds))
+    assert added < 0.1 * long_before[chosen.name].seconds
+    assert Profile.from_dict(json.loads(slower.to_json())).backend_overhead == {chosen.name: per_byte}
+    with pytest.raises(ValueError, match="unknown fields.*backend_factors.*calibrate"):
+        Profile.from_dict({**json.loads(slower.to_json()), "backend_factors": {}})

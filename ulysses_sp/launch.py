@@ -7,6 +7,7 @@ killed and the call raises, so a hang fails a test instead of CI.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import os
 import sys
@@ -46,9 +47,12 @@ def _rank_main(fn, rank: int, world_size: int, tmp: str, args, collective_timeou
         with open(os.path.join(tmp, f"{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
         os._exit(1)
-    # The result is saved: leave without interpreter teardown, where a library's leftover
-    # thread can abort ("terminate called", seen once in ~10 trainer runs here). Whether the
-    # main job itself exits cleanly is measured by benchmarks/clean_exit.py.
+    # The result is saved: run the Python exit handlers (multiprocessing's releases the
+    # semaphores tqdm's lock made; skipping it makes the parent warn of leaked ones), then
+    # leave without the C++ teardown, where a library's leftover thread can abort
+    # ("terminate called", seen once in ~10 trainer runs here). Whether the main job
+    # itself exits cleanly is measured by benchmarks/clean_exit.py.
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)

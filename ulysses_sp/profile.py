@@ -46,10 +46,13 @@ class Profile:
     """Whether communication posted before a computation runs while it runs."""
     memory_budget_bytes: int | None = None
     """Backends whose estimated peak exceeds this are not chosen by ``auto``."""
-    backend_factors: dict[str, float] = field(default_factory=dict)
-    """Per backend, measured / estimated seconds on calibration's reference shape: what the
-    model misses (blockwise kernels, stragglers at every ring step on oversubscribed cores).
-    ``auto`` multiplies each estimate by its factor (1 when absent)."""
+    backend_overhead: dict[str, float] = field(default_factory=dict)
+    """Per backend, seconds per byte of a rank's q, k, v and output shards that it took
+    beyond its estimate on calibration's reference shape, less the smallest such figure
+    of any backend: what the model misses (copies, block merges, ranks waiting at every
+    ring step on oversubscribed cores). It is added to the estimate, so it grows
+    linearly with the shards, as those costs do, while the kernel's time grows with the
+    square of the sequence. 0 when absent."""
     measured: dict = field(default_factory=dict, compare=False)
     """What calibration measured (sizes, raw timings), for the record."""
 
@@ -69,6 +72,10 @@ class Profile:
         flops = spec.attention_flops(ranks)
         return self.attention_seconds(flops, spec.dtype) + self.attention_seconds(flops, spec.dtype, backward=True)
 
+    def overhead_seconds(self, backend: str, spec) -> float:
+        """``backend_overhead`` of ``backend`` for one call of ``spec``."""
+        return self.backend_overhead.get(backend, 0.0) * spec.shard_bytes
+
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
@@ -84,6 +91,9 @@ class Profile:
         missing = set(COLLECTIVES) - set(data["collectives"])
         if missing:
             raise ValueError(f"profile lacks collectives {sorted(missing)}")
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"profile has unknown fields {sorted(unknown)}; measure it again with this version's sp-bench calibrate")
         return cls(**data)
 
 
@@ -105,6 +115,7 @@ CPU_GLOO_PROFILE = Profile(
     attention_fwd_flops={"float32": 5.5e10, "bfloat16": 5e10, "float64": 2.5e10, "float16": 1e10},
     attention_bwd_flops={"float32": 2.2e10, "bfloat16": 2.9e10, "float64": 1e10, "float16": 4e9},
     overlap=False,
+    backend_overhead={"allgather": 1.1e-9, "ring": 1.8e-9, "hybrid": 1.7e-9},
 )
 """gloo on one CPU machine, one thread per rank: ``sp-bench calibrate --nproc 2`` on the
 2-core development machine (benchmarks/results/cpu-gloo-profile-P2.json), rounded;

@@ -74,9 +74,9 @@ def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tupl
         reason = backend.check(spec, topo)
         if reason is None:
             estimate = backend.estimate(spec, topo, profile)
-            factor = profile.backend_factors.get(name, 1.0)
-            if factor != 1.0:
-                estimate = dataclasses.replace(estimate, seconds=estimate.seconds * factor)
+            overhead = profile.overhead_seconds(name, spec)
+            if overhead:
+                estimate = dataclasses.replace(estimate, seconds=estimate.seconds + overhead)
             budget = profile.memory_budget_bytes
             if budget is not None and estimate.peak_bytes > budget:
                 reason = f"{name}: needs about {estimate.peak_bytes / 2**20:.0f} MiB, over the memory budget of {budget / 2**20:.0f} MiB"

@@ -44,6 +44,11 @@ class AttnSpec:
         return self.batch * self.local_seq_len * self.head_dim * self.element_size
 
     @property
+    def shard_bytes(self) -> int:
+        """Bytes of this rank's q, k, v and output shards."""
+        return self.head_bytes * (2 * self.q_heads + 2 * self.kv_heads)
+
+    @property
     def accumulator_ratio(self) -> float:
         """Bytes of a partial-result accumulator (``kernels.accumulator_dtype``) per byte of input."""
         return torch.empty((), dtype=accumulator_dtype(self.dtype)).element_size() / self.element_size
