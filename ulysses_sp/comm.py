@@ -183,6 +183,7 @@ def _fused_all_to_all(tensors, group, pack, unpack):
     for t, start, end in zip(tensors, bounds, bounds[1:]):
         pack(t, buf[:, start:end])
     recv = _all_to_all_rows(buf, group)
+    del buf  # sent: free it before the unpack copies allocate the results
     return [unpack(t, recv[:, start:end]) for t, start, end in zip(tensors, bounds, bounds[1:])]
 
 
