@@ -44,7 +44,7 @@ class UlyssesBackend:
         # forward and backward: two all-to-alls each, of the same volume; attention waits for them
         transfer = profile.link("all_to_all", topo.spans_nodes("sp")).seconds(2 * comm_bytes, calls=4) if p > 1 else 0.0
         hkv = comm.kv_heads_sent(spec.kv_heads, p)
-        peak = spec.head_bytes * (2 * spec.q_heads + 2 * spec.kv_heads + 2 * spec.q_heads + 2 * hkv)
+        peak = spec.shard_bytes + spec.head_bytes * (2 * spec.q_heads + 2 * hkv)  # and the head-sharded copies
         seconds = transfer + profile.attention_fwd_bwd_seconds(spec, p)
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=comm_bytes)  # dout in, dq dk dv out
 

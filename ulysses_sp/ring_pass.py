@@ -26,27 +26,35 @@ __all__ = ["ring_attention"]
 _KV_TAG, _GRAD_TAG = 0, 1
 
 
+def _kv_blocks(k, v, group, posted: list):
+    """``(src, K, V)`` for the blocks of every rank, own first, in ring order. The next hop
+    is posted before a block is handed out and its wait appended to ``posted``, so the
+    caller can ``comm.drain`` it if it raises while the hop is in flight."""
+    p, r = comm.group_size(group), dist.get_rank(group)
+    k_cur, v_cur = k, v
+    for step in range(p):
+        if step < p - 1:
+            (k_next, v_next), wait = comm.ring_send_recv([k_cur, v_cur], group, send_to=(r + 1) % p, recv_from=(r - 1) % p, tag=_KV_TAG)
+            posted.append(wait)
+        yield (r - step) % p, k_cur, v_cur
+        if step < p - 1:
+            wait()
+            k_cur, v_cur = k_next, v_next
+
+
 class _RingAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, group, chunk_lists, causal, scale, cu_seqlens):
-        p, r = comm.group_size(group), dist.get_rank(group)
+        r = dist.get_rank(group)
         c = q.shape[1] // len(chunk_lists[r])
         acc = kernels.accumulator_dtype(q.dtype)
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
-        k_cur, v_cur = k, v
         posted = []
         try:
-            for step in range(p):
-                src = (r - step) % p
-                if step < p - 1:
-                    (k_next, v_next), wait = comm.ring_send_recv([k_cur, v_cur], group, send_to=(r + 1) % p, recv_from=(r - 1) % p, tag=_KV_TAG)
-                    posted.append(wait)
+            for src, k_cur, v_cur in _kv_blocks(k, v, group, posted):
                 segments = block_segments(chunk_lists[r], chunk_lists[src], c, causal, cu_seqlens)
                 kernels.blocks_forward(q, k_cur, v_cur, segments, scale, out_acc, lse_acc)
-                if step < p - 1:
-                    wait()
-                    k_cur, v_cur = k_next, v_next
         except BaseException:
             comm.drain(posted)
             raise
@@ -64,15 +72,10 @@ class _RingAttention(torch.autograd.Function):
         c = q.shape[1] // len(chunk_lists[r])
         acc = kernels.accumulator_dtype(q.dtype)
         dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
-        k_cur, v_cur = k, v
         arriving, wait_grads = None, None
         posted = []
         try:
-            for step in range(p):
-                src = (r - step) % p
-                if step < p - 1:
-                    (k_next, v_next), wait_kv = comm.ring_send_recv([k_cur, v_cur], group, send_to=(r + 1) % p, recv_from=(r - 1) % p, tag=_KV_TAG)
-                    posted.append(wait_kv)
+            for src, k_cur, v_cur in _kv_blocks(k, v, group, posted):
                 dk_blk = torch.zeros(k.shape, dtype=acc, device=k.device)
                 dv_blk = torch.zeros(v.shape, dtype=acc, device=v.device)
                 segments = block_segments(chunk_lists[r], chunk_lists[src], c, causal, cu_seqlens)
@@ -89,9 +92,6 @@ class _RingAttention(torch.autograd.Function):
                     else:
                         arriving, wait_grads = comm.ring_send_recv([dk_blk, dv_blk], group, send_to=(r + 1) % p, recv_from=(r - 1) % p, tag=_GRAD_TAG)
                         posted.append(wait_grads)
-                if step < p - 1:
-                    wait_kv()
-                    k_cur, v_cur = k_next, v_next
         except BaseException:
             comm.drain(posted)
             raise
