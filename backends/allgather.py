@@ -19,7 +19,9 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ulysses_sp import comm, kernels, layout
+from ulysses_sp import comm, layout
+from ulysses_sp.blocks import blocks_backward, blocks_forward, cached_plan
+from ulysses_sp.kernels import accumulator_dtype
 from ulysses_sp.profile import Profile
 from ulysses_sp.spec import AttnSpec, Estimate
 
@@ -30,24 +32,25 @@ def _head_chunks(kv_heads: int, stride: int) -> list[tuple[int, int]]:
     return [(h, min(h + stride, kv_heads)) for h in range(0, kv_heads, stride)]
 
 
-def _token_orders(table: list[list[int]], chunk: int):
-    """Token index lists: rank-major (as gathered) -> global order, and back."""
+def _token_orders(table: list[list[int]], chunk: int, device):
+    """Token index tensors on ``device``: rank-major (as gathered) -> global order, and back."""
     gathered = [n for chunks in table for n in chunks]
     to_global = torch.tensor(sorted(range(len(gathered)), key=gathered.__getitem__))
     to_gathered = torch.tensor(gathered)
 
     def expand(chunks: torch.Tensor) -> torch.Tensor:
-        return (chunks[:, None] * chunk + torch.arange(chunk)).flatten()
+        return (chunks[:, None] * chunk + torch.arange(chunk)).flatten().to(device)
 
     return expand(to_global), expand(to_gathered)
 
 
-def _plan(q, table, group, causal, cu_seqlens):
-    """(gathered->global token index, global->gathered, the kernel calls of every head chunk)."""
-    r = dist.get_rank(group)
-    c = q.shape[1] // len(table[r])
-    to_global, to_gathered = (t.to(q.device) for t in _token_orders(table, c))
-    return to_global, to_gathered, layout.block_segments(table[r], range(sum(map(len, table))), c, causal, cu_seqlens)
+def _plan(q, spec: AttnSpec, topo):
+    """(gathered->global token index, global->gathered, the kernel calls of every head chunk),
+    kept in ``topo.cache`` per (table, chunk, device) and per packing."""
+    table = layout.chunk_table(spec.layout, topo.sp_size)
+    c = q.shape[1] // len(table[topo.sp_rank])
+    orders = topo.cached(("allgather-orders", spec.layout, topo.sp_size, c, str(q.device)), lambda: _token_orders(table, c, q.device))
+    return (*orders, cached_plan(topo, table[topo.sp_rank], range(sum(map(len, table))), c, spec, q.device))
 
 
 def _gathered_head_chunks(k, v, group, stride: int, to_global):
@@ -73,28 +76,28 @@ def _gather(k, v, heads: tuple[int, int], group):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, table, causal, scale, stride, cu_seqlens):
-        to_global, _, segments = _plan(q, table, group, causal, cu_seqlens)
+    def forward(ctx, q, k, v, group, plan, kernel, scale, stride):
+        to_global, _, calls = plan
         groups = q.shape[2] // k.shape[2]
-        acc = kernels.accumulator_dtype(q.dtype)
+        acc = accumulator_dtype(q.dtype)
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
         for h0, h1, k_full, v_full in _gathered_head_chunks(k, v, group, stride, to_global):
             qh = slice(h0 * groups, h1 * groups)
-            kernels.blocks_forward(q[:, :, qh], k_full, v_full, segments, scale, out_acc[:, :, qh], lse_acc[:, qh])
+            blocks_forward(kernel, q[:, :, qh], k_full, v_full, calls, scale, out_acc[:, :, qh], lse_acc[:, qh])
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
-        ctx.args = (group, table, causal, scale, stride, cu_seqlens)
+        ctx.args = (group, plan, kernel, scale, stride)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, table, causal, scale, stride, cu_seqlens = ctx.args
+        group, plan, kernel, scale, stride = ctx.args
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        to_global, to_gathered, segments = _plan(q, table, group, causal, cu_seqlens)
+        to_global, to_gathered, calls = plan
         groups = q.shape[2] // k.shape[2]
-        acc = kernels.accumulator_dtype(q.dtype)
+        acc = accumulator_dtype(q.dtype)
         dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if need_k else None
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if need_v else None
@@ -102,14 +105,14 @@ class _AllGatherAttention(torch.autograd.Function):
             qh = slice(h0 * groups, h1 * groups)
             dk_full = torch.zeros(k_full.shape, dtype=acc, device=k.device)
             dv_full = torch.zeros(v_full.shape, dtype=acc, device=v.device)
-            kernels.blocks_backward(
-                dout[:, :, qh], q[:, :, qh], k_full, v_full, out[:, :, qh], lse[:, qh], segments, scale,
+            blocks_backward(
+                kernel, dout[:, :, qh], q[:, :, qh], k_full, v_full, out[:, :, qh], lse[:, qh], calls, scale,
                 dq_acc[:, :, qh], dk_full, dv_full,
             )
             for grad_full, dest in ((dk_full, dk), (dv_full, dv)):
                 if dest is not None:  # back to rank-major order; each rank keeps the sum for its own tokens
                     dest[:, :, h0:h1] = comm.reduce_scatter_sum(grad_full.index_select(1, to_gathered), group, dim=1)
-        return (dq_acc.to(q.dtype) if need_q else None), dk, dv, None, None, None, None, None, None
+        return (dq_acc.to(q.dtype) if need_q else None), dk, dv, None, None, None, None, None
 
 
 class AllGatherBackend:
@@ -152,7 +155,5 @@ class AllGatherBackend:
                         bwd_comm_bytes=int(comm_bytes * (1 + acc)))  # re-gather K/V, reduce-scatter dK/dV
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
-        table = layout.chunk_table(spec.layout, topo.sp_size)
-        return _AllGatherAttention.apply(
-            q, k, v, topo.sp_group, table, spec.causal, spec.softmax_scale, self.stride(spec), spec.cu_seqlens
-        )
+        plan = _plan(q, spec, topo)
+        return _AllGatherAttention.apply(q, k, v, topo.sp_group, plan, spec.kernel, spec.softmax_scale, self.stride(spec))

@@ -13,7 +13,7 @@ from __future__ import annotations
 import torch
 
 from ulysses_sp import comm, layout
-from ulysses_sp.ring_pass import ring_attention
+from ulysses_sp.ring_pass import ring_attention, ring_plans
 from ulysses_sp.profile import Profile
 from ulysses_sp.spec import AttnSpec, Estimate
 
@@ -54,8 +54,7 @@ class HybridBackend:
         mine, ring_chunks = _group_chunks(spec, topo)
         k, v = comm.replicate_kv_for_scatter(k, v, topo.ulysses_degree)
         q_h, k_h, v_h = comm.seq_to_heads([q, k, v], topo.ulysses_group, mine)
-        out_h = ring_attention(
-            q_h, k_h, v_h, topo.ring_group, ring_chunks, causal=spec.causal, scale=spec.softmax_scale, cu_seqlens=spec.cu_seqlens
-        )
+        plans = ring_plans(topo, ring_chunks, topo.ring_rank, spec, q_h)
+        out_h = ring_attention(q_h, k_h, v_h, topo.ring_group, plans, kernel=spec.kernel, scale=spec.softmax_scale)
         (out,) = comm.heads_to_seq([out_h], topo.ulysses_group, mine)
         return out

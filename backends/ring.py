@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ulysses_sp import layout
-from ulysses_sp.ring_pass import ring_attention
+from ulysses_sp.ring_pass import ring_attention, ring_plans
 from ulysses_sp.profile import Profile
 from ulysses_sp.spec import AttnSpec, Estimate
 
@@ -38,5 +38,5 @@ class RingBackend:
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=bwd_bytes)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
-        table = layout.chunk_table(spec.layout, topo.sp_size)
-        return ring_attention(q, k, v, topo.sp_group, table, causal=spec.causal, scale=spec.softmax_scale, cu_seqlens=spec.cu_seqlens)
+        plans = ring_plans(topo, layout.chunk_table(spec.layout, topo.sp_size), topo.sp_rank, spec, q)
+        return ring_attention(q, k, v, topo.sp_group, plans, kernel=spec.kernel, scale=spec.softmax_scale)

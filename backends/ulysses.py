@@ -20,15 +20,14 @@ from ulysses_sp.spec import AttnSpec, Estimate
 __all__ = ["UlyssesBackend"]
 
 
-def _attend(q, k, v, spec: AttnSpec) -> torch.Tensor:
-    """Attention over whole sequences, split at document boundaries when packed."""
-    if spec.cu_seqlens is None:
-        return kernels.local_attention(q, k, v, causal=spec.causal, scale=spec.softmax_scale)
-    bounds = list(zip(spec.cu_seqlens[:-1], spec.cu_seqlens[1:]))
-    return torch.cat(
-        [kernels.local_attention(q[:, s:e], k[:, s:e], v[:, s:e], causal=spec.causal, scale=spec.softmax_scale) for s, e in bounds],
-        dim=1,
-    )
+def _attend(q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
+    """Attention over whole sequences; packed documents are the sequences of one varlen call."""
+    varlen = None
+    if spec.cu_seqlens is not None and len(spec.cu_seqlens) > 2:
+        lens = [e - s for s, e in zip(spec.cu_seqlens, spec.cu_seqlens[1:])]
+        key = ("ulysses-varlen", spec.cu_seqlens, spec.batch, str(q.device))
+        varlen = topo.cached(key, lambda: kernels.Varlen.build(lens, lens, spec.batch, q.device))
+    return kernels.attend(q, k, v, kernel=spec.kernel, causal=spec.causal, scale=spec.softmax_scale, varlen=varlen)
 
 
 class UlyssesBackend:
@@ -51,9 +50,9 @@ class UlyssesBackend:
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         p = topo.sp_size
         if p == 1:
-            return _attend(q, k, v, spec)
+            return _attend(q, k, v, spec, topo)
         k, v = comm.replicate_kv_for_scatter(k, v, p)
         table = layout.chunk_table(spec.layout, p)
         q_h, k_h, v_h = comm.seq_to_heads([q, k, v], topo.sp_group, table)
-        (out,) = comm.heads_to_seq([_attend(q_h, k_h, v_h, spec)], topo.sp_group, table)
+        (out,) = comm.heads_to_seq([_attend(q_h, k_h, v_h, spec, topo)], topo.sp_group, table)
         return out

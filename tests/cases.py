@@ -650,22 +650,23 @@ def raise_mid_exchange(env: Env) -> dict:
     ref = reference_attention(*ref_leaves, causal=True)
     ref.sum().backward()
     result = {}
+    kernel = kernels.get_kernel("torch")  # what auto runs here; the failure is injected into its instance
     for backend in ("ring", "hybrid", "allgather_stride1"):
-        for where in ("blocks_forward", "blocks_backward"):
-            original, calls = getattr(kernels, where), []
+        for where in ("block_forward", "block_backward"):
+            original, calls = getattr(kernel, where), []
 
-            def failing(*args, original=original, calls=calls):
+            def failing(*args, original=original, calls=calls, **kwargs):
                 calls.append(1)
                 if len(calls) == 1:  # the first block: a ring hop or the next head chunk's gather is in flight
                     raise RuntimeError("injected kernel failure")
-                return original(*args)
+                return original(*args, **kwargs)
 
-            setattr(kernels, where, failing)
+            setattr(kernel, where, failing)
             try:
                 shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full]
                 message = raised(lambda s=shards, b=backend: usp.sp_attention(*s, topo, backend=b).sum().backward(), RuntimeError)
             finally:
-                setattr(kernels, where, original)
+                delattr(kernel, where)
             shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full]
             out = usp.sp_attention(*shards, topo, backend=backend)
             out.sum().backward()

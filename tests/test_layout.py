@@ -2,6 +2,7 @@ import pytest
 import torch
 
 from ulysses_sp import layout, pad_to_multiple
+from ulysses_sp.blocks import plan_blocks
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
@@ -61,19 +62,25 @@ def test_zigzag_ring_steps_have_equal_work(p):
         assert all(len(w) == 1 for w in per_step) == balanced, (lay, per_step)
 
 
-def _segment_mask(segments, sq, sk):
-    mask = torch.zeros(sq, sk, dtype=torch.bool)
-    for q0, q1, k0, k1, diagonal in segments:
-        block = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
-        mask[q0:q1, k0:k1] |= block.tril() if diagonal else block
-    return mask
+def _plan_mask(calls, sq, sk):
+    """The (query, key) pairs a block plan computes, and how often each (causal masks bottom-right)."""
+    count = torch.zeros(sq, sk, dtype=torch.long)
+    for c in calls:
+        bounds = c.varlen.bounds() if c.varlen else [(0, c.q1 - c.q0, 0, c.k1 - c.k0)]
+        for q0, q1, k0, k1 in bounds:
+            block = torch.ones(q1 - q0, k1 - k0, dtype=torch.long)
+            count[c.q0 + q0 : c.q0 + q1, c.k0 + k0 : c.k0 + k1] += block.tril(k1 - k0 - (q1 - q0)) if c.causal else block
+    return count
 
 
-@pytest.mark.parametrize("cu", [None, (0, 16), (0, 1, 2, 7, 8, 9, 16), (0, 3, 11, 16), (0, 15, 16)])
+DOCS_24 = tuple(range(0, 48, 2)) + (48,)
+
+
+@pytest.mark.parametrize("cu", [None, (0, 16), (0, 1, 2, 7, 8, 9, 16), (0, 3, 11, 16), (0, 15, 16), tuple(range(17))])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("lay", layout.LAYOUTS)
-def test_block_segments_cover_exactly_the_visible_pairs(lay, causal, cu):
-    """For every pair of ranks, the segments' union is the document (and causal) mask."""
+def test_block_plans_cover_exactly_the_visible_pairs(lay, causal, cu):
+    """For every pair of ranks, the plan's calls cover the document (and causal) mask once."""
     p, n = 4, 16
     pos = torch.arange(n)
     visible = torch.ones(n, n, dtype=torch.bool)
@@ -86,8 +93,22 @@ def test_block_segments_cover_exactly_the_visible_pairs(lay, causal, cu):
     chunk = n // (len(table[0]) * p)
     for r in range(p):
         for src in range(p):
-            segments = layout.block_segments(table[r], table[src], chunk, causal, cu)
+            calls = plan_blocks(table[r], table[src], chunk, causal, cu, batch=2, device="cpu")
             want = visible[layout.positions(lay, n, p, r)][:, layout.positions(lay, n, p, src)]
-            assert torch.equal(_segment_mask(segments, len(want), len(want)), want)
-            counted = sum((q1 - q0) * (q1 - q0 + 1) // 2 if diag else (q1 - q0) * (k1 - k0) for q0, q1, k0, k1, diag in segments)
-            assert counted == int(want.sum()), "a pair is covered twice (it would be merged twice)"
+            count = _plan_mask(calls, len(want), len(want))
+            assert torch.equal(count, want.long()), (r, src, calls)
+            assert len(calls) <= 2 * len(table[r]), "at most one call per (query chunk, key run)"
+            for c in calls:
+                if c.varlen is not None:
+                    assert c.varlen.cu_q.tolist()[-1] == 2 * (c.q1 - c.q0) and c.varlen.cu_k.tolist()[-1] == 2 * (c.k1 - c.k0)
+
+
+@pytest.mark.parametrize("docs", [24, 1000])
+def test_block_plans_do_not_grow_with_the_documents(docs):
+    """Calls per rank pair are bounded by the chunks, whatever the packing."""
+    p, n = 4, 8000
+    cu = tuple(range(0, n, n // docs)) + (n,) if n % docs else tuple(range(0, n + 1, n // docs))
+    table = layout.chunk_table("zigzag", p)
+    chunk = n // (2 * p)
+    calls = sum(len(plan_blocks(table[r], table[s], chunk, True, cu)) for r in range(p) for s in range(p))
+    assert calls <= 4 * p * p

@@ -25,12 +25,12 @@ from .topology import Topology, init_sequence_parallel
 __version__ = "0.1.0"
 
 
-def apply_sequence_parallel(model, topo, backend: str = "auto", profile=None):
+def apply_sequence_parallel(model, topo, backend: str = "auto", profile=None, kernel: str = "auto"):
     """Switch a Hugging Face transformers model to sequence-parallel attention (needs the ``hf``
     extra); see :mod:`ulysses_sp.integrations.transformers`."""
     from .integrations.transformers import apply_sequence_parallel as apply
 
-    return apply(model, topo, backend=backend, profile=profile)
+    return apply(model, topo, backend=backend, profile=profile, kernel=kernel)
 
 
 def remove_sequence_parallel(model):

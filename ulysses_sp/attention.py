@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import math
+import weakref
 import zlib
 
 import torch
@@ -19,6 +20,7 @@ from torch import nn
 
 from . import comm
 from . import layout as _layout
+from .kernels import get_kernel, resolve_kernel
 from .registry import choose_backend, get_backend
 from .profile import Profile
 from .spec import AttnSpec
@@ -29,10 +31,23 @@ __all__ = ["SequenceParallelAttention", "sp_attention", "make_spec"]
 log = logging.getLogger(__name__)
 
 
-def _cu_seqlens_tuple(cu_seqlens, seq_len: int) -> tuple[int, ...] | None:
+def _cu_seqlens_tuple(cu_seqlens, seq_len: int, cache: dict) -> tuple[int, ...] | None:
+    """The boundaries as a tuple. A tensor is read back once, not once per layer: every
+    layer of a forward gets the same tensor, and the last one read is kept (by weak
+    reference and version counter, so a new or modified tensor is read again)."""
     if cu_seqlens is None:
         return None
-    values = cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else list(cu_seqlens)
+    if isinstance(cu_seqlens, torch.Tensor):
+        last = cache.get("cu_seqlens")
+        if last is not None and last[0]() is cu_seqlens and last[1] == cu_seqlens._version and last[2][-1] == seq_len:
+            return last[2]
+        values = _check_cu_seqlens(cu_seqlens.tolist(), seq_len)
+        cache["cu_seqlens"] = (weakref.ref(cu_seqlens), cu_seqlens._version, values)
+        return values
+    return _check_cu_seqlens(list(cu_seqlens), seq_len)
+
+
+def _check_cu_seqlens(values: list, seq_len: int) -> tuple[int, ...]:
     if (
         len(values) < 2
         or any(not isinstance(x, int) for x in values)
@@ -47,8 +62,9 @@ def _cu_seqlens_tuple(cu_seqlens, seq_len: int) -> tuple[int, ...] | None:
     return tuple(values)
 
 
-def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=None, cu_seqlens=None) -> AttnSpec:
-    """Validate this rank's shards and describe the call. Local only: no communication."""
+def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=None, cu_seqlens=None, kernel: str = "auto") -> AttnSpec:
+    """Validate this rank's shards and describe the call, with the kernel that will run it
+    (``kernels.resolve_kernel``). Local only: no communication."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
@@ -93,7 +109,8 @@ def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=Non
         causal=bool(causal),
         softmax_scale=float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d),
         layout=topo.layout,
-        cu_seqlens=_cu_seqlens_tuple(cu_seqlens, seq_len),
+        cu_seqlens=_cu_seqlens_tuple(cu_seqlens, seq_len, topo.cache),
+        kernel=resolve_kernel(kernel, q.dtype, q.device, d),
     )
 
 
@@ -101,11 +118,11 @@ def _signature(spec: AttnSpec, backend: str, tensors) -> tuple[int, ...]:
     dtype_code = zlib.crc32(str(spec.dtype).encode())
     # which inputs need a gradient decides which tensors the backward all-to-all carries
     grads = sum(1 << i for i, t in enumerate(tensors) if t.requires_grad and torch.is_grad_enabled())
-    extras = zlib.crc32(repr((spec.cu_seqlens, backend, spec.softmax_scale)).encode())
+    extras = zlib.crc32(repr((spec.cu_seqlens, backend, spec.softmax_scale, spec.kernel)).encode())
     return (spec.batch, spec.local_seq_len, spec.q_heads, spec.kv_heads, spec.head_dim, dtype_code, int(spec.causal), grads, extras)
 
 
-_SIGNATURE_FIELDS = ("batch", "local_seq_len", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "requires_grad", "cu_seqlens/backend/scale")
+_SIGNATURE_FIELDS = ("batch", "local_seq_len", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "requires_grad", "cu_seqlens/backend/scale/kernel")
 
 
 def _check_ranks_agree(spec: AttnSpec, backend: str, topo: Topology, tensors) -> None:
@@ -148,17 +165,21 @@ class SequenceParallelAttention(nn.Module):
     ``topo.layout`` (as cut by ``shard_sequence``) and returns this rank's
     output shard, the shape of ``q``. ``backend`` is a registered name or
     ``"auto"``; with ``auto`` the choice is made once per call shape and cached.
+    ``kernel`` is the local attention kernel (``ulysses_sp.kernels``): ``auto``,
+    ``flash_attn``, ``torch`` or ``math``.
     """
 
-    def __init__(self, topo: Topology, backend: str = "auto", layer_idx: int | None = None, profile: Profile | None = None):
+    def __init__(self, topo: Topology, backend: str = "auto", layer_idx: int | None = None, profile: Profile | None = None, kernel: str = "auto"):
         super().__init__()
         if backend != "auto":
             get_backend(backend)  # unknown names fail here, at construction
-        self.topo, self.backend, self.layer_idx, self.profile = topo, backend, layer_idx, profile
+        if kernel != "auto":
+            get_kernel(kernel)
+        self.topo, self.backend, self.layer_idx, self.profile, self.kernel = topo, backend, layer_idx, profile, kernel
         self._chosen: dict[AttnSpec, object] = {}
 
     def forward(self, q, k, v, *, causal: bool = True, softmax_scale: float | None = None, cu_seqlens=None) -> torch.Tensor:
-        spec = make_spec(q, k, v, self.topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+        spec = make_spec(q, k, v, self.topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, kernel=self.kernel)
         _check_ranks_agree(spec, self.backend, self.topo, (q, k, v))
         backend = self._chosen.get(spec)
         if backend is None:
@@ -168,11 +189,14 @@ class SequenceParallelAttention(nn.Module):
         return backend.forward(q, k, v, spec, self.topo)
 
     def extra_repr(self) -> str:
-        return f"backend={self.backend!r}, layer_idx={self.layer_idx}, sp_size={self.topo.sp_size}, layout={self.topo.layout!r}"
+        return f"backend={self.backend!r}, kernel={self.kernel!r}, layer_idx={self.layer_idx}, sp_size={self.topo.sp_size}, layout={self.topo.layout!r}"
 
 
-def sp_attention(q, k, v, topo: Topology, *, backend: str = "auto", causal: bool = True, softmax_scale=None, cu_seqlens=None, profile: Profile | None = None) -> torch.Tensor:
+def sp_attention(
+    q, k, v, topo: Topology, *, backend: str = "auto", causal: bool = True, softmax_scale=None, cu_seqlens=None, profile: Profile | None = None,
+    kernel: str = "auto",
+) -> torch.Tensor:
     """Functional form of :class:`SequenceParallelAttention` (no per-layer cache)."""
-    spec = make_spec(q, k, v, topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens)
+    spec = make_spec(q, k, v, topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, kernel=kernel)
     _check_ranks_agree(spec, backend, topo, (q, k, v))
     return _resolve(backend, spec, topo, profile, None).forward(q, k, v, spec, topo)

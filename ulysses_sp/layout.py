@@ -13,8 +13,6 @@ Everything here is pure tensor slicing: no communication.
 
 from __future__ import annotations
 
-import bisect
-
 import torch
 import torch.nn.functional as F
 
@@ -29,7 +27,6 @@ __all__ = [
     "shard",
     "pad_to_multiple",
     "block_runs",
-    "block_segments",
 ]
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -128,33 +125,3 @@ def block_runs(q_chunks, k_chunks, causal: bool) -> list[tuple[int, int, int, bo
                 j += 1
             runs.append((i, start, j, False))
     return runs
-
-
-def block_segments(q_chunks, k_chunks, chunk: int, causal: bool, cu_seqlens=None) -> list[tuple[int, int, int, int, bool]]:
-    """The kernel calls that attend local queries to local keys: ``(q0, q1, k0, k1, diagonal)``
-    in local token positions; ``diagonal`` means a causal mask over equal ranges.
-
-    Without ``cu_seqlens`` these are :func:`block_runs` in token units. With the
-    global document boundaries of a packed sequence, every visible chunk pair is
-    cut at the documents they share, and pairs that share none yield nothing:
-    attention never crosses a document and no mask is materialised.
-    """
-    if cu_seqlens is None:
-        return [(i * chunk, (i + 1) * chunk, j0 * chunk, j1 * chunk, diag) for i, j0, j1, diag in block_runs(q_chunks, k_chunks, causal)]
-    segments = []
-    for i, a in enumerate(q_chunks):
-        q_lo = a * chunk
-        first = bisect.bisect_right(cu_seqlens, q_lo) - 1  # the document holding the chunk's first query
-        for j, b in enumerate(k_chunks):
-            if causal and b > a:
-                continue
-            k_lo = b * chunk
-            for d in range(first, len(cu_seqlens) - 1):
-                start, end = cu_seqlens[d], cu_seqlens[d + 1]
-                if start >= q_lo + chunk:
-                    break
-                qs, qe = max(start, q_lo), min(end, q_lo + chunk)
-                ks, ke = max(start, k_lo), min(end, k_lo + chunk)
-                if ks < ke:
-                    segments.append((i * chunk + qs - q_lo, i * chunk + qe - q_lo, j * chunk + ks - k_lo, j * chunk + ke - k_lo, causal and a == b))
-    return segments

@@ -8,9 +8,9 @@ that recomputes every block from the saved ``(q, k, v, out, lse)`` and sends
 the dK/dV accumulators around the ring with the K/V they belong to, so memory
 stays O(local tokens) and no graph is kept per step.
 
-Tokens are described by chunk ids (``layout.chunk_table``): ``chunk_lists[r]``
-lists, in local order, the equal-length global chunks group rank r holds.
-Packed sequences cut each block at document boundaries (``layout.block_segments``).
+What a rank computes against the keys of each source rank is a block plan
+(``blocks.plan_blocks``: ``ring_plans`` makes them from the chunk ids each rank
+holds, ``layout.chunk_table``); the kernel that runs them is named by the caller.
 """
 
 from __future__ import annotations
@@ -18,10 +18,11 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from . import comm, kernels
-from .layout import block_segments
+from . import comm
+from .blocks import blocks_backward, blocks_forward, cached_plan
+from .kernels import accumulator_dtype
 
-__all__ = ["ring_attention"]
+__all__ = ["ring_attention", "ring_plans"]
 
 _KV_TAG, _GRAD_TAG = 0, 1
 
@@ -44,33 +45,29 @@ def _kv_blocks(k, v, group, posted: list):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, chunk_lists, causal, scale, cu_seqlens):
-        r = dist.get_rank(group)
-        c = q.shape[1] // len(chunk_lists[r])
-        acc = kernels.accumulator_dtype(q.dtype)
+    def forward(ctx, q, k, v, group, plans, kernel, scale):
+        acc = accumulator_dtype(q.dtype)
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
         posted = []
         try:
             for src, k_cur, v_cur in _kv_blocks(k, v, group, posted):
-                segments = block_segments(chunk_lists[r], chunk_lists[src], c, causal, cu_seqlens)
-                kernels.blocks_forward(q, k_cur, v_cur, segments, scale, out_acc, lse_acc)
+                blocks_forward(kernel, q, k_cur, v_cur, plans[src], scale, out_acc, lse_acc)
         except BaseException:
             comm.drain(posted)
             raise
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
-        ctx.args = (group, chunk_lists, causal, scale, cu_seqlens)
+        ctx.args = (group, plans, kernel, scale)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, chunk_lists, causal, scale, cu_seqlens = ctx.args
+        group, plans, kernel, scale = ctx.args
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         p, r = comm.group_size(group), dist.get_rank(group)
-        c = q.shape[1] // len(chunk_lists[r])
-        acc = kernels.accumulator_dtype(q.dtype)
+        acc = accumulator_dtype(q.dtype)
         dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         arriving, wait_grads = None, None
         posted = []
@@ -78,8 +75,7 @@ class _RingAttention(torch.autograd.Function):
             for src, k_cur, v_cur in _kv_blocks(k, v, group, posted):
                 dk_blk = torch.zeros(k.shape, dtype=acc, device=k.device)
                 dv_blk = torch.zeros(v.shape, dtype=acc, device=v.device)
-                segments = block_segments(chunk_lists[r], chunk_lists[src], c, causal, cu_seqlens)
-                kernels.blocks_backward(dout, q, k_cur, v_cur, out, lse, segments, scale, dq_acc, dk_blk, dv_blk)
+                blocks_backward(kernel, dout, q, k_cur, v_cur, out, lse, plans[src], scale, dq_acc, dk_blk, dv_blk)
                 if need_k or need_v:
                     # The accumulators of block `src` travel with it: add what earlier ranks
                     # gave, pass on; after the last step each rank receives its own block's sum.
@@ -102,10 +98,16 @@ class _RingAttention(torch.autograd.Function):
             dk = arriving[0].to(k.dtype) if need_k else None
             dv = arriving[1].to(v.dtype) if need_v else None
         dq = dq_acc.to(q.dtype) if need_q else None
-        return dq, dk, dv, None, None, None, None, None
+        return dq, dk, dv, None, None, None, None
 
 
-def ring_attention(q_bshd, k_bshd, v_bshd, group, chunk_lists, *, causal: bool, scale: float, cu_seqlens=None) -> torch.Tensor:
-    """Attention of this rank's queries to the keys of every rank of ``group``;
-    ``cu_seqlens`` (global document boundaries) keeps it inside each document."""
-    return _RingAttention.apply(q_bshd, k_bshd, v_bshd, group, chunk_lists, causal, scale, cu_seqlens)
+def ring_plans(topo, chunk_lists, rank: int, spec, q) -> list:
+    """This rank's block plan against each ring rank's keys (``chunk_lists[src]``)."""
+    chunk = q.shape[1] // len(chunk_lists[rank])
+    return [cached_plan(topo, chunk_lists[rank], chunks, chunk, spec, q.device) for chunks in chunk_lists]
+
+
+def ring_attention(q_bshd, k_bshd, v_bshd, group, plans, *, kernel: str, scale: float) -> torch.Tensor:
+    """Attention of this rank's queries to the keys of every rank of ``group``, computing
+    ``plans[src]`` (``ring_plans``) against the keys of ring rank ``src`` with ``kernel``."""
+    return _RingAttention.apply(q_bshd, k_bshd, v_bshd, group, plans, kernel, scale)

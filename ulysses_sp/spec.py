@@ -33,6 +33,8 @@ class AttnSpec:
     layout: str
     cu_seqlens: tuple[int, ...] | None = None
     """Global document boundaries of a packed sequence (0, ..., seq_len), or None."""
+    kernel: str = "torch"
+    """The local attention kernel that computes it (``kernels.resolve_kernel``: never ``auto``)."""
 
     @property
     def element_size(self) -> int:

@@ -65,6 +65,17 @@ class Topology:
     """Call signatures already checked to agree across the SP group."""
     profile: object = field(default=None, repr=False, compare=False)
     """The ``ulysses_sp.profile.Profile`` that ``auto`` estimates with (None: the built-in one for the device)."""
+    cache: dict = field(default_factory=dict, repr=False, compare=False)
+    """What is derived once per call signature and reused by every layer: block plans with
+    their device tensors, all-gather index tensors, the last ``cu_seqlens`` read back."""
+
+    def cached(self, key, make):
+        """``cache[key]``, made by ``make()`` the first time (the cache is cleared past 4096 entries)."""
+        if key not in self.cache:
+            if len(self.cache) > 4096:
+                self.cache.clear()
+            self.cache[key] = make()
+        return self.cache[key]
 
     def spans_nodes(self, group: str) -> bool:
         """Whether the ``sp``, ``ulysses`` or ``ring`` group crosses machines (blocks of

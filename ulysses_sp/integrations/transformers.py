@@ -84,12 +84,13 @@ def _backend_per_layer(backend, layers) -> dict[int, str]:
     return dict(zip(indices, names))
 
 
-def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Profile | None = None):
+def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Profile | None = None, kernel: str = "auto"):
     """Switch a loaded transformers model to sequence-parallel attention; returns the model.
 
     ``backend`` is one name for every layer (``"auto"`` decides per layer and
     shape), a list with one name per attention layer (like Megatron's
-    ``--cp-comm-type``), or a callable ``layer_idx -> name``. Keeps the previous
+    ``--cp-comm-type``), or a callable ``layer_idx -> name``. ``kernel`` names the local
+    attention kernel (``auto``, ``flash_attn``, ``torch``, ``math``). Keeps the previous
     attention implementation for :func:`remove_sequence_parallel` and turns the
     KV cache off (training and evaluation, not generation).
     """
@@ -100,7 +101,9 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     if _PREVIOUS not in model.__dict__:
         model.__dict__[_PREVIOUS] = (model.config._attn_implementation, model.config.use_cache)
     for layer in layers:  # plain attribute, not a submodule: state_dict and parameters stay as they were
-        layer.__dict__[_STATE] = SequenceParallelAttention(topo, backend=per_layer[layer.layer_idx], layer_idx=layer.layer_idx, profile=profile)
+        layer.__dict__[_STATE] = SequenceParallelAttention(
+            topo, backend=per_layer[layer.layer_idx], layer_idx=layer.layer_idx, profile=profile, kernel=kernel
+        )
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     model.config.use_cache = False
     return model
