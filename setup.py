@@ -25,7 +25,7 @@ setup(
     python_requires=">=3.10",
     # `backends/` and `cli/` sit at the top of the repository but install inside the package,
     # so nothing named plainly `backends` or `cli` lands in site-packages.
-    packages=["ulysses_sp", "ulysses_sp.integrations", "ulysses_sp.backends", "ulysses_sp.cli"],
+    packages=["ulysses_sp", "ulysses_sp.integrations", "ulysses_sp.kernels", "ulysses_sp.testing", "ulysses_sp.backends", "ulysses_sp.cli"],
     package_dir={"ulysses_sp.backends": "backends", "ulysses_sp.cli": "cli"},
     # A range, not a pin: on a CPU machine install the CPU build first
     # (`pip install torch==2.13.0` here); this requirement is then already met.

@@ -151,7 +151,9 @@ class AllGatherBackend:
         q_bytes = spec.head_bytes * spec.q_heads
         # the first chunk's gather is exposed; the rest overlaps the previous chunk's compute
         seconds = transfer / chunks + profile.overlapped(profile.attention_fwd_bwd_seconds(spec, p), transfer * (1 - 1 / chunks))
-        return Estimate(seconds=seconds, peak_bytes=int(q_bytes * (2 + acc) + kv_local + gathered), comm_bytes=comm_bytes,
+        groups = spec.q_heads // spec.kv_heads
+        workspace = spec.kernel_workspace_bytes(self.stride(spec) * groups, spec.local_seq_len // layout.chunks_per_rank(spec.layout), spec.seq_len)  # a query chunk, its prefix
+        return Estimate(seconds=seconds, peak_bytes=int(q_bytes * (2 + acc) + kv_local + gathered + workspace), comm_bytes=comm_bytes,
                         bwd_comm_bytes=int(comm_bytes * (1 + acc)))  # re-gather K/V, reduce-scatter dK/dV
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:

@@ -47,6 +47,8 @@ class HybridBackend:
         ring_bwd = ring + int(kv_bytes * acc * r) if r > 1 else 0  # K/V again, and the dK/dV accumulators R hops
         ring_s = link.seconds(ring, r - 1) + link.seconds(ring_bwd, 2 * r - 1) if r > 1 else 0.0
         peak = int(spec.head_bytes * (spec.q_heads * (3 + acc) + 2 * spec.kv_heads + 6 * hkv))
+        group_len = spec.local_seq_len * u
+        peak += spec.kernel_workspace_bytes(spec.q_heads // u, group_len, group_len)
         seconds = a2a_s + profile.overlapped(profile.attention_fwd_bwd_seconds(spec, topo.sp_size), ring_s)
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=a2a + ring, bwd_comm_bytes=a2a + ring_bwd)
 

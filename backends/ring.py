@@ -34,6 +34,7 @@ class RingBackend:
         transfer = link.seconds(comm_bytes, p - 1) + link.seconds(bwd_bytes, 2 * p - 1) if p > 1 else 0.0
         q_bytes = spec.head_bytes * spec.q_heads
         peak = int(q_bytes * (2 + acc) + 3 * kv_bytes)  # q, out, fp32 accumulator; own, in-flight and next K/V
+        peak += spec.kernel_workspace_bytes(spec.q_heads, spec.local_seq_len, spec.local_seq_len)  # a query chunk, a key run
         seconds = profile.overlapped(profile.attention_fwd_bwd_seconds(spec, p), transfer)
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=bwd_bytes)
 

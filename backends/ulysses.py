@@ -44,6 +44,7 @@ class UlyssesBackend:
         transfer = profile.link("all_to_all", topo.spans_nodes("sp")).seconds(2 * comm_bytes, calls=4) if p > 1 else 0.0
         hkv = comm.kv_heads_sent(spec.kv_heads, p)
         peak = spec.shard_bytes + spec.head_bytes * (2 * spec.q_heads + 2 * hkv)  # and the head-sharded copies
+        peak += spec.kernel_workspace_bytes(spec.q_heads // p, spec.seq_len, spec.seq_len)
         seconds = transfer + profile.attention_fwd_bwd_seconds(spec, p)
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=comm_bytes)  # dout in, dq dk dv out
 

@@ -128,7 +128,7 @@ def _reference(full, cell: Cell):
     return [out.detach()] + [t.grad for t in leaves]
 
 
-def _entry(name: str, cell: Cell, topo_for):
+def _entry(name: str, cell: Cell, topo_for, kernel: str = "auto"):
     """(callable, topology of its shards, None) for a backend or ``peer:NAME``, or (None, None, why it cannot run)."""
     topo = topo_for(cell.layout)
     if name.startswith("peer:"):
@@ -138,13 +138,16 @@ def _entry(name: str, cell: Cell, topo_for):
             return None, None, reason
         shard_topo = topo_for(peer.shard_layout(cell.layout))
         return peer.make(cell, shard_topo), shard_topo, None
-    if name != "auto":
-        probe = torch.empty(cell.batch, cell.seq // topo.sp_size, 1, cell.head_dim, dtype=getattr(torch, cell.dtype))
-        q, kv = probe.expand(-1, -1, cell.heads, -1), probe.expand(-1, -1, cell.kv_heads, -1)
-        reason = usp.get_backend(name).check(usp.attention.make_spec(q, kv, kv, topo, causal=cell.causal), topo)
-        if reason:
-            return None, None, reason
-    return usp.SequenceParallelAttention(topo, backend=name), topo, None
+    probe = torch.empty(cell.batch, cell.seq // topo.sp_size, 1, cell.head_dim, dtype=getattr(torch, cell.dtype), device=topo.device)
+    q, kv = probe.expand(-1, -1, cell.heads, -1), probe.expand(-1, -1, cell.kv_heads, -1)
+    try:
+        spec = usp.attention.make_spec(q, kv, kv, topo, causal=cell.causal, kernel=kernel)
+    except ValueError as e:  # the kernel cannot take this cell
+        return None, None, str(e)
+    reason = usp.get_backend(name).check(spec, topo) if name != "auto" else None
+    if reason:
+        return None, None, reason
+    return usp.SequenceParallelAttention(topo, backend=name, kernel=kernel), topo, None
 
 
 def _payload(counter) -> int:
@@ -173,7 +176,8 @@ def _timed(fn, shards, dout, device, warmup: int, repeat: int, group):
     return runs, out.detach(), [t.grad for t in leaves]
 
 
-def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat: int, check: bool, topo_args: dict, progress: bool) -> dict:
+def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat: int, check: bool, topo_args: dict, progress: bool,
+                 kernel: str = "auto") -> dict:
     """Run on every rank of the SP group (the world): ``{(cell index, entry): this rank's figures}``."""
     topos = {}
 
@@ -196,7 +200,7 @@ def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat:
             if bar is not None:
                 bar.set_postfix_str(f"{name} S={cell.seq} H={cell.heads}/{cell.kv_heads}")
             result = {}
-            fn, shard_topo, reason = _entry(name, cell, topo_for)
+            fn, shard_topo, reason = _entry(name, cell, topo_for, kernel)
             if reason:
                 result["skipped"] = reason
             else:
@@ -221,9 +225,12 @@ def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat:
     return results
 
 
-def one_process(cells_: list[Cell], *, warmup: int, repeat: int, progress: bool = False) -> dict:
-    """Forward+backward seconds of the same attention on one rank, whole sequence: T1 per cell."""
-    device = torch.device("cuda") if torch.cuda.is_available() else torch.device("cpu")
+def one_process(cells_: list[Cell], *, warmup: int, repeat: int, progress: bool = False, device: torch.device | None = None,
+                kernel: str = "auto") -> dict:
+    """Forward+backward seconds of the same attention on one rank, whole sequence: T1 per cell.
+    ``device``: the rank's bound device; default: the current CUDA device, else the CPU."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     out = {}
     if progress:
         from tqdm import tqdm
@@ -235,7 +242,7 @@ def one_process(cells_: list[Cell], *, warmup: int, repeat: int, progress: bool 
         for i in range(warmup + repeat):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             t0 = time.perf_counter()
-            kernels.local_attention(*leaves, causal=cell.causal).backward(dout)
+            kernels.local_attention(*leaves, causal=cell.causal, kernel=kernel).backward(dout)
             _sync(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)

@@ -108,9 +108,12 @@ def _backend_overhead(profile: Profile, seq: int, ulysses_degree, repeat: int, d
 
 
 def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), progress=None, backend_seq: int = 4096,
-            ulysses_degree=None) -> Profile:
-    """Run on every rank of the default group; every rank returns the same profile."""
-    device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
+            ulysses_degree=None, device: torch.device | None = None) -> Profile:
+    """Run on every rank of the default group; every rank returns the same profile. ``device``:
+    this rank's (``ulysses_sp.devices.bind_device()``); default: the current CUDA device under
+    NCCL, else the CPU."""
+    if device is None:
+        device = torch.device("cuda", torch.cuda.current_device()) if dist.get_backend() == "nccl" else torch.device("cpu")
     group = dist.group.WORLD
     step = progress.update if progress is not None else (lambda *_: None)
     collectives, measured = {}, {"world_size": dist.get_world_size(), "device": str(device), "repeat": repeat}

@@ -23,7 +23,21 @@ def backends() -> None:
         click.echo(f"{name:10s} {doc[0] if doc else ''}")
 
 
-def _calibrate_rank(rank, world, repeat, seq, backend_seq, ulysses_degree):
+def _join_launch():
+    """Under torchrun / deepspeed (RANK set): bind this rank's GPU (cuda:LOCAL_RANK) before the
+    process group starts, join it, refuse two ranks on one GPU; returns the rank's device."""
+    import torch.distributed as dist
+
+    from ulysses_sp.devices import bind_device, check_one_rank_per_device
+
+    device = bind_device()
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    check_one_rank_per_device(dist.group.WORLD, device)
+    return device
+
+
+def _calibrate_rank(rank, world, repeat, seq, backend_seq, ulysses_degree, device=None):
     from .calibrate import measure
 
     progress = None
@@ -31,7 +45,7 @@ def _calibrate_rank(rank, world, repeat, seq, backend_seq, ulysses_degree):
         from tqdm import tqdm
 
         progress = tqdm(total=8, desc="calibrate", unit="measure")
-    profile = measure(repeat=repeat, seq=seq, progress=progress, backend_seq=backend_seq, ulysses_degree=ulysses_degree)
+    profile = measure(repeat=repeat, seq=seq, progress=progress, backend_seq=backend_seq, ulysses_degree=ulysses_degree, device=device)
     if progress is not None:
         progress.close()
     return profile.to_json()
@@ -49,16 +63,14 @@ def calibrate(nproc, out, repeat, seq, backend_seq, ulysses_degree):
     import json
     import os
 
-    import torch
     import torch.distributed as dist
 
     from ulysses_sp.launch import run_ranks
     from ulysses_sp.profile import Profile
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # inside a launcher: use its ranks
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-        text = _calibrate_rank(dist.get_rank(), dist.get_world_size(), repeat, seq, backend_seq, ulysses_degree)
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # inside a launcher: use its ranks, one GPU each
+        device = _join_launch()
+        text = _calibrate_rank(dist.get_rank(), dist.get_world_size(), repeat, seq, backend_seq, ulysses_degree, device)
         if dist.get_rank() != 0:
             return
     else:
@@ -136,6 +148,8 @@ def _bench_rank(rank, world, cells, entries, options):
 @click.option("--dtype", default="float32", show_default=True, help="comma list of float32, bfloat16, float16")
 @click.option("--causal/--no-causal", default=True, show_default=True)
 @click.option("--layout", type=click.Choice(["zigzag", "contiguous"]), default="zigzag", show_default=True)
+@click.option("--kernel", type=click.Choice(["auto", "flash_attn", "torch", "math"]), default="auto", show_default=True,
+              help="local attention kernel of our backends and of the one-rank baseline")
 @click.option("--nproc", type=int, default=2, show_default=True, help="gloo ranks to spawn (ignored under torchrun/deepspeed, which set RANK)")
 @click.option("--ulysses-degree", type=int, default=None, help="Ulysses part of the hybrid (default: all ranks)")
 @click.option("--warmup", type=int, default=1, show_default=True)
@@ -147,7 +161,7 @@ def _bench_rank(rank, world, cells, entries, options):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="every field and the environment")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="PNG: time and memory against sequence length")
-def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, layout, nproc, ulysses_degree, warmup, repeat,
+def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, layout, kernel, nproc, ulysses_degree, warmup, repeat,
         threads_per_rank, profile_path, check, baseline, json_path, csv_path, plot_path):
     """Time every backend (and peers) side by side on a grid of attention shapes."""
     import datetime
@@ -194,21 +208,19 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, l
     if not grid:
         raise click.UsageError("the grid is empty")
 
-    options = dict(warmup=warmup, repeat=repeat, check=check, progress=True,
+    options = dict(warmup=warmup, repeat=repeat, check=check, progress=True, kernel=kernel,
                    topo_args={"ulysses_degree": ulysses_degree, "profile": profile_path, "timeout": 3600})
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if launched else nproc
     multiple = world * (2 if layout == "zigzag" else 1)
     if world < 1 or any(c.seq % multiple for c in grid):
         raise click.BadParameter(f"every length must divide by {multiple} ({world} ranks, {layout} layout)", param_hint="--seq")
-    if launched:  # under torchrun / deepspeed: use its ranks, rank 0 reports
-        if not dist.is_initialized():
-            if torch.cuda.is_available():
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    device = torch.device("cpu")
+    if launched:  # under torchrun / deepspeed: use its ranks (one GPU each), rank 0 reports
+        device = _join_launch()
         per_rank = [None] * world
         dist.all_gather_object(per_rank, _bench_rank(dist.get_rank(), world, grid, entries, options))
-        t1 = one_process(grid, warmup=warmup, repeat=repeat, progress=True) if baseline and dist.get_rank() == 0 else None
+        t1 = one_process(grid, warmup=warmup, repeat=repeat, progress=True, device=device, kernel=kernel) if baseline and dist.get_rank() == 0 else None
         dist.barrier()
         if dist.get_rank() != 0:
             return
@@ -219,18 +231,17 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, l
         if baseline:
             threads = torch.get_num_threads()
             torch.set_num_threads(threads_per_rank)
-            t1 = one_process(grid, warmup=warmup, repeat=repeat, progress=True)
+            t1 = one_process(grid, warmup=warmup, repeat=repeat, progress=True, device=device, kernel=kernel)
             torch.set_num_threads(threads)
     rows = summarise(grid, entries, per_rank, t1, world)
 
-    device = "cuda" if launched and torch.cuda.is_available() else "cpu"
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "command": "sp-bench " + " ".join(sys.argv[1:]),
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
-        "cpus": os.cpu_count(), "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-        "process_group": "nccl" if device == "cuda" else "gloo", "world_size": world, "threads_per_rank": threads_per_rank,
-        "warmup": warmup, "repeat": repeat, "memory": memory_method(torch.device(device)),
+        "cpus": os.cpu_count(), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "process_group": "nccl" if device.type == "cuda" else "gloo", "world_size": world, "threads_per_rank": threads_per_rank,
+        "warmup": warmup, "repeat": repeat, "memory": memory_method(device),
         "timing": "per repeat the slowest rank; median and min-max over repeats; each repeat starts at a barrier",
     }
     title = f"sp-bench: {world} ranks ({env['process_group']}, {threads_per_rank} thread(s) each), {layout}, {'causal' if causal else 'full'}"

@@ -107,6 +107,8 @@ class Parity:
     dtype: torch.dtype = torch.float64
     strided: bool = False
     """Pass non-contiguous views (as Hugging Face's [B, H, S, D] transposed) instead of contiguous shards."""
+    kernel: str = "auto"
+    """``flash_attn`` runs on the CPU fake of flash-attn (``ulysses_sp.testing.fake_flash_attn``)."""
 
 
 BACKENDS = ("ulysses", "allgather", "ring", "hybrid")
@@ -144,6 +146,15 @@ for _backend in BACKENDS:
                 _hkv = 4 if _backend in ("allgather", "ring") else 1
                 _cfg = Parity(_layout, _causal, hkv=_hkv, cu_seqlens=_cu, backend=_backend)
                 _parity(f"{_backend}/{_layout}-{'causal' if _causal else 'full'}-{_pack}", _cfg)
+for _backend in BACKENDS:  # the flash_attn kernel (CPU fake) in bf16: GQA, both layouts, causal or not, packed
+    _gqa_worlds = (1, 2, 4) if _backend == "ulysses" else WORLDS
+    for _layout in layout.LAYOUTS:
+        for _causal in (True, False):
+            _cfg = Parity(_layout, _causal, dtype=torch.bfloat16, kernel="flash_attn", backend=_backend)
+            _parity(f"{_backend}/{_layout}-{'causal' if _causal else 'full'}-gqa-flash_attn", _cfg, _gqa_worlds)
+        _cfg = Parity(_layout, hkv=1, cu_seqlens=PACKINGS["packed-short-docs"], dtype=torch.bfloat16, kernel="flash_attn", backend=_backend)
+        _parity(f"{_backend}/{_layout}-causal-packed-flash_attn", _cfg)
+    _parity(f"{_backend}/zigzag-causal-d12-flash_attn", Parity(hkv=1, head_dim=12, dtype=torch.bfloat16, kernel="flash_attn", backend=_backend))
 for _stride in (1, 3):  # 3 does not divide the 4 kv heads: a last chunk of 1 takes the rest
     _parity(f"allgather_stride{_stride}/zigzag-causal-gqa", Parity(hq=8, hkv=4, backend=f"allgather_stride{_stride}"))
 _parity("auto/zigzag-causal-gqa", Parity(backend="auto"))
@@ -158,6 +169,17 @@ def _topo_for(env: Env, cfg: Parity, layout_: str):
 
 
 def parity(env: Env, name: str, cfg: Parity) -> dict:
+    if cfg.kernel == "flash_attn":
+        from ulysses_sp.testing.fake_flash_attn import install
+
+        with install() as fake:
+            result = _parity_run(env, name, cfg)
+        result["flash_attn_calls"] = sum(fake.calls.values())
+        return result
+    return _parity_run(env, name, cfg)
+
+
+def _parity_run(env: Env, name: str, cfg: Parity) -> dict:
     topo = _topo_for(env, cfg, cfg.layout)
     gen = generator(name, topo.dp_rank)  # each DP group gets its own data
     shape_q = (cfg.batch, cfg.seq, cfg.hq, cfg.head_dim)
@@ -175,7 +197,7 @@ def parity(env: Env, name: str, cfg: Parity) -> dict:
 
     shards = {n: local(t).requires_grad_(n in cfg.grads) for n, t in zip("qkv", (q, k, v))}
     run_topo = dataclasses.replace(topo, layout=cfg.claim_layout) if cfg.claim_layout else topo
-    attn = usp.SequenceParallelAttention(run_topo, backend=cfg.backend, layer_idx=0)
+    attn = usp.SequenceParallelAttention(run_topo, backend=cfg.backend, layer_idx=0, kernel=cfg.kernel)
     out = attn(*shards.values(), causal=cfg.causal, softmax_scale=cfg.scale, cu_seqlens=cfg.cu_seqlens)
     (out * usp.shard_sequence(dout, topo).to(cfg.dtype)).sum().backward()
 
@@ -233,6 +255,33 @@ def backend_bytes(env: Env, backend: str, hq: int, hkv: int, grads: str) -> dict
 for _backend in BACKENDS:
     for _name, _args in BYTES.items():
         case(f"bytes/{_backend}/{_name}", WORLDS)(lambda env, be=_backend, a=_args: backend_bytes(env, be, *a))
+
+
+def kernel_calls(env: Env, backend: str) -> dict:
+    """flash-attn forward calls (CPU fake) per attention forward on a packed sequence of 2016
+    tokens in 24 or 1000 documents: the block plans make one varlen call per chunk pair."""
+    from ulysses_sp.testing.fake_flash_attn import install
+
+    topo = _topo_for(env, Parity(), "zigzag")
+    counts = {}
+    for docs in (24, 1000):
+        cu = (0, *(round(i * 2009 / docs) + 7 for i in range(1, docs)), 2016)  # documents cross chunk boundaries
+        gen = generator(f"calls-{docs}")
+        full = [torch.randn(1, 2016, h, 8, generator=gen, dtype=torch.bfloat16) for h in (12, 1, 1)]
+        shards = [usp.shard_sequence(t, topo) for t in full]
+        with install() as fake:
+            usp.sp_attention(*shards, topo, backend=backend, kernel="flash_attn", cu_seqlens=cu)  # the handshake, plans
+            fake.reset()
+            out = usp.sp_attention(*shards, topo, backend=backend, kernel="flash_attn", cu_seqlens=cu)
+            counts[docs] = {"calls": fake.calls["_flash_attn_forward"] + fake.calls["_flash_attn_varlen_forward"],
+                            "varlen": fake.calls["_flash_attn_varlen_forward"]}
+        ref = reference_attention(*(t.double() for t in full), causal=True, cu_seqlens=cu)
+        counts[docs]["err"] = max_err(usp.gather_sequence(out, topo).double(), ref)
+    return counts
+
+
+for _backend in BACKENDS:
+    case(f"kernel-calls/{_backend}", (2, 3, 4))(lambda env, be=_backend: kernel_calls(env, be))
 
 
 @case("agree/all-backends", (2, 3, 4))

@@ -163,3 +163,43 @@ def test_non_finite_input_gives_nan_like_the_reference(what):
     assert torch.equal(kernels.local_attention(q, k, v, causal=True).isnan(), ref)
     for name in ("torch", "math"):
         assert torch.equal(kernels.get_kernel(name).block_forward(q, k, v, causal=True, scale=0.3)[0].isnan(), ref)
+
+
+@pytest.mark.parametrize("device,dtype,sk", [
+    ("fake-cuda", torch.bfloat16, 256),
+    *(("meta", dtype, sk) for dtype in (torch.bfloat16, torch.float32) for sk in (256, 384)),
+])
+def test_torch_kernel_cuda_ops_and_shapes(device, dtype, sk):
+    """Which ATen ops the torch kernel calls on CUDA, with which shapes, without a GPU:
+    FakeTensorMode with CUDA tensors (this CPU build cannot even slice those, so one square
+    block), and meta tensors, which take the same CUDA path. bf16: the flash op with K/V at
+    their own 2 heads (GQA not repeated); fp32: the memory-efficient op with K/V repeated to
+    8 heads. Sk > Sq causal splits into a visible prefix and a square diagonal, merged."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls = []
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if "scaled_dot_product" in str(func):
+                calls.append((str(func.overloadpacket).split(".")[-1], [tuple(a.shape) for a in args[:3]]))
+            return func(*args, **(kwargs or {}))
+
+    kernel = kernels.get_kernel("torch")
+    fake = device == "fake-cuda"
+    with FakeTensorMode() if fake else contextlib.nullcontext(), Record():
+        q = torch.empty(1, 256, 8, 64, dtype=dtype, device="cuda" if fake else "meta")
+        k, v = (torch.empty(1, sk, 2, 64, dtype=dtype, device=q.device) for _ in range(2))
+        out, lse = kernel.block_forward(q, k, v, causal=True, scale=0.125)
+        grads = kernel.block_backward(out, q, k, v, out, lse, causal=True, scale=0.125)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (1, 8, 256) and lse.dtype == torch.float32
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape]
+    op = "_scaled_dot_product_flash_attention" if dtype == torch.bfloat16 else "_scaled_dot_product_efficient_attention"
+    kv_heads = 2 if dtype == torch.bfloat16 else 8
+    blocks = [256] if sk == 256 else [sk - 256, 256]  # the prefix and the diagonal
+    assert calls == [(op, [(1, 8, 256, 64)] + [(1, kv_heads, n, 64)] * 2) for n in blocks] + [
+        (op + "_backward", [(1, 8, 256, 64)] * 2 + [(1, kv_heads, n, 64)]) for n in blocks
+    ], calls

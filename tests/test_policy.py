@@ -144,3 +144,28 @@ def test_backend_overhead_adds_per_shard_byte():
     assert Profile.from_dict(json.loads(slower.to_json())).backend_overhead == {chosen.name: per_byte}
     with pytest.raises(ValueError, match="unknown fields.*backend_factors.*calibrate"):
         Profile.from_dict({**json.loads(slower.to_json()), "backend_factors": {}})
+
+
+def test_auto_at_scale_respects_the_budget_and_the_kernel(monkeypatch):
+    """S_local=16k on 8 ranks, H32/KV8, D128, bf16 (issue 14's shapes) on H100-class GPUs: the
+    estimates include the kernel's working memory, the budget defaults to what the device
+    reports free, and no backend on the math kernel's O(S^2) path fits it."""
+    import dataclasses
+
+    free = 75 * 2**30
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device=None: (free, 80 * 2**30))
+    topo = dataclasses.replace(Topology.for_planning(8, ulysses_degree=2, ranks_per_node=8), device=torch.device("cuda", 0))
+    for kernel in ("flash_attn", "torch"):
+        s = dataclasses.replace(spec(32, 8, 16384 * 8, 8, d=128), kernel=kernel)
+        chosen, considered = choose_backend(s, topo, NVLINK_PROFILE)
+        assert considered[chosen.name].peak_bytes <= free
+        assert all(e.peak_bytes < 2**30 * 4 for e in considered.values() if isinstance(e, Estimate)), considered
+    s = dataclasses.replace(spec(32, 8, 16384 * 8, 8, d=128), kernel="math")
+    try:  # the suite registers all-gathers of one KV head at a time, whose S_q x S_k blocks may fit
+        chosen, considered = choose_backend(s, topo, NVLINK_PROFILE)
+        assert considered[chosen.name].peak_bytes <= free
+    except ValueError as e:  # "no SP backend can run this attention: NAME: why; NAME: why; ..."
+        considered = {part.split(": ", 1)[0]: part for part in str(e).split("attention: ", 1)[1].split("; ")}
+    for name in ("ulysses", "allgather", "ring", "hybrid"):
+        assert "over the memory budget of 76800 MiB" in str(considered[name]), considered[name]
+    assert usp.kernels.resolve_kernel("auto", torch.bfloat16, topo.device, 128) != "math"

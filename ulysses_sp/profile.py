@@ -123,13 +123,19 @@ float64 and float16 rates are guesses."""
 
 NVLINK_PROFILE = Profile(
     name="nvlink-gpu (built in)",
-    collectives={c: LinkCost(latency=2e-5, bandwidth=1.5e11) for c in COLLECTIVES},
-    inter_node=LinkCost(latency=2e-5, bandwidth=2.5e10),
+    collectives={c: LinkCost(latency=2e-5, bandwidth=3.5e11) for c in COLLECTIVES},
+    inter_node=LinkCost(latency=2e-5, bandwidth=4.5e10),
     attention_fwd_flops={"bfloat16": 3e14, "float16": 3e14, "float32": 4e13, "float64": 2e13},
     attention_bwd_flops={"bfloat16": 1.2e14, "float16": 1.2e14, "float32": 1.6e13, "float64": 8e12},
     overlap=True,
 )
-"""Rough figures for H100-class GPUs with NVLink inside a node and 200 Gb/s across nodes."""
+"""H100/H200 with NVLink inside a node and 400 Gb/s InfiniBand across nodes. Links: NVLink 4
+carries 900 GB/s per GPU both ways together (NVIDIA's H100 and H200 datasheets), of which
+NCCL's collectives reach a bus bandwidth of about 350 GB/s in nccl-tests on 8-GPU nodes;
+NDR InfiniBand is 400 Gb/s = 50 GB/s per GPU on the wire, about 45 GB/s achieved. Kernel
+rates are flash-attn 2's published H100 figures, rounded down. None of it was measured by
+this project (no GPU yet): ``sp-bench calibrate`` on the machine replaces it. No memory
+budget: ``auto`` takes what the device reports free."""
 
 
 def default_profile(device_type: str) -> Profile:

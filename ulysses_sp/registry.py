@@ -66,9 +66,13 @@ def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tupl
     its estimate or the reason it was dropped (``check()`` failed, or its peak
     memory exceeds the profile's budget).
 
-    ``profile`` defaults to the topology's, else the built-in one for its device.
+    ``profile`` defaults to the topology's, else the built-in one for its device. The memory
+    budget is the profile's, else what the CUDA device reports free (``torch.cuda.mem_get_info``).
     """
     profile = profile or getattr(topo, "profile", None) or default_profile(topo.device.type)
+    budget = profile.memory_budget_bytes
+    if budget is None and topo.device.type == "cuda":
+        budget = torch.cuda.mem_get_info(topo.device)[0]
     considered: dict[str, str | Estimate] = {}
     for name, backend in _BACKENDS.items():
         reason = backend.check(spec, topo)
@@ -77,7 +81,6 @@ def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tupl
             overhead = profile.overhead_seconds(name, spec)
             if overhead:
                 estimate = dataclasses.replace(estimate, seconds=estimate.seconds + overhead)
-            budget = profile.memory_budget_bytes
             if budget is not None and estimate.peak_bytes > budget:
                 reason = f"{name}: needs about {estimate.peak_bytes / 2**20:.0f} MiB, over the memory budget of {budget / 2**20:.0f} MiB"
             else:

@@ -55,6 +55,14 @@ class AttnSpec:
         """Bytes of a partial-result accumulator (``kernels.accumulator_dtype``) per byte of input."""
         return torch.empty((), dtype=accumulator_dtype(self.dtype)).element_size() / self.element_size
 
+    def kernel_workspace_bytes(self, heads: int, sq: int, sk: int) -> int:
+        """Working memory of the kernel for its largest call (``heads`` q heads, ``sq`` queries,
+        ``sk`` keys): the math kernel holds scores, probabilities and their gradient in fp32
+        (fp64) per (query, key) pair; the fused kernels only an lse and a softmax-d row each."""
+        acc = torch.empty((), dtype=accumulator_dtype(self.dtype)).element_size()
+        pairs = sk if self.kernel == "math" else 2
+        return 3 * self.batch * heads * sq * pairs * acc
+
     def attention_flops(self, ranks: int) -> float:
         """Forward attention FLOPs per rank when ``ranks`` share the work evenly:
         4 * B * (query-key pairs) * Hq * D / ranks, pairs halved under a causal mask

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import datetime
 import numbers
-import os
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
 from . import comm
+from .devices import local_world_size
 from . import layout as _layout
 from .profile import load_profile
 
@@ -160,7 +160,7 @@ def init_sequence_parallel(
     ``ulysses_degree`` that does not divide ``sp_size``, an unknown layout, or
     arguments that differ between ranks. ``shape_check``, ``profile`` (a
     ``Profile`` or the path of one) and ``ranks_per_node`` (default: the
-    launcher's ``LOCAL_WORLD_SIZE``) are described on :class:`Topology`.
+    launcher's ``LOCAL_WORLD_SIZE`` or ``LOCAL_SIZE``) are described on :class:`Topology`.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(
@@ -211,6 +211,6 @@ def init_sequence_parallel(
         device=_device_for_backend(),
         timeout=timeout,
         shape_check=shape_check,
-        ranks_per_node=int(ranks_per_node or os.environ.get("LOCAL_WORLD_SIZE", 0)),
+        ranks_per_node=int(ranks_per_node or local_world_size(default=0)),
         profile=load_profile(profile) if isinstance(profile, str) else profile,
     )

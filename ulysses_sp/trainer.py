@@ -4,7 +4,9 @@
 ``deepspeed`` launcher or ``torchrun``; on a machine without CUDA it uses
 DeepSpeed's CPU accelerator and gloo. With no ``--model`` / ``--data`` it
 trains the embedded default: a small Llama-style model (random init, config
-below) on byte-level passkey retrieval (``ulysses_sp.tasks``).
+below) on byte-level passkey retrieval (``ulysses_sp.tasks``). On GPUs each rank
+binds ``cuda:LOCAL_RANK`` and trains in bf16 by default (DeepSpeed's mixed
+precision, fp32 master weights); on CPU in fp32.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .devices import bind_device, check_one_rank_per_device, local_world_size, move_batch
 from .data import shard_batch, sp_cross_entropy
 from .integrations.deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
 from .tasks import PAD_ID, VOCAB_SIZE, passkey_batch
@@ -29,6 +32,8 @@ from .topology import init_sequence_parallel
 __all__ = ["TrainConfig", "main", "parse_args"]
 
 BACKENDS = ("auto", "ulysses", "allgather", "ring", "hybrid")
+KERNELS = ("auto", "flash_attn", "torch", "math")
+DTYPES = ("bf16", "fp16", "fp32")
 
 
 @dataclass
@@ -51,6 +56,11 @@ class TrainConfig:
     ulysses_degree: int | None = None
     profile: str | None = None
     """A profile JSON from ``sp-bench calibrate`` for the auto policy."""
+    dtype: str | None = None
+    """``bf16``, ``fp16`` or ``fp32``; None: bf16 on CUDA, fp32 on CPU. bf16/fp16 go through
+    DeepSpeed's mixed precision (it casts the fp32 model and keeps fp32 master weights)."""
+    sp_kernel: str = "auto"
+    """The local attention kernel: ``auto``, ``flash_attn``, ``torch`` or ``math``."""
 
 
 def parse_args(argv=None) -> TrainConfig:
@@ -65,6 +75,8 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--dtype", choices=DTYPES, default=None, help="training precision (default: bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--sp-kernel", choices=KERNELS, default="auto", help="local attention kernel (default: auto)")
     p.add_argument("--ulysses-degree", type=int, default=None, help="for the hybrid backend (default: sp size)")
     p.add_argument("--save", default=None, help="checkpoint directory (DeepSpeed format), written at the end")
     p.add_argument("--resume", default=None, help="checkpoint directory to continue from")
@@ -76,6 +88,7 @@ def parse_args(argv=None) -> TrainConfig:
     return TrainConfig(
         sp_size=a.sp_size, sp_backend=a.sp_backend, zero_stage=a.zero_stage, model=a.model, data=a.data, seq_len=a.seq_len,
         steps=a.steps, lr=a.lr, seed=a.seed, save=a.save, resume=a.resume, ulysses_degree=a.ulysses_degree, profile=a.profile,
+        dtype=a.dtype, sp_kernel=a.sp_kernel,
     )
 
 
@@ -132,6 +145,37 @@ def _chosen_backends(model) -> dict[int, str]:
     }
 
 
+def resolve_dtype(dtype: str | None, on_gpu: bool) -> str:
+    """The precision to train in: ``dtype``, or by default bf16 on CUDA and fp32 on CPU.
+    Raises ``ValueError`` for a precision this machine cannot train in."""
+    dtype = dtype or ("bf16" if on_gpu else "fp32")
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}, got {dtype!r}")
+    if on_gpu and dtype == "bf16" and not torch.cuda.is_bf16_supported():
+        raise ValueError(f"--dtype bf16: {torch.cuda.get_device_name()} has no bf16 support; use --dtype fp16 or fp32")
+    if not on_gpu and dtype == "fp16" and not _cpu_fp16_supported():
+        raise ValueError("--dtype fp16: DeepSpeed's CPU accelerator needs oneDNN fp16 support, which this CPU lacks; use --dtype bf16 or fp32")
+    return dtype
+
+
+def _cpu_fp16_supported() -> bool:
+    """What DeepSpeed's CPU accelerator asks before it accepts fp16 (bf16 it always accepts)."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_fp16_supported())
+    except Exception:
+        return False
+
+
+def precision_config(dtype: str) -> dict:
+    """The DeepSpeed config section for ``dtype``: DeepSpeed casts the fp32 model it is given
+    and keeps fp32 master weights in its optimizer wrapper (fp16: with dynamic loss scaling)."""
+    if dtype == "bf16":
+        return {"bf16": {"enabled": True}}
+    if dtype == "fp16":
+        return {"fp16": {"enabled": True, "initial_scale_power": 16}}
+    return {}
+
+
 def train(cfg: TrainConfig) -> list[float]:
     """Run the job; returns the loss of every step run (on every rank)."""
     use_cpu_accelerator_if_needed()
@@ -140,16 +184,17 @@ def train(cfg: TrainConfig) -> list[float]:
     from .integrations.transformers import apply_sequence_parallel
 
     on_gpu = torch.cuda.is_available()
+    dtype = resolve_dtype(cfg.dtype, on_gpu)  # before any process group: a bad flag fails at once on every rank
+    device = bind_device()  # cuda:LOCAL_RANK before NCCL starts; CPU without CUDA
     deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
-    if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    else:  # ranks share the cores
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", dist.get_world_size()))))
+    check_one_rank_per_device(dist.group.WORLD, device)
+    if not on_gpu:  # ranks share the cores
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size(default=dist.get_world_size())))
     topo = init_sequence_parallel(cfg.sp_size or dist.get_world_size(), ulysses_degree=cfg.ulysses_degree, layout="zigzag", profile=cfg.profile)
     rank0 = topo.rank == 0
 
     backend = cfg.sp_backend.split(",") if "," in cfg.sp_backend else cfg.sp_backend
-    model = apply_sequence_parallel(build_model(cfg), topo, backend=backend)
+    model = apply_sequence_parallel(build_model(cfg), topo, backend=backend, kernel=cfg.sp_kernel)
     model.train()
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -157,6 +202,7 @@ def train(cfg: TrainConfig) -> list[float]:
         "gradient_clipping": 1.0,
         "zero_optimization": {"stage": cfg.zero_stage},
         "steps_per_print": 1 << 30,
+        **precision_config(dtype),
     }
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=0.0)
     engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=ds_config, mpu=SequenceParallelMPU(topo))
@@ -170,7 +216,7 @@ def train(cfg: TrainConfig) -> list[float]:
     if rank0:
         print(
             f"ulysses-sp: world {topo.world_size} = dp {topo.dp_size} x sp {topo.sp_size}, backend {cfg.sp_backend}, "
-            f"ZeRO {cfg.zero_stage}, seq {cfg.seq_len}, steps {start}..{cfg.steps}, "
+            f"kernel {cfg.sp_kernel}, ZeRO {cfg.zero_stage}, {dtype} on {topo.device}, seq {cfg.seq_len}, steps {start}..{cfg.steps}, "
             f"data {'passkey task' if source is None else cfg.data}",
             flush=True,
         )
@@ -188,7 +234,7 @@ def train(cfg: TrainConfig) -> list[float]:
             batch = passkey_batch(cfg.seq_len, seed=cfg.seed, step=step, dp_rank=topo.dp_rank)
         else:
             batch = source.batch(step, topo.dp_rank, topo.dp_size)
-        local = shard_batch(batch, topo, pad_token_id=PAD_ID)
+        local = move_batch(shard_batch(batch, topo, pad_token_id=PAD_ID), topo.device)  # shard on CPU, move this rank's part
         logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], cu_seq_lens_q=local.get("cu_seqlens")).logits
         loss = sp_cross_entropy(logits, local["shift_labels"], topo, count_group=dist.group.WORLD)
         engine.backward(loss * scale)

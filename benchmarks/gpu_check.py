@@ -1,0 +1,130 @@
+"""The first thing a GPU runs (called by benchmarks/gpu_check.sh): the CUDA kernels and
+every backend at P=1 against the math reference, one summary line per check.
+
+    python benchmarks/gpu_check.py            # PASS/FAIL lines; exit 1 if any failed
+
+What it confirms that the CPU suite cannot: the real flash-attn private functions and
+torch's CUDA attention ops (signatures, GQA without repeated K/V, flash-attn's +inf lse
+for empty rows, bottom-right causal masks for Sq != Sk, varlen lse layout) at bf16
+tolerances, and each backend's path through them on one rank with NCCL.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import traceback
+
+import torch
+import torch.distributed as dist
+
+import ulysses_sp as usp
+from ulysses_sp import kernels
+
+RESULTS: list[bool] = []
+TOL = {torch.bfloat16: 3e-2, torch.float16: 5e-3, torch.float32: 1e-4}
+
+
+def check(name: str):
+    def run(fn):
+        t0 = time.perf_counter()
+        try:
+            detail = fn() or ""
+            RESULTS.append(True)
+            print(f"PASS {name} ({time.perf_counter() - t0:.1f} s) {detail}", flush=True)
+        except Exception as e:  # report and go on: one line per check
+            RESULTS.append(False)
+            print(f"FAIL {name}: {type(e).__name__}: {e}", flush=True)
+            traceback.print_exc(file=sys.stderr)
+        return fn
+
+    return run
+
+
+def rel(a, b) -> float:
+    return ((a.double() - b.double()).abs().max() / b.double().abs().max().clamp_min(1)).item()
+
+
+def inputs(sq, sk, hq, hkv, d, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = torch.randn(2, sq, hq, d, device="cuda", dtype=dtype, generator=g)
+    k, v = (torch.randn(2, sk, hkv, d, device="cuda", dtype=dtype, generator=g) for _ in range(2))
+    return q, k, v, torch.randn_like(q)
+
+
+CASES = {  # name: (Sq, Sk, q heads, kv heads, head dim, causal, varlen lengths or None)
+    "square-causal-gqa": (1024, 1024, 16, 4, 128, True, None),
+    "keys-longer-causal": (256, 1024, 8, 8, 64, True, None),
+    "queries-longer-causal (empty rows)": (1024, 256, 8, 2, 64, True, None),
+    "full-d40 (padded head dim)": (512, 768, 8, 1, 40, False, None),
+    "varlen-causal-with-empty": (1024, 1024, 8, 2, 128, True, ((300, 0, 500, 224), (300, 100, 0, 624))),
+}
+
+
+def kernel_checks() -> None:
+    names = ["torch"] + (["flash_attn"] if kernels.get_kernel("flash_attn").problem(torch.bfloat16, torch.device("cuda"), 128) is None else [])
+    if "flash_attn" not in names:
+        print("SKIP flash_attn kernel: " + kernels.get_kernel("flash_attn").problem(torch.bfloat16, torch.device("cuda"), 128), flush=True)
+    dtypes = {"torch": (torch.bfloat16, torch.float16, torch.float32), "flash_attn": (torch.bfloat16, torch.float16)}
+    math = kernels.get_kernel("math")
+    for name in names:
+        kernel = kernels.get_kernel(name)
+        for dtype in dtypes[name]:
+            for case, (sq, sk, hq, hkv, d, causal, lens) in CASES.items():
+
+                @check(f"kernel {name} {str(dtype)[6:]} {case}")
+                def _():
+                    q, k, v, dout = inputs(sq, sk, hq, hkv, d, dtype)
+                    varlen = kernels.Varlen.build(*lens, batch=2, device="cuda") if lens else None
+                    opts = dict(causal=causal, scale=d**-0.5, varlen=varlen)
+                    out, lse = kernel.block_forward(q, k, v, **opts)
+                    ref, ref_lse = math.block_forward(q, k, v, **opts)
+                    assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == ref_lse.shape
+                    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse)), "empty rows differ (lse must be -inf there)"
+                    finite = torch.isfinite(ref_lse)
+                    errs = [rel(out, ref), (lse[finite] - ref_lse[finite]).abs().max().item()]
+                    got = kernel.block_backward(dout, q, k, v, out, lse, **opts)
+                    want = math.block_backward(dout, q, k, v, ref.to(dtype), ref_lse, **opts)
+                    errs += [rel(g, w) for g, w in zip(got, want)]
+                    assert max(errs) < TOL[dtype], f"errors out/lse/dq/dk/dv {[f'{e:.2e}' for e in errs]}"
+                    return "errors " + " ".join(f"{e:.1e}" for e in errs)
+
+
+def backend_checks() -> None:
+    topo = usp.init_sequence_parallel(1)
+    for backend in usp.list_backends():
+        for kernel in ("auto", "torch"):
+
+            @check(f"backend {backend} P=1 kernel={kernel} bf16 packed")
+            def _():
+                q, k, v, dout = inputs(2048, 2048, 16, 4, 128, torch.bfloat16, seed=1)
+                cu = torch.tensor([0, 100, 1000, 1024, 2048], device="cuda")
+                leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+                out = usp.sp_attention(*leaves, topo, backend=backend, kernel=kernel, cu_seqlens=cu)
+                out.backward(dout)
+                ref_leaves = [t.double().clone().requires_grad_() for t in (q, k, v)]
+                ref = usp.sp_attention(*ref_leaves, topo, backend=backend, kernel="math", cu_seqlens=cu)
+                ref.backward(dout.double())
+                errs = [rel(out, ref)] + [rel(a.grad, b.grad) for a, b in zip(leaves, ref_leaves)]
+                assert max(errs) < TOL[torch.bfloat16], f"errors {errs}"
+                return f"kernel {usp.attention.make_spec(q, k, v, topo, kernel=kernel).kernel}; errors " + " ".join(f"{e:.1e}" for e in errs)
+
+
+def main() -> int:
+    if not torch.cuda.is_available():
+        print("SKIP no GPU")
+        return 0
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29511")
+    torch.cuda.set_device(0)
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    kernel_checks()
+    backend_checks()
+    dist.destroy_process_group()
+    print(f"gpu_check: {sum(RESULTS)} passed, {len(RESULTS) - sum(RESULTS)} failed", flush=True)
+    return 0 if all(RESULTS) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,56 @@
+"""Transient memory per rank at real shapes (128k tokens, P=8, H32/KV8, D128, bf16), measured
+on the meta device with torch's fake process group (``ulysses_sp.testing.memory``).
+
+The bound is documented in docs/architecture.md ("Memory at scale"), in local shard bytes:
+Q = this rank's q shard, KV = its k (or v) shard, G = one head chunk of full-length K and V
+(all-gather). No term grows with S_q x S_k: doubling the sequence at most doubles the figures.
+"""
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+BACKENDS = ("ulysses", "allgather", "ring", "hybrid")
+
+
+def _measure(seq: int) -> dict:
+    cmd = [sys.executable, "-m", "ulysses_sp.testing.memory", "--seq", str(seq), "--sp", "8", "--json"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return {r["backend"]: r for r in json.loads(done.stdout.strip().splitlines()[-1])}
+
+
+@pytest.fixture(scope="module")
+def at_128k():
+    return _measure(131072)
+
+
+def bound(r: dict) -> tuple[int, int]:
+    """(forward, backward) bytes allowed: c x (Q + 2 KV), plus for the all-gather its gathered chunks."""
+    q, kv = r["q_shard_bytes"], r["kv_shard_bytes"]
+    shards = q + 2 * kv
+    if r["backend"] == "ulysses":
+        return 4.5 * shards, 4.5 * shards
+    if r["backend"] == "allgather":  # gathered, put in global order, the next chunk's in flight; backward: fp32 dK/dV twice
+        g = r["gathered_chunk_bytes"]
+        return 4 * shards + 3 * g, 4 * shards + 6 * g
+    return 8 * shards, 8 * shards
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_transient_memory_within_the_documented_bound(at_128k, backend):
+    r = at_128k[backend]
+    assert r["kernel"] == "torch", "the meta device takes the torch kernel's CUDA path"
+    fwd, bwd = bound(r)
+    assert 0 < r["forward_peak_bytes"] <= fwd, r
+    assert 0 < r["backward_peak_bytes"] <= bwd, r
+
+
+def test_no_quadratic_term(at_128k):
+    """At 256k tokens every figure is at most twice the 128k one (a S_q x S_k term would be 4x)."""
+    at_256k = _measure(262144)
+    for backend in BACKENDS:
+        for phase in ("forward_peak_bytes", "backward_peak_bytes"):
+            assert at_256k[backend][phase] <= 2.01 * at_128k[backend][phase], (backend, phase)

@@ -1,0 +1,1 @@
+"""Test utilities: fakes that let code written for GPU-only libraries run on CPU tensors."""

@@ -1,0 +1,116 @@
+"""Transient memory of each backend at real shapes, without a GPU.
+
+One process plays rank 0 of ``sp_size`` ranks: torch's fake process group (collectives
+return at once) on meta tensors (shapes, no data), with the torch kernel's CUDA ops
+(``kernels.torch_kernel`` sends meta tensors down its CUDA path). :class:`PeakMemory`, a
+dispatch mode, adds up the bytes of every storage an op allocates and subtracts them
+when the storage dies, as a caching allocator's "allocated" figure would.
+
+    python -m ulysses_sp.testing.memory                       # 128k tokens, P=8, H32/KV8, D128, bf16
+    python -m ulysses_sp.testing.memory --seq 131072 --sp 8 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["PeakMemory", "measure", "main"]
+
+
+class PeakMemory(TorchDispatchMode):
+    """Live and peak bytes of the storages allocated while the mode is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.discard(key)
+        self.live -= nbytes
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                storage = t.untyped_storage()
+                key = id(storage)
+                if key not in self._seen:
+                    self._seen.add(key)
+                    self.live += storage.nbytes()
+                    self.peak = max(self.peak, self.live)
+                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        return out
+
+
+def _topology(sp_size: int, ulysses_degree: int | None):
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    import ulysses_sp as usp
+
+    if not dist.is_initialized():
+        dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=0, world_size=sp_size)
+    topo = usp.init_sequence_parallel(sp_size, ulysses_degree=ulysses_degree)
+    return dataclasses.replace(topo, device=torch.device("meta"))
+
+
+def measure(backend: str, *, seq: int = 131072, sp: int = 8, heads: int = 32, kv_heads: int = 8, head_dim: int = 128,
+            dtype=torch.bfloat16, ulysses_degree: int | None = None, kernel: str = "auto", cu_seqlens=None) -> dict:
+    """Rank 0's transient bytes (allocated beyond its q, k, v shards) at the peak of the
+    forward and of the backward of ``backend``, with the local shard sizes to compare."""
+    import ulysses_sp as usp
+
+    topo = _topology(sp, ulysses_degree)
+    local = seq // sp
+    q = torch.empty(1, local, heads, head_dim, dtype=dtype, device="meta", requires_grad=True)
+    k, v = (torch.empty(1, local, kv_heads, head_dim, dtype=dtype, device="meta", requires_grad=True) for _ in range(2))
+    spec = usp.attention.make_spec(q, k, v, topo, kernel=kernel, cu_seqlens=cu_seqlens)  # local checks only: no handshake
+    impl = usp.get_backend(backend)
+    with PeakMemory() as fwd:
+        out = impl.forward(q, k, v, spec, topo)
+    with PeakMemory() as bwd:
+        out.backward(torch.empty_like(out))
+    return {
+        "backend": backend, "kernel": spec.kernel, "seq": seq, "sp": sp, "heads": heads, "kv_heads": kv_heads, "head_dim": head_dim,
+        "dtype": str(dtype).replace("torch.", ""), "q_shard_bytes": q.numel() * q.element_size(),
+        "kv_shard_bytes": k.numel() * k.element_size(), "forward_peak_bytes": fwd.peak, "backward_peak_bytes": bwd.peak,
+        # all-gather: full-length K and V of one chunk of KV heads
+        "gathered_chunk_bytes": 2 * seq * head_dim * q.element_size() * impl.stride(spec) if hasattr(impl, "stride") else 0,
+    }
+
+
+def main(argv=None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seq", type=int, default=131072)
+    p.add_argument("--sp", type=int, default=8)
+    p.add_argument("--heads", type=int, default=32)
+    p.add_argument("--kv-heads", type=int, default=8)
+    p.add_argument("--head-dim", type=int, default=128)
+    p.add_argument("--ulysses-degree", type=int, default=2, help="for the hybrid")
+    p.add_argument("--kernel", default="auto")
+    p.add_argument("--backends", default="ulysses,allgather,ring,hybrid")
+    p.add_argument("--json", action="store_true")
+    a = p.parse_args(argv)
+    rows = [measure(b, seq=a.seq, sp=a.sp, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, ulysses_degree=a.ulysses_degree, kernel=a.kernel)
+            for b in a.backends.split(",")]
+    if a.json:
+        print(json.dumps(rows))
+        return
+    gib = 2**30
+    print(f"S={a.seq} P={a.sp} H{a.heads}/KV{a.kv_heads} D{a.head_dim} bf16: transient bytes per rank (beyond the q, k, v shards)")
+    for r in rows:
+        shards = r["q_shard_bytes"] + 2 * r["kv_shard_bytes"]
+        print(f"  {r['backend']:10s} kernel {r['kernel']:10s} forward {r['forward_peak_bytes'] / gib:7.3f} GiB ({r['forward_peak_bytes'] / shards:5.2f} x q+k+v)"
+              f"  backward {r['backward_peak_bytes'] / gib:7.3f} GiB ({r['backward_peak_bytes'] / shards:5.2f} x q+k+v)")
+
+
+if __name__ == "__main__":
+    main()
