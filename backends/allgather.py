@@ -17,7 +17,6 @@ gathered K and V within ``max_gather_bytes``.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ulysses_sp import comm, layout
 from ulysses_sp.blocks import blocks_backward, blocks_forward, cached_plan
