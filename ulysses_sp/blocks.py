@@ -103,7 +103,7 @@ def blocks_backward(kernel: str, dout, q, k, v, out, lse, calls, scale: float, d
     for c in calls:
         dq, dk, dv = run(
             dout[:, c.q0 : c.q1], q[:, c.q0 : c.q1], k[:, c.k0 : c.k1], v[:, c.k0 : c.k1], out[:, c.q0 : c.q1],
-            lse[..., c.q0 : c.q1].contiguous(), causal=c.causal, scale=scale, varlen=c.varlen,
+            lse[..., c.q0 : c.q1], causal=c.causal, scale=scale, varlen=c.varlen,
         )
         dq_acc[:, c.q0 : c.q1] += dq
         dk_acc[:, c.k0 : c.k1] += dk

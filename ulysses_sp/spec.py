@@ -59,9 +59,8 @@ class AttnSpec:
         """Working memory of the kernel for its largest call (``heads`` q heads, ``sq`` queries,
         ``sk`` keys): the math kernel holds scores, probabilities and their gradient in fp32
         (fp64) per (query, key) pair; the fused kernels only an lse and a softmax-d row each."""
-        acc = torch.empty((), dtype=accumulator_dtype(self.dtype)).element_size()
         pairs = sk if self.kernel == "math" else 2
-        return 3 * self.batch * heads * sq * pairs * acc
+        return int(3 * self.batch * heads * sq * pairs * self.element_size * self.accumulator_ratio)
 
     def attention_flops(self, ranks: int) -> float:
         """Forward attention FLOPs per rank when ``ranks`` share the work evenly:

@@ -107,7 +107,7 @@ def _bottom_right_backward(square, dout, q, k, v, out, lse, causal, scale):
         return (dq1.to(acc) + dq2).to(q.dtype), torch.cat([dk1, dk2], 1), torch.cat([dv1, dv2], 1)
     p = sq - sk
     dq = torch.zeros_like(q)
-    dq[:, p:], dk, dv = square(dout[:, p:], q[:, p:], k, v, out[:, p:], lse[..., p:].contiguous(), True, scale)
+    dq[:, p:], dk, dv = square(dout[:, p:], q[:, p:], k, v, out[:, p:], lse[..., p:], True, scale)
     return dq, dk, dv
 
 
@@ -131,6 +131,6 @@ def dense_backward(square, dout, q, k, v, out, lse, causal, scale, varlen):
     for q0, q1, k0, k1 in varlen.bounds():
         if q1 > q0 and k1 > k0:
             dq[:, q0:q1], dk[:, k0:k1], dv[:, k0:k1] = _bottom_right_backward(
-                square, dout[:, q0:q1], q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], out[:, q0:q1], lse[..., q0:q1].contiguous(), causal, scale
+                square, dout[:, q0:q1], q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], out[:, q0:q1], lse[..., q0:q1], causal, scale
             )
     return dq, dk, dv

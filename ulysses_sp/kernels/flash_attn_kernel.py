@@ -47,7 +47,7 @@ class FlashAttnKernel:
     name = "flash_attn"
 
     def __init__(self) -> None:
-        self._loaded = None  # (flash_attn module, its flash_attn_interface, 2.7+ signatures?)
+        self._loaded = None  # (flash_attn module, what _interface returns)
 
     def problem(self, dtype, device, head_dim) -> str | None:
         try:
@@ -61,6 +61,8 @@ class FlashAttnKernel:
         return None
 
     def _interface(self):
+        """(flash_attn_interface, its window/softcap arguments, where a forward returns the lse):
+        2.7+ ``-1, -1, 0.0`` and (out, lse, ...); 2.6 ``(-1, -1), 0.0`` and (out, q, k, v, out_padded, lse, ...)."""
         import flash_attn
 
         if self._loaded is None or self._loaded[0] is not flash_attn:
@@ -69,30 +71,27 @@ class FlashAttnKernel:
             version = tuple(int(x) for x in re.match(r"(\d+)\.(\d+)", flash_attn.__version__).groups())
             if version[0] != 2:
                 raise ImportError(f"ulysses-sp's flash_attn kernel needs flash-attn 2.x, found {flash_attn.__version__}")
-            self._loaded = (flash_attn, flash_attn_interface, version >= (2, 7))
+            new = version >= (2, 7)
+            self._loaded = (flash_attn, flash_attn_interface, (-1, -1, 0.0) if new else ((-1, -1), 0.0), 1 if new else 5)
         return self._loaded[1:]
 
     def block_forward(self, q, k, v, *, causal, scale, varlen=None):
-        fa, new = self._interface()
+        fa, window, lse_at = self._interface()
         d = q.shape[-1]
-        window = (-1, -1, 0.0) if new else ((-1, -1), 0.0)  # window size(s), softcap
         if varlen is None:
             res = fa._flash_attn_forward(_pad8(q), _pad8(k), _pad8(v), 0.0, scale, causal, *window, None, False)
-            out, lse = (res[0], res[1]) if new else (res[0], res[5])
-            return out[..., :d], _to_contract(lse)
+            return res[0][..., :d], _to_contract(res[lse_at])
         b, sq = q.shape[:2]
         res = fa._flash_attn_varlen_forward(
             _pad8(_tokens(q)), _pad8(_tokens(k)), _pad8(_tokens(v)), varlen.cu_q, varlen.cu_k, varlen.max_q, varlen.max_k,
             0.0, scale, causal, *window, None, False,
         )
-        out, lse = (res[0], res[1]) if new else (res[0], res[5])
-        # lse is [H, B*Sq] for varlen calls
+        out, lse = res[0], res[lse_at]  # lse is [H, B*Sq] for varlen calls
         return out[..., :d].view(b, sq, *out.shape[1:-1], d), _to_contract(lse).view(-1, b, sq).transpose(0, 1)
 
     def block_backward(self, dout, q, k, v, out, lse, *, causal, scale, varlen=None):
-        fa, new = self._interface()
+        fa, window, _ = self._interface()
         d = q.shape[-1]
-        window = (-1, -1, 0.0) if new else ((-1, -1), 0.0)
         if varlen is None:
             args = [_pad8(t) for t in (dout, q, k, v, out)]
             grads = [torch.empty_like(t) for t in args[1:4]]

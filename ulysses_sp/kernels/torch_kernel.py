@@ -63,11 +63,11 @@ def _square_backward(dout, q, k, v, out, lse, causal, scale):
     if q.device.type == "cpu":
         if not _finite(q, k):
             return math_kernel.square_backward(dout, q, k, v, out, lse, causal, scale)
-        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(*_bhsd(dout, q, k, v, out), lse, 0.0, causal, scale=scale)
+        grads = aten._scaled_dot_product_flash_attention_for_cpu_backward(*_bhsd(dout, q, k, v, out), lse.contiguous(), 0.0, causal, scale=scale)
         return [g.transpose(1, 2) for g in grads]
     sq, sk = q.shape[1], k.shape[1]
-    no_rng = torch.empty((), dtype=torch.int64, device=q.device)
     if q.dtype == torch.float32:
+        no_rng = torch.empty((), dtype=torch.int64, device=q.device)  # philox seed/offset: unused without dropout
         hq, hkv = q.shape[2], k.shape[2]
         lse_padded = F.pad(lse, (0, -sq % 32))
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
@@ -76,9 +76,9 @@ def _square_backward(dout, q, k, v, out, lse, causal, scale):
         )
         return dq.transpose(1, 2), _fold(dk.transpose(1, 2), hkv), _fold(dv.transpose(1, 2), hkv)
     lse = torch.where(torch.isneginf(lse), float("inf"), lse).contiguous()  # flash-attn's mark of an empty row
-    rng_state = torch.empty(2, dtype=torch.uint64, device=q.device)
+    rng_state, unused = torch.empty(2, dtype=torch.uint64, device=q.device), torch.empty((), dtype=torch.uint64, device=q.device)
     grads = aten._scaled_dot_product_flash_attention_backward(
-        *_bhsd(dout, q, k, v, out), lse, None, None, sq, sk, 0.0, causal, rng_state, torch.empty((), dtype=torch.uint64, device=q.device), scale=scale
+        *_bhsd(dout, q, k, v, out), lse, None, None, sq, sk, 0.0, causal, rng_state, unused, scale=scale
     )
     return [g.transpose(1, 2) for g in grads]
 
