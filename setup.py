@@ -8,8 +8,10 @@ EXTRAS = {
     # sp-bench's tables, progress bars and plots
     "bench": ["rich>=13", "tqdm>=4.60", "matplotlib>=3.7"],
     # what the tests need: they check the transformers and DeepSpeed integrations and sp-bench's outputs too
+    # ring-flash-attn and yunchang are pure Python (flash-attn is only their optional extra): the tests run them
+    # as sp-bench peers on the CPU fake of flash-attn
     "dev": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "transformers>=4.56", "deepspeed>=0.17", "rich>=13", "tqdm>=4.60",
-            "matplotlib>=3.7"],
+            "matplotlib>=3.7", "ring-flash-attn>=0.1.8", "yunchang>=0.6.4"],
     # flash-attn builds only against CUDA; kept apart from `all`.
     "cuda": ["flash-attn>=2.5", "ring-flash-attn>=0.1"],
 }

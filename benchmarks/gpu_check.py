@@ -2,6 +2,7 @@
 every backend at P=1 against the math reference, one summary line per check.
 
     python benchmarks/gpu_check.py            # PASS/FAIL lines; exit 1 if any failed
+    python benchmarks/gpu_check.py --ranks 2  # every backend on 2 GPUs with NCCL against one-process math
 
 What it confirms that the CPU suite cannot: the real flash-attn private functions and
 torch's CUDA attention ops (signatures, GQA without repeated K/V, flash-attn's +inf lse
@@ -111,9 +112,71 @@ def backend_checks() -> None:
                 return f"kernel {usp.attention.make_spec(q, k, v, topo, kernel=kernel).kernel}; errors " + " ".join(f"{e:.1e}" for e in errs)
 
 
+PARITY = {  # name: (q heads, kv heads, causal, documents of the 4096 tokens or None)
+    "gqa-causal": (16, 4, True, None),
+    "mqa-full": (8, 1, False, None),
+    "gqa-causal-packed": (16, 4, True, (0, 300, 1500, 1501, 4096)),
+}
+
+
+def _reference(full, causal, cu):
+    """fp64 out and dq, dk, dv of the whole sequence with the math kernel on this GPU."""
+    lens = None if cu is None else [b - a for a, b in zip(cu, cu[1:])]
+    varlen = None if cu is None else kernels.Varlen.build(lens, lens, 1, "cuda")
+    leaves = [t.double().requires_grad_() for t in full[:3]]
+    out = kernels.attend(*leaves, kernel="math", causal=causal, scale=full[0].shape[-1] ** -0.5, varlen=varlen)
+    out.backward(full[3].double())
+    return [out.detach()] + [t.grad for t in leaves]
+
+
+def parity_rank(rank: int, world: int, port: int) -> None:
+    """Every backend x layout x kernel x case on ``world`` GPUs with NCCL, bf16, against fp64
+    one-process attention; rank 0 prints one line per combination (the worst rank's error)."""
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", rank=rank, world_size=world)
+    ud = 2 if world % 2 == 0 and world > 2 else None
+    for layout in ("zigzag", "contiguous"):
+        topo = usp.init_sequence_parallel(world, layout=layout, ulysses_degree=ud)
+        for case, (hq, hkv, causal, cu) in PARITY.items():
+            g = torch.Generator(device="cuda").manual_seed(7)
+            full = [torch.randn(1, 4096, h, 128, device="cuda", generator=g).bfloat16() for h in (hq, hkv, hkv, hq)]
+            want = _reference(full, causal, cu)
+            for backend in usp.list_backends():
+                for kernel in ("auto", "torch"):
+                    name = f"nccl P={world} {backend} {layout} kernel={kernel} bf16 {case}"
+                    try:
+                        shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full[:3]]
+                        out = usp.sp_attention(*shards, topo, backend=backend, kernel=kernel, causal=causal,
+                                               cu_seqlens=None if cu is None else torch.tensor(cu, device="cuda"))
+                        out.backward(usp.shard_sequence(full[3], topo))
+                        got = [usp.gather_sequence(t, topo) for t in (out.detach(), *(s.grad for s in shards))]
+                        errs = torch.tensor([rel(a, b) for a, b in zip(got, want)], device="cuda")
+                    except Exception as e:  # every rank fails alike for bad input; report, go on
+                        errs = torch.full((4,), float("inf"), device="cuda")
+                        if rank == 0:
+                            print(f"FAIL {name}: {type(e).__name__}: {str(e)[:200]}", flush=True)
+                            RESULTS.append(False)
+                        continue
+                    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+                    if rank == 0:
+                        ok = bool(errs.max() < TOL[torch.bfloat16])
+                        RESULTS.append(ok)
+                        print(f"{'PASS' if ok else 'FAIL'} {name}: errors out/dq/dk/dv " + " ".join(f"{e:.1e}" for e in errs.tolist()), flush=True)
+    dist.destroy_process_group()
+    if rank == 0:
+        print(f"gpu_check nccl: {sum(RESULTS)} passed, {len(RESULTS) - sum(RESULTS)} failed", flush=True)
+        if not all(RESULTS):
+            sys.exit(1)
+
+
 def main() -> int:
     if not torch.cuda.is_available():
         print("SKIP no GPU")
+        return 0
+    if "--ranks" in sys.argv:
+        world = min(int(sys.argv[sys.argv.index("--ranks") + 1]), torch.cuda.device_count())
+        torch.multiprocessing.spawn(parity_rank, args=(world, 29512), nprocs=world)  # raises if a rank failed
         return 0
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
     os.environ.setdefault("MASTER_PORT", "29511")

@@ -84,7 +84,9 @@ nvidia-smi -L
 # the least time kept for each later check while earlier ones run
 R_TRAIN2=0
 if ((NGPU >= 2)); then R_TRAIN2=130; fi
-R_TRAIN1=$((100 + R_TRAIN2))
+R_PAR=0
+if ((NGPU >= 2)); then R_PAR=150; fi
+R_TRAIN1=$((100 + R_TRAIN2 + R_PAR))
 R_PY=$((150 + R_TRAIN1))
 PIP=("$PYTHON" -m pip install --disable-pip-version-check --retries 1 --timeout 15)  # fail fast when offline
 
@@ -188,14 +190,21 @@ train() {
     fi
 }
 
-train train_1gpu_bf16 1 240 "$R_TRAIN2" --sp-size 1 --steps 20 --dtype bf16
+train train_1gpu_bf16 1 240 "$((R_TRAIN2 + R_PAR))" --sp-size 1 --steps 20 --dtype bf16
 if ((NGPU >= 2)); then
-    train train_2gpu_sp2_bf16 2 240 0 --sp-size 2 --steps 20 --dtype bf16
-    # needs the NCCL parity runner (tests/test_parity.py spawns gloo ranks today):
-    # run_logged parity_nccl 240 0 env USP_DEVICE=cuda "$PYTHON" -m pytest tests/test_parity.py -x -q
-    # if ((RC == 0)); then pass "parity_nccl $(last_line "$LOGS/parity_nccl.log")"; else fail "parity_nccl rc=$RC: $(last_line "$LOGS/parity_nccl.log")"; fi
+    train train_2gpu_sp2_bf16 2 240 "$R_PAR" --sp-size 2 --steps 20 --dtype bf16
+    # every backend x layout x kernel on up to 4 GPUs with NCCL against one-process fp64 attention
+    run_logged parity_nccl 150 0 "$PYTHON" benchmarks/gpu_check.py --ranks 4
+    grep -E '^(PASS|FAIL) ' "$LOGS/parity_nccl.log" | sed 's/^/  /'
+    if ((RC == 0)); then
+        pass "parity_nccl $(last_line "$LOGS/parity_nccl.log")"
+    elif timed_out; then
+        fail "parity_nccl $(out_of_time)"
+    else
+        fail "parity_nccl rc=$RC: $(grep -E '^FAIL' "$LOGS/parity_nccl.log" | head -n 1 | cut -c1-200)"
+    fi
 else
-    skip "train_2gpu_sp2_bf16 needs 2 GPUs, found $NGPU"
+    skip "train_2gpu_sp2_bf16 and parity_nccl need 2 GPUs, found $NGPU"
 fi
 
 # ---------------------------------------------------------------- summary

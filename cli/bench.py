@@ -137,7 +137,7 @@ def _entry(name: str, cell: Cell, topo_for, kernel: str = "auto"):
         if reason:
             return None, None, reason
         shard_topo = topo_for(peer.shard_layout(cell.layout))
-        return peer.make(cell, shard_topo), shard_topo, None
+        return peer.make(cell, shard_topo, kernel), shard_topo, None
     probe = torch.empty(cell.batch, cell.seq // topo.sp_size, 1, cell.head_dim, dtype=getattr(torch, cell.dtype), device=topo.device)
     q, kv = probe.expand(-1, -1, cell.heads, -1), probe.expand(-1, -1, cell.kv_heads, -1)
     try:

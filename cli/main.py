@@ -130,10 +130,24 @@ def _csv(text: str, convert=str) -> list:
         raise click.BadParameter(f"{text!r}: {e}") from None
 
 
+def _maybe_fake_flash_attn(fake: bool):
+    """The CPU fake of flash-attn installed for the block (``--fake-flash-attn``), before any
+    peer imports flash-attn's functions; else nothing."""
+    import contextlib
+
+    if not fake:
+        return contextlib.nullcontext()
+    from ulysses_sp.testing.fake_flash_attn import install
+
+    return install()
+
+
 def _bench_rank(rank, world, cells, entries, options):
     from .bench import measure_rank
 
-    return measure_rank(cells, entries, **options)
+    options = dict(options)
+    with _maybe_fake_flash_attn(options.pop("fake_flash_attn", False)):
+        return measure_rank(cells, entries, **options)
 
 
 @main.command("run")
@@ -150,6 +164,9 @@ def _bench_rank(rank, world, cells, entries, options):
 @click.option("--layout", type=click.Choice(["zigzag", "contiguous"]), default="zigzag", show_default=True)
 @click.option("--kernel", type=click.Choice(["auto", "flash_attn", "torch", "math"]), default="auto", show_default=True,
               help="local attention kernel of our backends and of the one-rank baseline")
+@click.option("--fake-flash-attn", is_flag=True,
+              help="install the CPU fake of flash-attn in every rank (testing): the flash_attn kernel and the "
+                   "ring-flash-attn and yunchang peers then run on CPU tensors")
 @click.option("--nproc", type=int, default=2, show_default=True, help="gloo ranks to spawn (ignored under torchrun/deepspeed, which set RANK)")
 @click.option("--ulysses-degree", type=int, default=None, help="Ulysses part of the hybrid (default: all ranks)")
 @click.option("--warmup", type=int, default=1, show_default=True)
@@ -161,7 +178,7 @@ def _bench_rank(rank, world, cells, entries, options):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="every field and the environment")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="PNG: time and memory against sequence length")
-def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, layout, kernel, nproc, ulysses_degree, warmup, repeat,
+def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, layout, kernel, fake_flash_attn, nproc, ulysses_degree, warmup, repeat,
         threads_per_rank, profile_path, check, baseline, json_path, csv_path, plot_path):
     """Time every backend (and peers) side by side on a grid of attention shapes."""
     import datetime
@@ -208,7 +225,7 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, l
     if not grid:
         raise click.UsageError("the grid is empty")
 
-    options = dict(warmup=warmup, repeat=repeat, check=check, progress=True, kernel=kernel,
+    options = dict(warmup=warmup, repeat=repeat, check=check, progress=True, kernel=kernel, fake_flash_attn=fake_flash_attn,
                    topo_args={"ulysses_degree": ulysses_degree, "profile": profile_path, "timeout": 3600})
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if launched else nproc
@@ -220,7 +237,10 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, l
         device = _join_launch()
         per_rank = [None] * world
         dist.all_gather_object(per_rank, _bench_rank(dist.get_rank(), world, grid, entries, options))
-        t1 = one_process(grid, warmup=warmup, repeat=repeat, progress=True, device=device, kernel=kernel) if baseline and dist.get_rank() == 0 else None
+        t1 = None
+        if baseline and dist.get_rank() == 0:
+            with _maybe_fake_flash_attn(fake_flash_attn):
+                t1 = one_process(grid, warmup=warmup, repeat=repeat, progress=True, device=device, kernel=kernel)
         dist.barrier()
         if dist.get_rank() != 0:
             return
@@ -231,7 +251,8 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, l
         if baseline:
             threads = torch.get_num_threads()
             torch.set_num_threads(threads_per_rank)
-            t1 = one_process(grid, warmup=warmup, repeat=repeat, progress=True, device=device, kernel=kernel)
+            with _maybe_fake_flash_attn(fake_flash_attn):
+                t1 = one_process(grid, warmup=warmup, repeat=repeat, progress=True, device=device, kernel=kernel)
             torch.set_num_threads(threads)
     rows = summarise(grid, entries, per_rank, t1, world)
 

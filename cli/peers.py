@@ -11,13 +11,21 @@ cannot run here says why (:meth:`Peer.problem`) and is listed with that reason.
   ``_templated_ring_attention`` (and backward) with the CPU flash op runs,
   wrapped in an autograd Function here; zigzag shards map to its head-tail
   load balancing, contiguous ones to plain rotation. Not wired for CUDA.
-- ``ring-flash-attn`` (zigzag ring) and ``yunchang`` (Ulysses x ring): CUDA
-  with flash-attn only.
+- ``ring-flash-attn`` (zigzag ring) and ``yunchang`` (Ulysses x ring): flash-attn's
+  private functions, so CUDA with flash-attn, or on CPU the fake of flash-attn that
+  ``sp-bench run --fake-flash-attn`` installs in every rank (bf16/fp16 only): every
+  library then runs on one kernel and the bench compares SP algorithms like for like.
+  ring-flash-attn 0.1.8's package ``__init__`` imports its Hugging Face adapter, which
+  fails beside transformers >= 4.54; only its algorithm modules are loaded then.
+  yunchang's ring backward sends to itself when its ring has one rank, which gloo
+  refuses, so on CPU it runs with a ring of 2 (Ulysses over the rest).
 """
 
 from __future__ import annotations
 
 import importlib.util
+import sys
+import types
 from dataclasses import dataclass
 
 import torch
@@ -39,8 +47,9 @@ class Peer:
     def problem(self, cell, topo) -> str | None:
         raise NotImplementedError
 
-    def make(self, cell, topo):
-        """A callable ``(q, k, v) -> out`` on this rank's shards."""
+    def make(self, cell, topo, kernel: str = "auto"):
+        """A callable ``(q, k, v) -> out`` on this rank's shards; ``kernel`` is the local kernel
+        our backends run with, for a peer that takes ours."""
         raise NotImplementedError
 
 
@@ -50,10 +59,29 @@ def _missing(module: str, extra: str) -> str | None:
     return None
 
 
-def _needs_cuda(topo) -> str | None:
-    if topo.device.type != "cuda":
-        return "needs CUDA and flash-attn (this run is on CPU)"
+def _flash_attn_problem(cell, topo) -> str | None:
+    try:
+        import flash_attn
+    except ImportError:
+        return "needs flash-attn (pip install flash-attn; on CPU: sp-bench run --fake-flash-attn)"
+    if topo.device.type != "cuda" and not getattr(flash_attn, "__fake__", False):
+        return "flash-attn runs on CUDA only (on CPU: sp-bench run --fake-flash-attn)"
+    if cell.dtype not in ("bfloat16", "float16"):
+        return "flash-attn takes bf16 or fp16 (--dtype bfloat16)"
     return None
+
+
+def _ring_flash_attn():
+    """The ``ring_flash_attn`` package, or its algorithm modules alone when its ``__init__``
+    fails on its Hugging Face adapter (not used here)."""
+    try:
+        import ring_flash_attn
+    except ImportError:
+        spec = importlib.util.find_spec("ring_flash_attn")
+        ring_flash_attn = types.ModuleType("ring_flash_attn")
+        ring_flash_attn.__path__ = list(spec.submodule_search_locations)
+        sys.modules["ring_flash_attn"] = ring_flash_attn
+    return ring_flash_attn
 
 
 class DeepSpeedUlysses(Peer):
@@ -63,7 +91,7 @@ class DeepSpeedUlysses(Peer):
     def problem(self, cell, topo):
         return _missing("deepspeed", "deepspeed") or head_scatter_problem(cell.heads, cell.kv_heads, topo.sp_size)
 
-    def make(self, cell, topo):
+    def make(self, cell, topo, kernel: str = "auto"):
         from ulysses_sp.integrations.deepspeed import use_cpu_accelerator_if_needed
 
         use_cpu_accelerator_if_needed()
@@ -73,7 +101,7 @@ class DeepSpeedUlysses(Peer):
         deepspeed.init_distributed(dist_backend="nccl" if topo.device.type == "cuda" else "gloo")  # joins the running group
 
         def local(q, k, v, *args, **kwargs):
-            return kernels.local_attention(q, k, v, causal=cell.causal)
+            return kernels.local_attention(q, k, v, causal=cell.causal, kernel=kernel)
 
         attn = DistributedAttention(local, topo.sp_group, scatter_idx=2, gather_idx=1)
         return lambda q, k, v: attn(q, k, v, batch_dim_idx=0)
@@ -117,7 +145,7 @@ class TorchRing(Peer):
             return f"this torch has no _templated_ring_attention ({e})"
         return None
 
-    def make(self, cell, topo):
+    def make(self, cell, topo, kernel: str = "auto"):
         from torch.distributed.tensor.experimental._attention import _cp_options
 
         # head-tail balancing is our zigzag; torch allows it only under a causal mask
@@ -135,12 +163,13 @@ class TorchRing(Peer):
 
 class RingFlashAttn(Peer):
     def problem(self, cell, topo):
-        return _missing("ring_flash_attn", "ring-flash-attn") or _needs_cuda(topo) or (
+        return _missing("ring_flash_attn", "ring-flash-attn") or _flash_attn_problem(cell, topo) or (
             None if cell.layout == "zigzag" else "benchmarked in its zigzag variant only: run with --layout zigzag"
         )
 
-    def make(self, cell, topo):
-        from ring_flash_attn import zigzag_ring_flash_attn_func
+    def make(self, cell, topo, kernel: str = "auto"):
+        _ring_flash_attn()
+        from ring_flash_attn.zigzag_ring_flash_attn import zigzag_ring_flash_attn_func
 
         return lambda q, k, v: zigzag_ring_flash_attn_func(q, k, v, causal=cell.causal, group=topo.sp_group)
 
@@ -150,12 +179,23 @@ class YunChang(Peer):
         return "contiguous"
 
     def problem(self, cell, topo):
-        return _missing("yunchang", "yunchang") or _needs_cuda(topo)
+        u = self._degrees(topo)[0]
+        if cell.heads % u or cell.kv_heads % u:
+            return f"its all-to-all scatters q and kv heads ({cell.heads}, {cell.kv_heads}) over {u} ranks, which must divide both"
+        return _missing("yunchang", "yunchang") or _flash_attn_problem(cell, topo)
 
-    def make(self, cell, topo):
+    @staticmethod
+    def _degrees(topo) -> tuple[int, int]:
+        """(Ulysses, ring) degrees: the topology's; on CPU a ring of at least 2 (see above)."""
+        u, r = topo.ulysses_degree, topo.ring_degree
+        if topo.device.type == "cpu" and r == 1 and topo.sp_size % 2 == 0:
+            u, r = topo.sp_size // 2, 2
+        return u, r
+
+    def make(self, cell, topo, kernel: str = "auto"):
         from yunchang import LongContextAttention, set_seq_parallel_pg
 
-        set_seq_parallel_pg(topo.ulysses_degree, topo.ring_degree, topo.rank, topo.world_size, use_ulysses_low=True)
+        set_seq_parallel_pg(*self._degrees(topo), topo.rank, topo.world_size, use_ulysses_low=True)
         attn = LongContextAttention(ring_impl_type="basic")
         return lambda q, k, v: attn(q, k, v, causal=cell.causal)
 

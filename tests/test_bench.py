@@ -48,9 +48,24 @@ def test_peers_run_or_say_why(bench):
     for r in data["rows"]:
         if r["entry"] in ("peer:deepspeed", "peer:torch-ring"):  # both run on CPU/gloo
             assert "skipped" not in r and r["max_error"] < 1e-5, r
-        elif r["kind"] == "peer":
-            assert "not installed" in r["skipped"] or "CUDA" in r["skipped"], r
+        elif r["kind"] == "peer":  # fp32 on CPU without the fake: flash-attn's peers say why not
+            assert "not installed" in r["skipped"] or "flash-attn" in r["skipped"], r
             assert f"skipped {r['entry']} at S={r['seq']}" in output
+
+
+def test_peers_on_the_fake_flash_attn(tmp_path):
+    """--fake-flash-attn: ring-flash-attn and yunchang run on CPU on the same kernel as our
+    backends (--kernel flash_attn), with their parity checked against fp64 attention."""
+    args = ["run", "--nproc", "2", "--seq", "128", "--heads", "4", "--kv-heads", "4", "--head-dim", "16", "--dtype", "bfloat16",
+            "--warmup", "0", "--repeat", "1", "--peers", "--check", "--fake-flash-attn", "--kernel", "flash_attn", "--no-baseline",
+            "--json", str(tmp_path / "b.json")]
+    result = CliRunner().invoke(sp_bench, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert sorted(r["entry"] for r in rows) == sorted(BACKENDS + PEERS)
+    for r in rows:
+        assert "skipped" not in r, r
+        assert r["max_error"] < 3e-2, r  # bf16 inputs against fp64 attention
 
 
 def test_environment_csv_and_plot(bench):

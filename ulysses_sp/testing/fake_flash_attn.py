@@ -549,6 +549,7 @@ def _module(name: str, package: bool = False) -> types.ModuleType:
     """A module with a spec, so importlib.util.find_spec() finds it while installed."""
     module = types.ModuleType(name, "CPU fake of flash-attn (ulysses_sp.testing.fake_flash_attn).")
     module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=package)
+    module.__fake__ = True  # what a caller checks before handing it CPU tensors (sp-bench's peers)
     if package:
         module.__path__ = []
     return module
@@ -587,12 +588,21 @@ class FakeFlashAttn:
         self.calls.clear()
 
     def _counted(self, fn):
-        @functools.wraps(fn)
-        def counted(*args, **kwargs):
-            self.calls[fn.__name__] += 1
-            return fn(*args, **kwargs)
+        return _Counted(fn, self.calls)
 
-        return counted
+
+class _Counted:
+    """``fn``, counting its calls. Not a plain function, like flash-attn 2.7+'s private functions
+    (``torch.library`` custom ops, whose Python function is ``_init_fn``): callers that read
+    their defaults, as ring-flash-attn does with ``inspect.getfullargspec``, find them there."""
+
+    def __init__(self, fn, calls):
+        self._init_fn = self.__wrapped__ = fn
+        self.__name__, self.__doc__, self._calls = fn.__name__, fn.__doc__, calls
+
+    def __call__(self, *args, **kwargs):
+        self._calls[self.__name__] += 1
+        return self._init_fn(*args, **kwargs)
 
 
 _ABSENT = object()
