@@ -79,7 +79,7 @@ def _ring_flash_attn():
     except ImportError:
         spec = importlib.util.find_spec("ring_flash_attn")
         ring_flash_attn = types.ModuleType("ring_flash_attn")
-        ring_flash_attn.__path__ = list(spec.submodule_search_locations)
+        ring_flash_attn.__path__, ring_flash_attn.__spec__ = list(spec.submodule_search_locations), spec
         sys.modules["ring_flash_attn"] = ring_flash_attn
     return ring_flash_attn
 

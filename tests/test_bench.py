@@ -56,13 +56,13 @@ def test_peers_run_or_say_why(bench):
 def test_peers_on_the_fake_flash_attn(tmp_path):
     """--fake-flash-attn: ring-flash-attn and yunchang run on CPU on the same kernel as our
     backends (--kernel flash_attn), with their parity checked against fp64 attention."""
-    args = ["run", "--nproc", "2", "--seq", "128", "--heads", "4", "--kv-heads", "4", "--head-dim", "16", "--dtype", "bfloat16",
+    args = ["run", "--nproc", "2", "--seq", "128,256", "--heads", "4", "--kv-heads", "4", "--head-dim", "16", "--dtype", "bfloat16",
             "--warmup", "0", "--repeat", "1", "--peers", "--check", "--fake-flash-attn", "--kernel", "flash_attn", "--no-baseline",
             "--json", str(tmp_path / "b.json")]
     result = CliRunner().invoke(sp_bench, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
-    assert sorted(r["entry"] for r in rows) == sorted(BACKENDS + PEERS)
+    assert sorted(r["entry"] for r in rows) == sorted(2 * (BACKENDS + PEERS))
     for r in rows:
         assert "skipped" not in r, r
         assert r["max_error"] < 3e-2, r  # bf16 inputs against fp64 attention
