@@ -7,6 +7,7 @@ import sys
 import click
 
 from ulysses_sp import registry
+from ulysses_sp.kernels import KERNEL_NAMES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -162,7 +163,7 @@ def _bench_rank(rank, world, cells, entries, options):
 @click.option("--dtype", default="float32", show_default=True, help="comma list of float32, bfloat16, float16")
 @click.option("--causal/--no-causal", default=True, show_default=True)
 @click.option("--layout", type=click.Choice(["zigzag", "contiguous"]), default="zigzag", show_default=True)
-@click.option("--kernel", type=click.Choice(["auto", "flash_attn", "torch", "math"]), default="auto", show_default=True,
+@click.option("--kernel", type=click.Choice(KERNEL_NAMES), default="auto", show_default=True,
               help="local attention kernel of our backends and of the one-rank baseline")
 @click.option("--fake-flash-attn", is_flag=True,
               help="install the CPU fake of flash-attn in every rank (testing): the flash_attn kernel and the "

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from . import comm
 from .devices import bind_device, check_one_rank_per_device, local_world_size, move_batch
 from .data import shard_batch, sp_cross_entropy
+from .kernels import KERNEL_NAMES
 from .integrations.deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
 from .tasks import PAD_ID, VOCAB_SIZE, passkey_batch
 from .topology import init_sequence_parallel
@@ -32,7 +33,6 @@ from .topology import init_sequence_parallel
 __all__ = ["TrainConfig", "main", "parse_args"]
 
 BACKENDS = ("auto", "ulysses", "allgather", "ring", "hybrid")
-KERNELS = ("auto", "flash_attn", "torch", "math")
 DTYPES = ("bf16", "fp16", "fp32")
 
 
@@ -76,7 +76,7 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=DTYPES, default=None, help="training precision (default: bf16 on CUDA, fp32 on CPU)")
-    p.add_argument("--sp-kernel", choices=KERNELS, default="auto", help="local attention kernel (default: auto)")
+    p.add_argument("--sp-kernel", choices=KERNEL_NAMES, default="auto", help="local attention kernel (default: auto)")
     p.add_argument("--ulysses-degree", type=int, default=None, help="for the hybrid backend (default: sp size)")
     p.add_argument("--save", default=None, help="checkpoint directory (DeepSpeed format), written at the end")
     p.add_argument("--resume", default=None, help="checkpoint directory to continue from")
