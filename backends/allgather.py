@@ -12,6 +12,11 @@ chunks of full-length K/V are alive at once.
 ``heads_k_stride`` may be any value from 1 to kv_heads (a last, smaller chunk
 takes the remainder); by default the largest that keeps two chunks of
 gathered K and V within ``max_gather_bytes``.
+
+Under a sliding window of W tokens shorter than a chunk, a query sees at most
+the W - 1 keys before its own chunk: only those *tails* of every chunk are
+gathered (the union of what any rank's windows reach), and each rank attends
+its own chunks from its local K/V. Wider windows gather everything, as without one.
 """
 
 from __future__ import annotations
@@ -19,7 +24,9 @@ from __future__ import annotations
 import torch
 
 from ulysses_sp import comm, layout
-from ulysses_sp.blocks import blocks_backward, blocks_forward, cached_plan
+from dataclasses import dataclass
+
+from ulysses_sp.blocks import blocks_backward, blocks_forward, cached_plan, chunk_segments
 from ulysses_sp.kernels import accumulator_dtype
 from ulysses_sp.profile import Profile
 from ulysses_sp.spec import AttnSpec, Estimate
@@ -31,86 +38,127 @@ def _head_chunks(kv_heads: int, stride: int) -> list[tuple[int, int]]:
     return [(h, min(h + stride, kv_heads)) for h in range(0, kv_heads, stride)]
 
 
-def _token_orders(table: list[list[int]], chunk: int, device):
-    """Token index tensors on ``device``: rank-major (as gathered) -> global order, and back."""
+def _token_orders(table: list[list[int]], tail: int, device):
+    """Token index tensors on ``device`` over the gathered tails (``tail`` tokens per chunk):
+    rank-major (as gathered) -> global order, and back."""
     gathered = [n for chunks in table for n in chunks]
     to_global = torch.tensor(sorted(range(len(gathered)), key=gathered.__getitem__))
     to_gathered = torch.tensor(gathered)
 
     def expand(chunks: torch.Tensor) -> torch.Tensor:
-        return (chunks[:, None] * chunk + torch.arange(chunk)).flatten().to(device)
+        return (chunks[:, None] * tail + torch.arange(tail)).flatten().to(device)
 
     return expand(to_global), expand(to_gathered)
 
 
-def _plan(q, spec: AttnSpec, topo):
-    """(gathered->global token index, global->gathered, the kernel calls of every head chunk),
-    kept in ``topo.cache`` per (table, chunk, device) and per packing."""
+def tail_tokens(spec: AttnSpec, chunk: int) -> int:
+    """Tokens of each chunk that other ranks need: the last W - 1 under a window W shorter
+    than a chunk, else all of them."""
+    return chunk if spec.window is None or spec.window > chunk else spec.window - 1
+
+
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    to_global: torch.Tensor
+    to_gathered: torch.Tensor
+    tails: torch.Tensor | None
+    """Local positions of this rank's tails (None: every token is gathered)."""
+    own_calls: tuple
+    """Calls against this rank's own K/V (only when tails are gathered)."""
+    calls: tuple
+    """Calls against the gathered K/V, in global order."""
+
+
+def _plan(q, spec: AttnSpec, topo) -> _Plan:
+    """The index tensors and kernel calls, kept in ``topo.cache`` per (table, tail, device)
+    and per mask and packing."""
     table = layout.chunk_table(spec.layout, topo.sp_size)
-    c = q.shape[1] // len(table[topo.sp_rank])
-    orders = topo.cached(("allgather-orders", spec.layout, topo.sp_size, c, str(q.device)), lambda: _token_orders(table, c, q.device))
-    return (*orders, cached_plan(topo, table[topo.sp_rank], range(sum(map(len, table))), c, spec, q.device))
+    mine = table[topo.sp_rank]
+    c = q.shape[1] // len(mine)
+    tail = tail_tokens(spec, c)
+    orders = topo.cached(("allgather-orders", spec.layout, topo.sp_size, tail, str(q.device)), lambda: _token_orders(table, tail, q.device))
+    own = chunk_segments(mine, c)
+    n = sum(map(len, table))
+    if tail == c:
+        return _Plan(*orders, None, (), cached_plan(topo, own, chunk_segments(range(n), c), spec, q.device))
+    tails = topo.cached(("allgather-tails", len(mine), c, tail, str(q.device)), lambda: torch.tensor(
+        [i * c + c - tail + j for i in range(len(mine)) for j in range(tail)], dtype=torch.long, device=q.device))
+    gathered = [((x + 1) * c - tail, tail) if x not in mine else (None, tail) for x in range(n)]  # own tails: attended locally
+    return _Plan(*orders, tails, cached_plan(topo, own, own, spec, q.device), cached_plan(topo, own, gathered, spec, q.device))
 
 
-def _gathered_head_chunks(k, v, group, stride: int, to_global):
-    """Yield ``(h0, h1, k_full, v_full)``: KV heads h0..h1-1 of every rank in global
-    token order; the next chunk's all-gather is posted before this one is used."""
+def _gathered_head_chunks(k, v, group, stride: int, plan: _Plan):
+    """Yield ``(h0, h1, k_full, v_full)``: KV heads h0..h1-1 of every rank's gathered tokens
+    in global order; the next chunk's all-gather is posted before this one is used."""
     chunks = _head_chunks(k.shape[2], stride)
-    pending = _gather(k, v, chunks[0], group)
+    if plan.tails is not None and not len(plan.tails):  # a window of 1: nothing to gather
+        yield from ((h0, h1, None, None) for h0, h1 in chunks)
+        return
+    pending = _gather(k, v, chunks[0], group, plan.tails)
     try:
         for n, (h0, h1) in enumerate(chunks):
-            k_full, v_full = (wait().index_select(1, to_global) for wait in pending)
+            k_full, v_full = (wait().index_select(1, plan.to_global) for wait in pending)
             if n + 1 < len(chunks):
-                pending = _gather(k, v, chunks[n + 1], group)
+                pending = _gather(k, v, chunks[n + 1], group, plan.tails)
             yield h0, h1, k_full, v_full
     except BaseException:  # the consumer raised (GeneratorExit here): no prefetch may stay in flight
         comm.drain(pending)
         raise
 
 
-def _gather(k, v, heads: tuple[int, int], group):
+def _gather(k, v, heads: tuple[int, int], group, tails):
     h0, h1 = heads
-    return [comm.all_gather_start(t[:, :, h0:h1], group, dim=1) for t in (k, v)]
+    return [comm.all_gather_start(t[:, :, h0:h1] if tails is None else t[:, tails, h0:h1], group, dim=1) for t in (k, v)]
 
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, plan, kernel, scale, stride):
-        to_global, _, calls = plan
+    def forward(ctx, q, k, v, group, plan, kernel, spec, stride):
         groups = q.shape[2] // k.shape[2]
         acc = accumulator_dtype(q.dtype)
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
-        for h0, h1, k_full, v_full in _gathered_head_chunks(k, v, group, stride, to_global):
-            qh = slice(h0 * groups, h1 * groups)
-            blocks_forward(kernel, q[:, :, qh], k_full, v_full, calls, scale, out_acc[:, :, qh], lse_acc[:, qh])
+        for h0, h1, k_full, v_full in _gathered_head_chunks(k, v, group, stride, plan):
+            qh, kh = slice(h0 * groups, h1 * groups), slice(h0, h1)
+            blocks_forward(kernel, q[:, :, qh], k[:, :, kh], v[:, :, kh], plan.own_calls, spec, out_acc[:, :, qh], lse_acc[:, qh])
+            if k_full is not None:
+                blocks_forward(kernel, q[:, :, qh], k_full, v_full, plan.calls, spec, out_acc[:, :, qh], lse_acc[:, qh])
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
-        ctx.args = (group, plan, kernel, scale, stride)
+        ctx.args = (group, plan, kernel, spec, stride)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, plan, kernel, scale, stride = ctx.args
+        group, plan, kernel, spec, stride = ctx.args
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
-        to_global, to_gathered, calls = plan
         groups = q.shape[2] // k.shape[2]
         acc = accumulator_dtype(q.dtype)
         dq_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk = torch.empty(k.shape, dtype=k.dtype, device=k.device) if need_k else None
         dv = torch.empty(v.shape, dtype=v.dtype, device=v.device) if need_v else None
-        for h0, h1, k_full, v_full in _gathered_head_chunks(k, v, group, stride, to_global):
-            qh = slice(h0 * groups, h1 * groups)
-            dk_full = torch.zeros(k_full.shape, dtype=acc, device=k.device)
-            dv_full = torch.zeros(v_full.shape, dtype=acc, device=v.device)
-            blocks_backward(
-                kernel, dout[:, :, qh], q[:, :, qh], k_full, v_full, out[:, :, qh], lse[:, qh], calls, scale,
-                dq_acc[:, :, qh], dk_full, dv_full,
-            )
-            for grad_full, dest in ((dk_full, dk), (dv_full, dv)):
-                if dest is not None:  # back to rank-major order; each rank keeps the sum for its own tokens
-                    dest[:, :, h0:h1] = comm.reduce_scatter_sum(grad_full.index_select(1, to_gathered), group, dim=1)
+        for h0, h1, k_full, v_full in _gathered_head_chunks(k, v, group, stride, plan):
+            qh, kh = slice(h0 * groups, h1 * groups), slice(h0, h1)
+            per_q = (dout[:, :, qh], q[:, :, qh])
+            own = (None, None)
+            if plan.tails is not None:  # own chunks from the local K/V
+                own = tuple(torch.zeros(t[:, :, kh].shape, dtype=acc, device=t.device) for t in (k, v))
+                blocks_backward(kernel, *per_q, k[:, :, kh], v[:, :, kh], out[:, :, qh], lse[:, qh], plan.own_calls, spec, dq_acc[:, :, qh], *own)
+            gathered = (None, None)
+            if k_full is not None:
+                gathered = tuple(torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k_full, v_full))
+                blocks_backward(kernel, *per_q, k_full, v_full, out[:, :, qh], lse[:, qh], plan.calls, spec, dq_acc[:, :, qh], *gathered)
+            for mine, grad_full, dest in zip(own, gathered, (dk, dv)):
+                if dest is None:
+                    continue
+                if grad_full is not None:  # back to rank-major order; each rank keeps the sum for its own tokens
+                    summed = comm.reduce_scatter_sum(grad_full.index_select(1, plan.to_gathered), group, dim=1)
+                    if mine is None:
+                        mine = summed
+                    else:
+                        mine[:, plan.tails] += summed
+                dest[:, :, kh] = mine
         return (dq_acc.to(q.dtype) if need_q else None), dk, dv, None, None, None, None, None
 
 
@@ -136,25 +184,28 @@ class AllGatherBackend:
 
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
         p = topo.sp_size
+        chunk = spec.local_seq_len // layout.chunks_per_rank(spec.layout)
+        gathered_tokens = tail_tokens(spec, chunk) * layout.required_multiple(spec.layout, p)
         kv_local = 2 * spec.head_bytes * spec.kv_heads
+        sent = kv_local * gathered_tokens // spec.seq_len  # this rank's tails (every token without a window)
         acc = spec.accumulator_ratio
-        comm_bytes = kv_local * (p - 1)
+        comm_bytes = sent * (p - 1)
         chunks = -(-spec.kv_heads // self.stride(spec))
         spans = topo.spans_nodes("sp")
         # forward and backward each gather K and V per head chunk; the backward reduce-scatters dK, dV (fp32)
         transfer = 0.0
-        if p > 1:
+        if comm_bytes:
             transfer = profile.link("all_gather", spans).seconds(2 * comm_bytes, calls=4 * chunks)
             transfer += profile.link("reduce_scatter", spans).seconds(comm_bytes * acc, calls=2 * chunks)
-        gathered = 4 * spec.batch * spec.seq_len * self.stride(spec) * spec.head_dim * spec.element_size
+        gathered = 4 * spec.batch * gathered_tokens * self.stride(spec) * spec.head_dim * spec.element_size
         q_bytes = spec.head_bytes * spec.q_heads
         # the first chunk's gather is exposed; the rest overlaps the previous chunk's compute
         seconds = transfer / chunks + profile.overlapped(profile.attention_fwd_bwd_seconds(spec, p), transfer * (1 - 1 / chunks))
         groups = spec.q_heads // spec.kv_heads
-        workspace = spec.kernel_workspace_bytes(self.stride(spec) * groups, spec.local_seq_len // layout.chunks_per_rank(spec.layout), spec.seq_len)  # a query chunk, its prefix
+        seen = spec.seq_len if spec.window is None else min(spec.seq_len, chunk + spec.window)  # a query chunk's keys
+        workspace = spec.kernel_workspace_bytes(self.stride(spec) * groups, chunk, seen)
         return Estimate(seconds=seconds, peak_bytes=int(q_bytes * (2 + acc) + kv_local + gathered + workspace), comm_bytes=comm_bytes,
                         bwd_comm_bytes=int(comm_bytes * (1 + acc)))  # re-gather K/V, reduce-scatter dK/dV
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
-        plan = _plan(q, spec, topo)
-        return _AllGatherAttention.apply(q, k, v, topo.sp_group, plan, spec.kernel, spec.softmax_scale, self.stride(spec))
+        return _AllGatherAttention.apply(q, k, v, topo.sp_group, _plan(q, spec, topo), spec.kernel, spec, self.stride(spec))

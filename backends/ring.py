@@ -1,7 +1,8 @@
 """Ring: K/V pass around the SP group, one hop per step, overlapped with compute.
 
-Queries stay put; P-1 hops of K and V; blocks a causal mask hides are skipped
-(under the zigzag layout every rank then does the same work at every step).
+Queries stay put; P-1 hops of K and V; blocks a causal mask or a sliding window
+hides are skipped (under the zigzag layout every rank then does the same work at
+every step), and so are the hops no rank's window reaches (``ring_pass.ring_hops``).
 Any head count works: nothing is split by heads. See ``ulysses_sp.ring_pass``.
 """
 
@@ -10,7 +11,7 @@ from __future__ import annotations
 import torch
 
 from ulysses_sp import layout
-from ulysses_sp.ring_pass import ring_attention, ring_plans
+from ulysses_sp.ring_pass import ring_attention, ring_hops, ring_plans
 from ulysses_sp.profile import Profile
 from ulysses_sp.spec import AttnSpec, Estimate
 
@@ -25,13 +26,15 @@ class RingBackend:
 
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
         p = topo.sp_size
+        table = layout.chunk_table(spec.layout, p)
+        hops = ring_hops(table, spec.local_seq_len // len(table[0]), spec)
         kv_bytes = 2 * spec.head_bytes * spec.kv_heads
         acc = spec.accumulator_ratio
-        comm_bytes = kv_bytes * (p - 1)
+        comm_bytes = kv_bytes * hops
         link = profile.link("p2p", topo.spans_nodes("sp"))
-        # forward: P-1 hops of K/V; backward: P-1 hops of K/V and P of the fp32 dK/dV accumulators
-        bwd_bytes = comm_bytes + int(kv_bytes * acc * p) if p > 1 else 0
-        transfer = link.seconds(comm_bytes, p - 1) + link.seconds(bwd_bytes, 2 * p - 1) if p > 1 else 0.0
+        # forward: `hops` (P-1 without a window) of K/V; backward: those and hops + 1 of the fp32 dK/dV accumulators
+        bwd_bytes = comm_bytes + int(kv_bytes * acc * (hops + 1)) if hops else 0
+        transfer = link.seconds(comm_bytes, hops) + link.seconds(bwd_bytes, 2 * hops + 1) if hops else 0.0
         q_bytes = spec.head_bytes * spec.q_heads
         peak = int(q_bytes * (2 + acc) + 3 * kv_bytes)  # q, out, fp32 accumulator; own, in-flight and next K/V
         peak += spec.kernel_workspace_bytes(spec.q_heads, spec.local_seq_len, spec.local_seq_len)  # a query chunk, a key run
@@ -40,4 +43,4 @@ class RingBackend:
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         plans = ring_plans(topo, layout.chunk_table(spec.layout, topo.sp_size), topo.sp_rank, spec, q)
-        return ring_attention(q, k, v, topo.sp_group, plans, kernel=spec.kernel, scale=spec.softmax_scale)
+        return ring_attention(q, k, v, topo.sp_group, plans, kernel=spec.kernel, spec=spec)

@@ -21,13 +21,16 @@ __all__ = ["UlyssesBackend"]
 
 
 def _attend(q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
-    """Attention over whole sequences; packed documents are the sequences of one varlen call."""
+    """Attention over whole sequences; packed documents are the sequences of one varlen call,
+    and a window is the kernel's (it is the same band in every document)."""
     varlen = None
     if spec.cu_seqlens is not None and len(spec.cu_seqlens) > 2:
         lens = [e - s for s, e in zip(spec.cu_seqlens, spec.cu_seqlens[1:])]
         key = ("ulysses-varlen", spec.cu_seqlens, spec.batch, str(q.device))
         varlen = topo.cached(key, lambda: kernels.Varlen.build(lens, lens, spec.batch, q.device))
-    return kernels.attend(q, k, v, kernel=spec.kernel, causal=spec.causal, scale=spec.softmax_scale, varlen=varlen)
+    window = None if spec.window is None else (spec.window - 1, 0)
+    return kernels.attend(q, k, v, kernel=spec.kernel, causal=spec.causal, scale=spec.softmax_scale, varlen=varlen, window=window,
+                          softcap=spec.softcap)
 
 
 class UlyssesBackend:

@@ -4,7 +4,10 @@ forward+backward time of every backend on N spawned gloo ranks, the backend
 
     sp-bench calibrate --nproc 2 --out benchmarks/results/cpu-profile.json
     python benchmarks/auto_regret.py --profile benchmarks/results/cpu-profile.json \\
-        --heads 4,8,16 --kv-heads 1,2,q --seq 4k,8k,16k --nproc 2,4 --json benchmarks/results/auto-regret.json
+        --heads 4,8,16 --kv-heads 1,2,q --seq 4k,8k,16k --window none,1024 --nproc 2,4 --json benchmarks/results/auto-regret.json
+
+Every backend `auto` weighs for a cell is timed (the hybrid at each Ulysses degree, halo on
+windowed cells), so the regret is against the best fixed choice for that layer.
 """
 
 from __future__ import annotations
@@ -22,24 +25,21 @@ from ulysses_sp.cli.plan import parse_tokens
 from ulysses_sp.launch import run_ranks
 from ulysses_sp.registry import choose_backend
 
-BACKENDS = ("ulysses", "allgather", "ring", "hybrid")
-
-
-def _cells(heads, kv_heads, seqs):
-    for hq, kv, seq in itertools.product(heads, kv_heads, seqs):
+def _cells(heads, kv_heads, seqs, windows):
+    for hq, kv, seq, window in itertools.product(heads, kv_heads, seqs, windows):
         hkv = hq if kv == "q" else int(kv)
         if hkv <= hq and hq % hkv == 0:
-            yield hq, hkv, seq
+            yield hq, hkv, seq, window
 
 
-def _step(backend, q, k, v, dout, topo):
+def _step(backend, q, k, v, dout, topo, window):
     """Seconds of one forward+backward on this rank, started together with the other ranks."""
     import torch.distributed as dist
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     dist.barrier()
     t0 = time.perf_counter()
-    usp.sp_attention(*leaves, topo, backend=backend).backward(dout)
+    usp.sp_attention(*leaves, topo, backend=backend, window=window).backward(dout)
     return time.perf_counter() - t0
 
 
@@ -53,28 +53,28 @@ def _rank(rank, world, cells, repeat, profile_path):
     profile = usp.load_profile(profile_path)
     topo = usp.init_sequence_parallel(world, ulysses_degree=2 if world % 2 == 0 and world > 2 else None, profile=profile)
     out = []
-    for index, (hq, hkv, seq) in enumerate(cells):
+    for index, (hq, hkv, seq, window) in enumerate(cells):
         gen = torch.Generator().manual_seed(rank)
         s = seq // world
         q, dout = (torch.randn(1, s, hq, 64, generator=gen) for _ in range(2))
         k, v = (torch.randn(1, s, hkv, 64, generator=gen) for _ in range(2))
-        spec = usp.attention.make_spec(q, k, v, topo)
+        spec = usp.attention.make_spec(q, k, v, topo, window=window)
         chosen, considered = choose_backend(spec, topo)
-        feasible = [b for b in BACKENDS if usp.get_backend(b).check(spec, topo) is None]
+        feasible = [name for name, estimate in considered.items() if not isinstance(estimate, str)]
         if index == 0:  # warm up the process (thread pools, allocator) once
             for backend in feasible:
-                _step(backend, q, k, v, dout, topo)
+                _step(backend, q, k, v, dout, topo, window)
         runs = {b: [] for b in feasible}
         for round_ in range(repeat):
             shift = (round_ + index) % len(feasible)
             for backend in feasible[shift:] + feasible[:shift]:
-                runs[backend].append(_step(backend, q, k, v, dout, topo))
+                runs[backend].append(_step(backend, q, k, v, dout, topo, window))
         slowest = torch.tensor([runs[b] for b in feasible], dtype=torch.float64)
         dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
         runs = dict(zip(feasible, slowest.tolist()))
         times = {b: statistics.median(r) for b, r in runs.items()}
         estimates = {n: e.seconds for n, e in considered.items() if not isinstance(e, str)}
-        out.append({"heads": hq, "kv_heads": hkv, "seq": seq, "ranks": world, "auto": chosen.name, "measured_s": times,
+        out.append({"heads": hq, "kv_heads": hkv, "seq": seq, "window": window, "ranks": world, "auto": chosen.name, "measured_s": times,
                     "runs_s": runs, "estimated_s": estimates, "regret": times[chosen.name] / min(times.values())})
     return out
 
@@ -84,20 +84,22 @@ def _rank(rank, world, cells, repeat, profile_path):
 @click.option("--heads", default="4,8,16", show_default=True)
 @click.option("--kv-heads", default="1,2,q", show_default=True, help="'q': as many as q heads")
 @click.option("--seq", default="4k,8k,16k", show_default=True)
+@click.option("--window", "windows", default="none", show_default=True, help="sliding windows, comma list; none: full attention")
 @click.option("--nproc", default="2,4", show_default=True)
 @click.option("--repeat", default=3, show_default=True, help="rounds per cell; every backend runs once a round")
 @click.option("--json", "json_path", default=None)
-def main(profile_path, heads, kv_heads, seq, nproc, repeat, json_path):
-    cells = list(_cells([int(h) for h in heads.split(",")], kv_heads.split(","), [parse_tokens(s) for s in seq.split(",")]))
+def main(profile_path, heads, kv_heads, seq, windows, nproc, repeat, json_path):
+    windows = [None if w == "none" else parse_tokens(w) for w in windows.split(",")]
+    cells = list(_cells([int(h) for h in heads.split(",")], kv_heads.split(","), [parse_tokens(s) for s in seq.split(",")], windows))
     rows = []
     for world in (int(n) for n in nproc.split(",")):
         rows += run_ranks(_rank, world, cells, repeat, profile_path, timeout=7200, collective_timeout=3600)[0]
         for r in rows[-len(cells):]:
             best = min(r["measured_s"], key=r["measured_s"].get)
-            click.echo(f"P{r['ranks']} H{r['heads']}/{r['kv_heads']} S{r['seq']}: auto {r['auto']} "
+            click.echo(f"P{r['ranks']} H{r['heads']}/{r['kv_heads']} S{r['seq']} W{r['window']}: auto {r['auto']} "
                        f"{r['measured_s'][r['auto']]:.3f}s, best {best} {r['measured_s'][best]:.3f}s, regret {r['regret']:.3f}")
     worst = max(rows, key=lambda r: r["regret"])
-    click.echo(f"worst regret {worst['regret']:.3f} at P{worst['ranks']} H{worst['heads']}/{worst['kv_heads']} S{worst['seq']}")
+    click.echo(f"worst regret {worst['regret']:.3f} at P{worst['ranks']} H{worst['heads']}/{worst['kv_heads']} S{worst['seq']} W{worst['window']}")
     if json_path:
         with open(json_path, "w") as f:
             json.dump({"profile": profile_path, "repeat": repeat, "torch": torch.__version__, "cells": rows}, f, indent=2)

@@ -6,7 +6,9 @@ every backend at P=1 against the math reference, one summary line per check.
 
 What it confirms that the CPU suite cannot: the real flash-attn private functions and
 torch's CUDA attention ops (signatures, GQA without repeated K/V, flash-attn's +inf lse
-for empty rows, bottom-right causal masks for Sq != Sk, varlen lse layout) at bf16
+for empty rows, bottom-right causal masks for Sq != Sk, varlen lse layout; sliding windows
+and soft-capping: flash-attn's and ``_flash_attention_forward``'s window_size, the
+memory-efficient op with a per-tile mask, softcap in flash-attn's backward) at bf16
 tolerances, and each backend's path through them on one rank with NCCL.
 """
 
@@ -54,12 +56,17 @@ def inputs(sq, sk, hq, hkv, d, dtype, seed=0):
     return q, k, v, torch.randn_like(q)
 
 
-CASES = {  # name: (Sq, Sk, q heads, kv heads, head dim, causal, varlen lengths or None)
-    "square-causal-gqa": (1024, 1024, 16, 4, 128, True, None),
-    "keys-longer-causal": (256, 1024, 8, 8, 64, True, None),
-    "queries-longer-causal (empty rows)": (1024, 256, 8, 2, 64, True, None),
-    "full-d40 (padded head dim)": (512, 768, 8, 1, 40, False, None),
-    "varlen-causal-with-empty": (1024, 1024, 8, 2, 128, True, ((300, 0, 500, 224), (300, 100, 0, 624))),
+CASES = {  # name: (Sq, Sk, q heads, kv heads, head dim, causal, varlen lengths or None, window, softcap)
+    "square-causal-gqa": (1024, 1024, 16, 4, 128, True, None, None, 0.0),
+    "keys-longer-causal": (256, 1024, 8, 8, 64, True, None, None, 0.0),
+    "queries-longer-causal (empty rows)": (1024, 256, 8, 2, 64, True, None, None, 0.0),
+    "full-d40 (padded head dim)": (512, 768, 8, 1, 40, False, None, None, 0.0),
+    "varlen-causal-with-empty": (1024, 1024, 8, 2, 128, True, ((300, 0, 500, 224), (300, 100, 0, 624)), None, 0.0),
+    "sliding-causal-gqa (W=256)": (1024, 1024, 16, 4, 128, True, None, (255, 0), 0.0),
+    "band-queries-longer (empty rows)": (1024, 256, 8, 2, 64, False, None, (64, 32), 0.0),
+    "open-right-queries-longer (tiles)": (1024, 256, 8, 2, 64, False, None, (64, -1), 0.0),
+    "varlen-sliding-with-empty": (1024, 1024, 8, 2, 128, True, ((300, 0, 500, 224), (300, 100, 0, 624)), (127, 0), 0.0),
+    "softcap-sliding (Gemma 2)": (1024, 1024, 8, 4, 128, True, None, (255, 0), 1.0),
 }
 
 
@@ -72,13 +79,13 @@ def kernel_checks() -> None:
     for name in names:
         kernel = kernels.get_kernel(name)
         for dtype in dtypes[name]:
-            for case, (sq, sk, hq, hkv, d, causal, lens) in CASES.items():
+            for case, (sq, sk, hq, hkv, d, causal, lens, window, softcap) in CASES.items():
 
                 @check(f"kernel {name} {str(dtype)[6:]} {case}")
                 def _():
                     q, k, v, dout = inputs(sq, sk, hq, hkv, d, dtype)
                     varlen = kernels.Varlen.build(*lens, batch=2, device="cuda") if lens else None
-                    opts = dict(causal=causal, scale=d**-0.5, varlen=varlen)
+                    opts = dict(causal=causal, scale=d**-0.5, varlen=varlen, window=window, softcap=softcap)
                     out, lse = kernel.block_forward(q, k, v, **opts)
                     ref, ref_lse = math.block_forward(q, k, v, **opts)
                     assert out.dtype == dtype and lse.dtype == torch.float32 and lse.shape == ref_lse.shape

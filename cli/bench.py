@@ -14,6 +14,7 @@ call; on CPU the process's peak resident set (``VmHWM``, reset through
 
 from __future__ import annotations
 
+import functools
 import itertools
 import os
 import re
@@ -31,7 +32,7 @@ from .peers import PEERS
 
 __all__ = ["Cell", "PeakMemory", "cells", "measure_rank", "memory_method", "one_process", "summarise"]
 
-BACKENDS = ("ulysses", "allgather", "ring", "hybrid", "auto")
+BACKENDS = ("ulysses", "allgather", "ring", "hybrid", "halo", "auto")
 MMAP_THRESHOLD = 1 << 17
 """glibc otherwise raises its mmap threshold as large blocks are freed and keeps them
 resident, hiding the next call's allocations from the resident-set measure."""
@@ -49,16 +50,17 @@ class Cell:
     dtype: str
     causal: bool
     layout: str
+    window: int | None = None
 
 
-def cells(seqs, heads, kv_heads, head_dims, batches, dtypes, causal: bool, layout: str) -> tuple[list[Cell], list[str]]:
+def cells(seqs, heads, kv_heads, head_dims, batches, dtypes, causal: bool, layout: str, windows=(None,)) -> tuple[list[Cell], list[str]]:
     """The grid's cells, and a note for every combination left out (kv heads not dividing q heads)."""
     out, dropped = [], []
-    for s, h, kv, d, b, dt in itertools.product(seqs, heads, kv_heads, head_dims, batches, dtypes):
+    for s, h, kv, d, b, dt, w in itertools.product(seqs, heads, kv_heads, head_dims, batches, dtypes, windows):
         if kv > h or h % kv:
             dropped.append(f"heads {h} / kv heads {kv}: kv heads must divide q heads")
             continue
-        out.append(Cell(s, h, kv, d, b, dt, causal, layout))
+        out.append(Cell(s, h, kv, d, b, dt, causal, layout, w))
     return out, dropped
 
 
@@ -123,7 +125,7 @@ def _inputs(cell: Cell, device):
 def _reference(full, cell: Cell):
     """fp64 out and dq, dk, dv of the whole sequence."""
     leaves = [t.double().requires_grad_() for t in full[:3]]
-    out = kernels.local_attention(*leaves, causal=cell.causal)
+    out = kernels.local_attention(*leaves, causal=cell.causal, window=cell.window)
     out.backward(full[3].double())
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -133,7 +135,7 @@ def _entry(name: str, cell: Cell, topo_for, kernel: str = "auto"):
     topo = topo_for(cell.layout)
     if name.startswith("peer:"):
         peer = PEERS[name[5:]]
-        reason = peer.problem(cell, topo)
+        reason = "peers are run without a sliding window" if cell.window else peer.problem(cell, topo)
         if reason:
             return None, None, reason
         shard_topo = topo_for(peer.shard_layout(cell.layout))
@@ -141,13 +143,14 @@ def _entry(name: str, cell: Cell, topo_for, kernel: str = "auto"):
     probe = torch.empty(cell.batch, cell.seq // topo.sp_size, 1, cell.head_dim, dtype=getattr(torch, cell.dtype), device=topo.device)
     q, kv = probe.expand(-1, -1, cell.heads, -1), probe.expand(-1, -1, cell.kv_heads, -1)
     try:
-        spec = usp.attention.make_spec(q, kv, kv, topo, causal=cell.causal, kernel=kernel)
+        spec = usp.attention.make_spec(q, kv, kv, topo, causal=cell.causal, kernel=kernel, window=cell.window)
     except ValueError as e:  # the kernel cannot take this cell
         return None, None, str(e)
     reason = usp.get_backend(name).check(spec, topo) if name != "auto" else None
     if reason:
         return None, None, reason
-    return usp.SequenceParallelAttention(topo, backend=name, kernel=kernel), topo, None
+    attn = usp.SequenceParallelAttention(topo, backend=name, kernel=kernel)
+    return functools.partial(attn, window=cell.window), topo, None
 
 
 def _payload(counter) -> int:
@@ -208,9 +211,9 @@ def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat:
                 runs, out, grads = _timed(fn, shards[:3], shards[3], topo.device, warmup, repeat, topo.sp_group)
                 result["runs"] = runs
                 if name == "auto":
-                    result["resolved"] = [b.name for b in fn._chosen.values()]
+                    result["resolved"] = [b.name for b in fn.func._chosen.values()]
                 if not name.startswith("peer:"):
-                    spec = usp.attention.make_spec(*shards[:3], shard_topo, causal=cell.causal)
+                    spec = usp.attention.make_spec(*shards[:3], shard_topo, causal=cell.causal, window=cell.window)
                     backend = usp.get_backend(result.get("resolved", [name])[0])
                     estimate = backend.estimate(spec, shard_topo, shard_topo.profile or usp.CPU_GLOO_PROFILE)
                     result["analytic_bytes"] = (estimate.comm_bytes, estimate.bwd_comm_bytes)
@@ -242,7 +245,7 @@ def one_process(cells_: list[Cell], *, warmup: int, repeat: int, progress: bool 
         for i in range(warmup + repeat):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
             t0 = time.perf_counter()
-            kernels.local_attention(*leaves, causal=cell.causal, kernel=kernel).backward(dout)
+            kernels.local_attention(*leaves, causal=cell.causal, kernel=kernel, window=cell.window).backward(dout)
             _sync(device)
             if i >= warmup:
                 times.append(time.perf_counter() - t0)

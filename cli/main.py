@@ -22,6 +22,7 @@ def backends() -> None:
         backend = registry.get_backend(name)
         doc = (sys.modules[type(backend).__module__].__doc__ or "").strip().splitlines()
         click.echo(f"{name:10s} {doc[0] if doc else ''}")
+    click.echo(f"{'hybrid-u{U}':10s} the hybrid at Ulysses degree U (hybrid: the topology's degree; auto weighs every U)")
 
 
 def _join_launch():
@@ -92,16 +93,17 @@ def calibrate(nproc, out, repeat, seq, backend_seq, ulysses_degree):
 @click.option("--kv-heads", type=int, help="kv heads (default: --heads)")
 @click.option("--head-dim", type=int, default=128, show_default=True)
 @click.option("--layers", type=int, default=1, show_default=True)
+@click.option("--window", type=int, default=None, help="sliding window of every layer (without --model-config)")
 @click.option("--seq", "seq", default="128k", show_default=True, help="global tokens per sequence: 4096, 8k, 1m")
 @click.option("--sp-size", type=int, required=True, help="ranks sharing one sequence")
-@click.option("--ulysses-degree", type=int, default=None, help="Ulysses part of the hybrid (default: sp size)")
+@click.option("--ulysses-degree", type=int, default=None, help="the topology's Ulysses degree (default: sp size); auto weighs every degree")
 @click.option("--gpus-per-node", type=int, default=8, show_default=True, help="groups wider than this cross nodes")
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--causal/--no-causal", default=True, show_default=True)
 @click.option("--layout", type=click.Choice(["zigzag", "contiguous"]), default="zigzag", show_default=True)
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False), help="from sp-bench calibrate (default: built-in NVLink GPU figures)")
-def plan(model_config, heads, kv_heads, head_dim, layers, seq, sp_size, ulysses_degree, gpus_per_node, batch, dtype, causal, layout, profile_path):
+def plan(model_config, heads, kv_heads, head_dim, layers, window, seq, sp_size, ulysses_degree, gpus_per_node, batch, dtype, causal, layout, profile_path):
     """Show, per layer, the backend auto would choose and every alternative's estimate or reason."""
     import torch
 
@@ -112,7 +114,7 @@ def plan(model_config, heads, kv_heads, head_dim, layers, seq, sp_size, ulysses_
     if model_config:
         shapes = layers_from_config(model_config)
     elif heads:
-        shapes = [LayerShape(heads, kv_heads or heads, head_dim)] * layers
+        shapes = [LayerShape(heads, kv_heads or heads, head_dim, window)] * layers
     else:
         raise click.UsageError("give --model-config or --heads")
     profile = load_profile(profile_path) if profile_path else NVLINK_PROFILE
@@ -121,7 +123,7 @@ def plan(model_config, heads, kv_heads, head_dim, layers, seq, sp_size, ulysses_
                          batch=batch, dtype=getattr(torch, dtype), causal=causal, layout=layout, profile=profile)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
-    render(rows, title=f"{parse_tokens(seq)} tokens on {sp_size} ranks ({gpus_per_node} per node), {dtype}, profile {profile.name}")
+    render(rows, title=f"{parse_tokens(seq)} tokens on {sp_size} ranks ({gpus_per_node} per node), {dtype}, profile {profile.name}", sp_size=sp_size)
 
 
 def _csv(text: str, convert=str) -> list:
@@ -152,7 +154,7 @@ def _bench_rank(rank, world, cells, entries, options):
 
 
 @main.command("run")
-@click.option("--backends", default="ulysses,allgather,ring,hybrid,auto", show_default=True, help="comma list of registered backends (and auto)")
+@click.option("--backends", default="ulysses,allgather,ring,hybrid,halo,auto", show_default=True, help="comma list of registered backends (and auto); halo runs windowed cells only")
 @click.option("--peers", is_flag=False, flag_value="all", default="", metavar="[NAMES]",
               help="also run other libraries: --peers alone for all of deepspeed,torch-ring,ring-flash-attn,yunchang")
 @click.option("--seq", default="4k,16k", show_default=True, help="global tokens per sequence, comma list (4096, 8k, 1m)")
@@ -162,6 +164,7 @@ def _bench_rank(rank, world, cells, entries, options):
 @click.option("--batch", default="1", show_default=True, help="comma list")
 @click.option("--dtype", default="float32", show_default=True, help="comma list of float32, bfloat16, float16")
 @click.option("--causal/--no-causal", default=True, show_default=True)
+@click.option("--window", "windows", default="none", show_default=True, help="sliding windows, comma list (none: full attention; needs --causal)")
 @click.option("--layout", type=click.Choice(["zigzag", "contiguous"]), default="zigzag", show_default=True)
 @click.option("--kernel", type=click.Choice(KERNEL_NAMES), default="auto", show_default=True,
               help="local attention kernel of our backends and of the one-rank baseline")
@@ -179,7 +182,7 @@ def _bench_rank(rank, world, cells, entries, options):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="every field and the environment")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="PNG: time and memory against sequence length")
-def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, layout, kernel, fake_flash_attn, nproc, ulysses_degree, warmup, repeat,
+def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, windows, layout, kernel, fake_flash_attn, nproc, ulysses_degree, warmup, repeat,
         threads_per_rank, profile_path, check, baseline, json_path, csv_path, plot_path):
     """Time every backend (and peers) side by side on a grid of attention shapes."""
     import datetime
@@ -198,8 +201,11 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, l
 
     entries = _csv(backends)
     for name in entries:
-        if name not in registry.list_backends() + ["auto"]:
-            raise click.BadParameter(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}", param_hint="--backends")
+        if name != "auto":
+            try:
+                registry.get_backend(name)
+            except ValueError:
+                raise click.BadParameter(f"unknown backend {name!r}; known: {', '.join(BACKENDS)}, hybrid-u{{U}}", param_hint="--backends") from None
     peer_names = list(PEERS) if peers == "all" else _csv(peers)
     for name in peer_names:
         if name not in PEERS:
@@ -216,10 +222,16 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, l
         raise click.BadParameter(str(e), param_hint="--seq") from None
     if any(kv != "q" and not kv.isdigit() for kv in kv_raw):
         raise click.BadParameter(f"{kv_heads!r}: integers or q", param_hint="--kv-heads")
+    try:
+        windows_ = [None if w == "none" else parse_tokens(w) for w in _csv(windows)]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--window") from None
+    if not causal and any(windows_):
+        raise click.BadParameter("a sliding window needs --causal", param_hint="--window")
     grid = []
     for h in heads_:
         kvs = [h if kv == "q" else int(kv) for kv in kv_raw]
-        cells, dropped = make_cells(seqs, [h], kvs, _csv(head_dim, int), _csv(batch, int), _csv(dtype), causal, layout)
+        cells, dropped = make_cells(seqs, [h], kvs, _csv(head_dim, int), _csv(batch, int), _csv(dtype), causal, layout, windows_)
         grid += [c for c in cells if c not in grid]
         for note in dropped:
             click.echo(f"left out: {note}", err=True)

@@ -8,6 +8,7 @@ planning topology, with a profile (built-in or measured by ``calibrate``).
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import dataclass
 
 import torch
@@ -25,6 +26,8 @@ class LayerShape:
     q_heads: int
     kv_heads: int
     head_dim: int
+    window: int | None = None
+    """Sliding window (``AttnSpec.window``), None for full causal attention."""
 
 
 def parse_tokens(text: str) -> int:
@@ -41,7 +44,11 @@ def parse_tokens(text: str) -> int:
 
 
 def layers_from_config(path: str) -> list[LayerShape]:
-    """Per-layer attention shapes from a Hugging Face config.json (lists per layer are honoured)."""
+    """Per-layer attention shapes from a Hugging Face config.json (lists per layer are honoured),
+    with each layer's sliding window: ``sliding_window`` on the layers ``layer_types`` marks
+    ``sliding_attention``; without ``layer_types``, all but every ``sliding_window_pattern``-th
+    (Gemma 3; Gemma 2 alternates), the layers from ``max_window_layers`` on (Qwen2, only with
+    ``use_sliding_window``), else every layer (Mistral)."""
     with open(path) as f:
         config = json.load(f)
     config = config.get("text_config", config)
@@ -53,12 +60,27 @@ def layers_from_config(path: str) -> list[LayerShape]:
     def per_layer(value):
         return value if isinstance(value, list) else [value] * n
 
-    return [LayerShape(*shape) for shape in zip(per_layer(heads), per_layer(kv), per_layer(head_dim))]
+    return [LayerShape(*shape) for shape in zip(per_layer(heads), per_layer(kv), per_layer(head_dim), _windows(config, n))]
+
+
+def _windows(config: dict, n: int) -> list[int | None]:
+    window = config.get("sliding_window")
+    if not window or config.get("use_sliding_window") is False:
+        return [None] * n
+    if config.get("layer_types"):
+        return [window if kind == "sliding_attention" else None for kind in config["layer_types"]]
+    defaults = {"gemma2": 2, "gemma3": 6, "gemma3_text": 6}  # transformers' defaults when the config omits the pattern
+    pattern = config.get("sliding_window_pattern") or defaults.get(config.get("model_type"))
+    if pattern:
+        return [window if (i + 1) % pattern else None for i in range(n)]
+    first = config.get("max_window_layers", 0) if "use_sliding_window" in config else 0
+    return [window if i >= first else None for i in range(n)]
 
 
 def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_degree=None, ranks_per_node: int = 0,
               batch: int = 1, dtype=torch.bfloat16, causal: bool = True, layout: str = "zigzag", profile: Profile | None = None):
-    """One row per group of consecutive identical layers: (first, last, shape, chosen name, considered)."""
+    """One row per group of consecutive identical layers (shape and window): (first, last, shape,
+    chosen name, considered)."""
     topo = Topology.for_planning(sp_size, ulysses_degree=ulysses_degree, ranks_per_node=ranks_per_node, layout=layout, profile=profile)
     multiple = sp_size * (2 if layout == "zigzag" else 1)
     if seq_len % multiple:
@@ -70,15 +92,22 @@ def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_d
             continue
         spec = AttnSpec(
             batch=batch, seq_len=seq_len, local_seq_len=seq_len // sp_size, q_heads=shape.q_heads, kv_heads=shape.kv_heads,
-            head_dim=shape.head_dim, dtype=dtype, causal=causal, softmax_scale=shape.head_dim**-0.5, layout=layout,
+            head_dim=shape.head_dim, dtype=dtype, causal=causal, softmax_scale=shape.head_dim**-0.5, layout=layout, window=shape.window,
         )
         chosen, considered = choose_backend(spec, topo, profile)
         rows.append([index, index, shape, chosen.name, considered])
     return rows
 
 
-def render(rows, *, title: str) -> None:
-    """A rich table: per layer group, every backend's estimate or the reason it was dropped."""
+def split_label(name: str, sp_size: int) -> str:
+    """``hybrid U=2 x R=4`` for ``hybrid-u2`` on 8 ranks; other names as they are."""
+    match = re.fullmatch(r"hybrid-u(\d+)", name)
+    return f"hybrid U={match[1]} x R={sp_size // int(match[1])}" if match else name
+
+
+def render(rows, *, title: str, sp_size: int) -> None:
+    """A rich table: per layer group, every backend's estimate or the reason it was dropped;
+    a chosen hybrid with its Ulysses x ring split."""
     import sys
 
     from rich.console import Console
@@ -90,7 +119,8 @@ def render(rows, *, title: str) -> None:
     for first, last, shape, chosen, considered in rows:
         layers = f"{first}" if first == last else f"{first}-{last}"
         for i, (name, what) in enumerate(considered.items()):
-            head = (layers, f"{shape.q_heads}/{shape.kv_heads} x {shape.head_dim}", chosen) if i == 0 else ("", "", "")
+            window = "" if shape.window is None else f", window {shape.window}"
+            head = (layers, f"{shape.q_heads}/{shape.kv_heads} x {shape.head_dim}{window}", split_label(chosen, sp_size)) if i == 0 else ("", "", "")
             mark = "[bold green]" + name if name == chosen else name
             if isinstance(what, Estimate):
                 table.add_row(*head, mark, f"{what.seconds * 1e3:.2f} ms", _size(what.comm_bytes), _size(what.peak_bytes), "")

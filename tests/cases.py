@@ -86,6 +86,11 @@ def max_err(a, b) -> float:
     return (a - b).abs().max().item()
 
 
+def rel_rms(a, b) -> float:
+    """||a - b|| / ||b||: over every element, so it does not hinge on one rounding as a max does."""
+    return ((a - b).norm() / b.norm()).item()
+
+
 # --------------------------------------------------------------------------- parity
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +114,10 @@ class Parity:
     """Pass non-contiguous views (as Hugging Face's [B, H, S, D] transposed) instead of contiguous shards."""
     kernel: str = "auto"
     """``flash_attn`` runs on the CPU fake of flash-attn (``ulysses_sp.testing.fake_flash_attn``)."""
+    window: int | None = None
+    softcap: float | None = None
+    topo_ulysses: int | None = None
+    """The topology's ``ulysses_degree`` (None: 2 where the SP size is even, else 1)."""
 
 
 BACKENDS = ("ulysses", "allgather", "ring", "hybrid")
@@ -158,14 +167,36 @@ for _backend in BACKENDS:  # the flash_attn kernel (CPU fake) in bf16: GQA, both
 for _stride in (1, 3):  # 3 does not divide the 4 kv heads: a last chunk of 1 takes the rest
     _parity(f"allgather_stride{_stride}/zigzag-causal-gqa", Parity(hq=8, hkv=4, backend=f"allgather_stride{_stride}"))
 _parity("auto/zigzag-causal-gqa", Parity(backend="auto"))
+# the hybrid at a Ulysses degree other than the topology's (4): 6 q heads do not split over 4 ranks
+_parity("hybrid-u2/zigzag-causal-gqa-topo-u4", Parity(hq=6, hkv=2, backend="hybrid-u2", topo_ulysses=4), (4,))
+_parity("hybrid-u2/contiguous-full-packed-topo-u4", Parity("contiguous", False, hq=6, hkv=6, cu_seqlens=PACKINGS["packed"], backend="hybrid-u2", topo_ulysses=4), (4,))
+_parity("auto/zigzag-causal-2-heads-topo-u4", Parity(hq=2, hkv=2, backend="auto", topo_ulysses=4), (4,))
 _parity("ulysses/zigzag-causal-dp2-sp2", Parity(hkv=1, sp_size=2), (4,))
 _parity("ulysses/mislabelled-layout", Parity(hkv=1, claim_layout="contiguous"), (2, 3, 4))
+
+
+WINDOW_BACKENDS = (*BACKENDS, "halo")
+WINDOWS = (5, 13)
+"""Shorter than a chunk (5 <= 48 / 8), and spanning chunks and ranks (13 > 12 = 48 / 4)."""
+for _backend in WINDOW_BACKENDS:  # sliding windows: every backend, both layouts, packed or not
+    _hq, _hkv = (12, 12) if _backend == "ulysses" else (12, 4)
+    for _layout in layout.LAYOUTS:
+        for _w in WINDOWS:
+            for _pack, _cu in (("", None), ("-packed", PACKINGS["packed-short-docs"])):
+                _parity(f"{_backend}/{_layout}-window{_w}{_pack}", Parity(_layout, hq=_hq, hkv=_hkv, cu_seqlens=_cu, window=_w, backend=_backend))
+    _parity(f"{_backend}/zigzag-window1", Parity(hq=_hq, hkv=_hkv, window=1, backend=_backend))
+    _parity(f"{_backend}/zigzag-window30-softcap", Parity(hq=_hq, hkv=_hkv, window=30, softcap=2.0, backend=_backend))
+    if _backend != "halo":  # halo runs windowed layers only
+        _parity(f"{_backend}/contiguous-softcap", Parity("contiguous", hq=_hq, hkv=_hkv, softcap=2.0, backend=_backend))
+    _parity(f"{_backend}/zigzag-window13-packed-softcap-flash_attn", Parity(
+        hq=_hq, hkv=_hkv, cu_seqlens=PACKINGS["packed"], window=13, softcap=2.0, dtype=torch.bfloat16, kernel="flash_attn", backend=_backend))
+_parity("auto/zigzag-window5", Parity(window=5, backend="auto"))
 
 
 def _topo_for(env: Env, cfg: Parity, layout_: str):
     """Hybrid runs 2-D where it can (2 x 2 on 4 ranks); the other backends ignore the split."""
     sp = cfg.sp_size or env.world
-    return env.topo(cfg.sp_size, layout_, 2 if sp % 2 == 0 else 1)
+    return env.topo(cfg.sp_size, layout_, cfg.topo_ulysses or (2 if sp % 2 == 0 else 1))
 
 
 def parity(env: Env, name: str, cfg: Parity) -> dict:
@@ -188,7 +219,8 @@ def _parity_run(env: Env, name: str, cfg: Parity) -> dict:
     k, v = (torch.randn(shape_kv, generator=gen, dtype=torch.float64) for _ in range(2))
 
     leaves = {n: t.clone().requires_grad_(n in cfg.grads) for n, t in zip("qkv", (q, k, v))}
-    ref = reference_attention(*leaves.values(), causal=cfg.causal, scale=cfg.scale, cu_seqlens=cfg.cu_seqlens)
+    ref = reference_attention(*leaves.values(), causal=cfg.causal, scale=cfg.scale, cu_seqlens=cfg.cu_seqlens, window=cfg.window,
+                              softcap=cfg.softcap or 0.0)
     ref.backward(dout)
 
     def local(t):
@@ -198,7 +230,8 @@ def _parity_run(env: Env, name: str, cfg: Parity) -> dict:
     shards = {n: local(t).requires_grad_(n in cfg.grads) for n, t in zip("qkv", (q, k, v))}
     run_topo = dataclasses.replace(topo, layout=cfg.claim_layout) if cfg.claim_layout else topo
     attn = usp.SequenceParallelAttention(run_topo, backend=cfg.backend, layer_idx=0, kernel=cfg.kernel)
-    out = attn(*shards.values(), causal=cfg.causal, softmax_scale=cfg.scale, cu_seqlens=cfg.cu_seqlens)
+    out = attn(*shards.values(), causal=cfg.causal, softmax_scale=cfg.scale, cu_seqlens=cfg.cu_seqlens, window=cfg.window,
+               softcap=cfg.softcap)
     (out * usp.shard_sequence(dout, topo).to(cfg.dtype)).sum().backward()
 
     with torch.no_grad():
@@ -257,6 +290,35 @@ for _backend in BACKENDS:
         case(f"bytes/{_backend}/{_name}", WORLDS)(lambda env, be=_backend, a=_args: backend_bytes(env, be, *a))
 
 
+def halo_bytes(env: Env, lay: str, window: int) -> dict:
+    """Bytes of a windowed layer per rank, forward and backward, for every backend that runs it."""
+    topo = env.topo(None, lay, 2 if env.world % 2 == 0 else 1)
+    b, s, d = BYTES_SHAPE
+    gen = generator("halo-bytes")
+    full = [torch.randn(b, s, h, d, generator=gen) for h in (12, 4, 4)]
+    shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full]
+    result = {}
+    for backend in ("halo", "ring", "allgather", "hybrid"):
+        attn = usp.SequenceParallelAttention(topo, backend=backend)
+        attn(*shards, window=window)
+        with usp.CommCounter() as fwd:
+            out = attn(*shards, window=window)
+        with usp.CommCounter() as bwd:
+            out.sum().backward()
+        spec = usp.attention.make_spec(*shards, topo, window=window)
+        result[backend] = {
+            "fwd": (fwd.bytes_sent, fwd.bytes_recv), "bwd": (bwd.bytes_sent, bwd.bytes_recv),
+            "estimate": dataclasses.astuple(usp.get_backend(backend).estimate(spec, topo, usp.CPU_GLOO_PROFILE))[2:],
+        }
+    return result
+
+
+HALO_WINDOWS = (1, 5, 13, 40)
+for _layout in layout.LAYOUTS:
+    for _w in HALO_WINDOWS:
+        case(f"bytes/windowed/{_layout}-{_w}", WORLDS)(lambda env, lay=_layout, w=_w: halo_bytes(env, lay, w))
+
+
 def kernel_calls(env: Env, backend: str) -> dict:
     """flash-attn forward calls (CPU fake) per attention forward on a packed sequence of 2016
     tokens in 24 or 1000 documents: the block plans make one varlen call per chunk pair."""
@@ -303,7 +365,7 @@ def all_backends_agree(env: Env) -> dict:
 
 
 def low_precision_error(env: Env, dtype: torch.dtype) -> dict:
-    """Error against fp64 attention of the same (rounded) inputs, per backend: [out, dq, dk, dv]."""
+    """Relative RMS error against fp64 attention of the same (rounded) inputs, per backend: [out, dq, dk, dv]."""
     topo = _topo_for(env, Parity(), "zigzag")
     gen = generator(str(dtype))
     full = [torch.randn(2, 48, h, 16, generator=gen).to(dtype).double() for h in (12, 4, 4)]
@@ -318,7 +380,7 @@ def low_precision_error(env: Env, dtype: torch.dtype) -> dict:
         with torch.no_grad():
             got = [out] + [t.grad for t in shards]
             want = [reference_attention(*full)] + [t.grad for t in leaves]
-            errors[backend] = [max_err(usp.gather_sequence(g, topo).double(), w) for g, w in zip(got, want)]
+            errors[backend] = [rel_rms(usp.gather_sequence(g, topo).double(), w) for g, w in zip(got, want)]
     return errors
 
 
@@ -600,10 +662,47 @@ def topology_groups(env: Env) -> dict:
                 "ulysses": dist.get_process_group_ranks(t.ulysses_group),
                 "ring": dist.get_process_group_ranks(t.ring_group),
                 "ranks": (t.sp_rank, t.sp_size, t.dp_rank, t.dp_size, t.ulysses_rank, t.ulysses_degree, t.ring_rank, t.ring_degree),
+                "hybrid": {u: {"ulysses": dist.get_process_group_ranks(g.ulysses_group), "ring": dist.get_process_group_ranks(g.ring_group),
+                               "ranks": (g.ulysses_rank, g.ulysses_degree, g.ring_rank, g.ring_degree)}
+                           for u in range(1, sp + 1) if sp % u == 0 and (u == ud or 1 < u < sp) for g in [t.hybrid_groups(u)]},
                 "device": str(t.device),
                 "timeout": t.timeout.total_seconds(),
             }
     return shapes
+
+
+@case("topology/hybrid-degrees", (4,))
+def hybrid_degrees(env: Env) -> dict:
+    """The groups each init creates on 4 ranks (``new_group`` calls), which groups
+    ``hybrid-u2`` runs on, and its output, with the topology's degree 2 and 4."""
+    import torch.distributed as dist
+
+    real, made = dist.new_group, []
+
+    def counting(ranks, **kwargs):
+        made.append(list(ranks))
+        return real(ranks, **kwargs)
+
+    gen = generator("hybrid-degrees")
+    full = [torch.randn(1, 48, 2, 8, generator=gen, dtype=torch.float64) for _ in range(3)]
+    result, outs = {}, {}
+    for ud in (2, 4):
+        made.clear()
+        dist.new_group = counting
+        try:
+            topo = usp.init_sequence_parallel(4, ulysses_degree=ud, timeout=60)
+        finally:
+            dist.new_group = real
+        split = topo.hybrid_groups(2)
+        result[ud] = {
+            "new_groups": list(made),
+            "own_groups": split.ulysses_group is topo.ulysses_group and split.ring_group is topo.ring_group,
+            "ulysses": dist.get_process_group_ranks(split.ulysses_group),
+            "ring": dist.get_process_group_ranks(split.ring_group),
+        }
+        outs[ud] = usp.gather_sequence(usp.sp_attention(*(usp.shard_sequence(t, topo) for t in full), topo, backend="hybrid-u2"), topo)
+    result["err"] = max(max_err(out, reference_attention(*full)) for out in outs.values())
+    return result
 
 
 # --------------------------------------------------------------------------- bad input

@@ -1,5 +1,6 @@
 """Local kernels (one process) and proof that the reference catches a wrong mask or scale."""
 
+import contextlib
 import math
 import sys
 
@@ -7,6 +8,8 @@ import pytest
 import torch
 
 from ulysses_sp import kernels
+from ulysses_sp.kernels import torch_kernel
+from ulysses_sp.testing import fake_flash_attn
 
 from .reference import reference_attention
 
@@ -27,15 +30,31 @@ def grads(fn, q, k, v, dout):
     return out.detach(), [t.grad for t in leaves]
 
 
-def explicit(q, k, v, *, causal, scale, bounds=None):
-    """(out, lse) with an explicit mask: causal bottom-right aligned within each sequence of
+def contract_mask(sq, sk, causal, window=(-1, -1)):
+    """The kernel contract's mask, literally: query i sees key j iff (left < 0 or j >= i + sk - sq - left)
+    and (right < 0 or j <= i + sk - sq + right) and (not causal or j <= i + sk - sq)."""
+    left, right = window
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    ok = torch.ones(sq, sk, dtype=torch.bool)
+    if left >= 0:
+        ok &= j >= i + sk - sq - left
+    if right >= 0:
+        ok &= j <= i + sk - sq + right
+    if causal:
+        ok &= j <= i + sk - sq
+    return ok
+
+
+def explicit(q, k, v, *, causal, scale, bounds=None, window=(-1, -1), softcap=0.0):
+    """fp64 (out, lse) with an explicit mask: :func:`contract_mask` within each sequence of
     ``bounds`` ((q0, q1, k0, k1) per sequence; one sequence by default); lse -inf, out 0 for empty rows."""
     sq, sk, groups = q.shape[1], k.shape[1], q.shape[2] // k.shape[2]
     allowed = torch.zeros(sq, sk, dtype=torch.bool)
     for q0, q1, k0, k1 in bounds or [(0, sq, 0, sk)]:
-        i, j = torch.arange(q1 - q0)[:, None], torch.arange(k1 - k0)[None, :]
-        allowed[q0:q1, k0:k1] = (j <= i + (k1 - k0) - (q1 - q0)) if causal else True
+        allowed[q0:q1, k0:k1] = contract_mask(q1 - q0, k1 - k0, causal, window)
     scores = torch.einsum("bqhd,bkhd->bhqk", q.double(), k.repeat_interleave(groups, 2).double()) * scale
+    if softcap:
+        scores = softcap * torch.tanh(scores / softcap)
     scores = scores.masked_fill(~allowed, float("-inf"))
     lse = scores.logsumexp(-1)
     probs = torch.where(allowed, torch.exp(scores - lse.unsqueeze(-1)), 0.0)
@@ -203,3 +222,163 @@ def test_torch_kernel_cuda_ops_and_shapes(device, dtype, sk):
     assert calls == [(op, [(1, 8, 256, 64)] + [(1, kv_heads, n, 64)] * 2) for n in blocks] + [
         (op + "_backward", [(1, 8, 256, 64)] * 2 + [(1, kv_heads, n, 64)]) for n in blocks
     ], calls
+
+
+# --------------------------------------------------------------------------- windows and soft-capping
+
+WINDOW_CASES = {  # name: (Sq, Sk, varlen lengths of q and of k or None, causal, window, softcap)
+    "sliding-causal (W-1, 0)": (24, 24, None, True, (5, 0), 0.0),
+    "sliding-keys-longer": (10, 24, None, True, (3, -1), 0.0),
+    "band": (24, 24, None, False, (3, 2), 0.0),
+    "band-keys-longer": (9, 24, None, False, (1, 4), 0.0),
+    "band-queries-longer (empty top rows)": (30, 10, None, False, (2, 1), 0.0),
+    "open-right-queries-longer": (30, 8, None, False, (2, -1), 0.0),  # flash-attn would bound the right at Sk
+    "right-past-keys (empty top rows)": (30, 8, None, False, (-1, 12), 0.0),  # flash-attn would drop the bound
+    "varlen-sliding": (28, 28, ((7, 0, 9, 12), (7, 6, 0, 15)), True, (3, 0), 0.0),
+    "varlen-open-right": (24, 14, ((12, 3, 0, 9), (3, 0, 5, 6)), False, (1, -1), 0.0),
+    "softcap": (16, 24, None, False, None, 1.5),
+    "softcap-sliding": (24, 24, None, True, (5, 0), 2.0),
+    "softcap-varlen-band": (24, 24, ((5, 0, 11, 8), (5, 3, 0, 16)), False, (2, 3), 1.0),
+}
+KERNEL_CONFIGS = {  # name: (kernel, dtype, fake flash-attn version, torch_kernel.TILE, tolerance)
+    "math-fp64": ("math", torch.float64, None, None, TOL),
+    "math-fp32": ("math", torch.float32, None, None, 1e-5),
+    "torch-fp64": ("torch", torch.float64, None, None, TOL),
+    "torch-fp32-tiles-of-8": ("torch", torch.float32, None, 8, 1e-5),
+    "torch-bf16-tiles-of-8": ("torch", torch.bfloat16, None, 8, 2e-2),
+    "flash-2.6.3": ("flash_attn", torch.bfloat16, "2.6.3", None, 2e-2),
+    "flash-2.7.2": ("flash_attn", torch.bfloat16, "2.7.2", None, 2e-2),
+    "flash-2.8.3": ("flash_attn", torch.bfloat16, "2.8.3", None, 2e-2),
+}
+
+
+def rel(got, want) -> float:
+    return ((got.double() - want).abs().max() / want.abs().max().clamp_min(1)).item()
+
+
+def run_case(config, case, monkeypatch, seed=0):
+    """The kernel's (out, lse, dq, dk, dv) and the fp64 reference's, from the same inputs."""
+    name, dtype, version, tile, _ = KERNEL_CONFIGS[config]
+    sq, sk, lens, causal, window, softcap = WINDOW_CASES[case]
+    if tile:
+        monkeypatch.setattr(torch_kernel, "TILE", tile)
+    q, k, v = qkv(s=sq, sk=sk, hq=4, hkv=2, seed=seed, dtype=dtype)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(seed + 1)).to(dtype)
+    varlen = kernels.Varlen.build(*lens, batch=2, device="cpu") if lens else None
+    opts = dict(causal=causal, scale=0.3, varlen=varlen, window=window, softcap=softcap)
+    with fake_flash_attn.install(version) if version else contextlib.nullcontext():
+        kernel = kernels.get_kernel(name)
+        out, lse = kernel.block_forward(q, k, v, **opts)
+        got = [out, lse, *kernel.block_backward(dout, q, k, v, out, lse, **opts)]
+    ref_opts = dict(causal=causal, scale=0.3, bounds=varlen.bounds() if varlen else None, window=window or (-1, -1), softcap=softcap)
+    ref, ref_lse = explicit(q, k, v, **ref_opts)
+    _, ref_grads = grads(lambda *t: explicit(*t, **ref_opts)[0], *(t.double() for t in (q, k, v)), dout.double())
+    return got, [ref, ref_lse, *ref_grads]
+
+
+@pytest.mark.parametrize("case", WINDOW_CASES)
+@pytest.mark.parametrize("config", KERNEL_CONFIGS)
+def test_windows_and_softcap_match_explicit_masks(config, case, monkeypatch):
+    """Every kernel against the contract's mask in fp64 (GQA 4/2 heads): out, lse (-inf and out 0,
+    zero dq, on rows that see no key), dq, dk, dv from the kernel's own (out, lse)."""
+    (out, lse, *g), (ref, ref_lse, *rg) = run_case(config, case, monkeypatch)
+    dtype, tol = KERNEL_CONFIGS[config][1], KERNEL_CONFIGS[config][4]
+    assert out.dtype == dtype and lse.dtype == kernels.accumulator_dtype(dtype) and lse.shape == ref_lse.shape
+    empty = torch.isneginf(ref_lse)
+    assert torch.equal(torch.isneginf(lse), empty)
+    if "empty" in case or "varlen" in case:
+        assert empty.any(), "the case must hold rows that see no key"
+    assert not out.transpose(1, 2)[empty].any() and not g[0].transpose(1, 2)[empty].any()
+    errors = [rel(out, ref), rel(lse[~empty], ref_lse[~empty])] + [rel(a, b) for a, b in zip(g, rg)]
+    assert max(errors) < tol, f"errors out/lse/dq/dk/dv {errors}"
+
+
+@pytest.mark.parametrize("config", ["torch-bf16-tiles-of-8", "flash-2.8.3"])
+def test_window_shifted_by_one_fails_the_tolerance(config, monkeypatch):
+    """The bf16 tolerance catches a window one key too wide or too narrow, in out and dq."""
+    case = "sliding-causal (W-1, 0)"
+    (out, _, dq, *_), _ = run_case(config, case, monkeypatch)
+    sq, sk, _, causal, (left, right), _ = WINDOW_CASES[case]
+    q, k, v = qkv(s=sq, sk=sk, hq=4, hkv=2, dtype=torch.bfloat16)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    for wrong in ((left - 1, right), (left + 1, right)):
+        ref, (dq_ref, *_) = grads(lambda *t: explicit(*t, causal=causal, scale=0.3, window=wrong)[0], *(t.double() for t in (q, k, v)), dout.double())
+        assert rel(out, ref) > 5 * KERNEL_CONFIGS[config][4] and rel(dq, dq_ref) > 5 * KERNEL_CONFIGS[config][4]
+
+
+@pytest.mark.parametrize("name", ["torch", "math"])
+def test_local_attention_takes_a_hugging_face_window(name):
+    """``window=W``: query i sees key j iff i - W < j <= i, i.e. the contract's (W - 1, 0), causal."""
+    w, s = 5, 24
+    i, j = torch.arange(s)[:, None], torch.arange(s)[None, :]
+    assert torch.equal(contract_mask(s, s, True, (w - 1, 0)), (i - w < j) & (j <= i))
+    q, k, v = qkv(s=s, hq=4, hkv=2)
+    dout = torch.randn_like(q)
+    out, g = grads(lambda *t: kernels.local_attention(*t, causal=True, kernel=name, window=w, softcap=2.0), q, k, v, dout)
+    ref, rg = grads(lambda *t: explicit(*t, causal=True, scale=0.25, window=(w - 1, 0), softcap=2.0)[0], q, k, v, dout)
+    assert max(rel(a, b) for a, b in zip([out, *g], [ref, *rg])) < TOL
+
+
+def test_window_and_softcap_are_validated():
+    q, k, v = qkv(s=4, hq=2, hkv=1, d=8)
+    for window in ((-2, 0), (1,), (1.5, 0), 3):
+        with pytest.raises(ValueError, match="window must be None or"):
+            kernels.attend(q, k, v, kernel="math", causal=False, scale=1.0, window=window)
+    for softcap in (-1.0, float("inf"), float("nan")):
+        with pytest.raises(ValueError, match="softcap must be a finite float >= 0"):
+            kernels.attend(q, k, v, kernel="math", causal=False, scale=1.0, softcap=softcap)
+    for window, causal in ((0, True), (3, False), ((2, 0), True)):
+        with pytest.raises(ValueError, match="window must be an int >= 1 with causal=True"):
+            kernels.local_attention(q, k, v, causal=causal, window=window)
+
+
+def _record_attention_calls(calls):
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = str(func.overloadpacket).split(".")[-1]
+            if "attention" in name:
+                window = tuple((kwargs or {}).get(f"window_size_{side}") for side in ("left", "right"))
+                bias = args[4 if name.endswith("backward") else 3] if "efficient" in name else None
+                calls.append((name, [tuple(a.shape) for a in args[:3]], window if window != (None, None) else
+                              (tuple(bias.shape), bias.stride(2)) if bias is not None else None))
+            return func(*args, **(kwargs or {}))
+
+    return Record()
+
+
+@pytest.mark.parametrize("case", ["bf16-sliding", "fp32-sliding", "bf16-open-right-queries-longer", "bf16-softcap"])
+def test_torch_kernel_cuda_window_calls(case):
+    """Windows on the torch kernel's CUDA path, on the meta device. bf16: flash-attn inside torch
+    (``_flash_attention_forward``/``_backward`` with window_size_left/right, K/V at their own 2
+    heads) in one call where Sq <= Sk + 1, else in tiles of Sk + 1 rows over the keys each
+    sees (a tile whose window covers its keys takes the plain op). fp32: the memory-efficient
+    op per tile of TILE rows, K/V repeated, an additive bias broadcast over [B, H] with rows
+    padded to 16 keys. Soft-capping: no fused op, the math kernel."""
+    dtype = torch.float32 if case.startswith("fp32") else torch.bfloat16
+    sk, causal, window = (64, False, (16, -1)) if "open-right" in case else (256, True, (63, 0))
+    calls = []
+    kernel = kernels.get_kernel("torch")
+    with _record_attention_calls(calls):
+        q = torch.empty(1, 256, 8, 64, dtype=dtype, device="meta")
+        k, v = (torch.empty(1, sk, 2, 64, dtype=dtype, device="meta") for _ in range(2))
+        opts = dict(causal=causal, scale=0.125, window=window, softcap=30.0 if "softcap" in case else 0.0)
+        out, lse = kernel.block_forward(q, k, v, **opts)
+        grads = kernel.block_backward(out, q, k, v, out, lse, **opts)
+    assert out.shape == q.shape and out.dtype == dtype and lse.shape == (1, 8, 256) and lse.dtype == torch.float32
+    assert [g.shape for g in grads] == [q.shape, k.shape, v.shape] and all(g.dtype == dtype for g in grads)
+    q_, kv_ = (1, 256, 8, 64), (1, 256, 2, 64)
+    expect = {
+        "bf16-sliding": [("_flash_attention_forward", [q_, kv_, kv_], (63, 0))],
+        # tiles of 128 rows: keys [0, 128) and [65, 256); the bias rows are 128 and 192 wide
+        "fp32-sliding": [("_scaled_dot_product_efficient_attention", [(1, 8, 128, 64), (1, 8, n, 64), (1, 8, n, 64)], ((1, 8, 128, n), pad))
+                         for n, pad in ((128, 128), (191, 192))],
+        # tiles of 65 rows: the first three see every key (plain op), the last (61 rows) the window
+        "bf16-open-right-queries-longer": [("_scaled_dot_product_flash_attention", [(1, 8, 65, 64), (1, 2, 64, 64), (1, 2, 64, 64)], None)] * 3
+        + [("_flash_attention_forward", [(1, 61, 8, 64), (1, 64, 2, 64), (1, 64, 2, 64)], (16, -1))],
+        "bf16-softcap": [],
+    }[case]
+    forward, backward = calls[: len(calls) // 2], calls[len(calls) // 2 :]
+    assert forward == expect, calls
+    assert [(n, w) for n, _, w in backward] == [(n.replace("_forward", "") + "_backward", w) for n, _, w in expect], calls

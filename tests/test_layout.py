@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from ulysses_sp import layout, pad_to_multiple
-from ulysses_sp.blocks import plan_blocks
+from ulysses_sp.blocks import chunk_segments, plan_blocks, sees_any
 
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
@@ -39,61 +39,71 @@ def test_pad_to_multiple():
         pad_to_multiple(labels, 0)
 
 
-def _work(runs):
-    """Kernel work in chunk-pairs: a full run of n chunks is n, a causal diagonal half."""
-    return sum(0.5 if diagonal else j1 - j0 for _, j0, j1, diagonal in runs)
+def _plan_mask(calls, sq, sk):
+    """How often a plan computes each local (query, key) pair, reading each call's mask as
+    flash-attn does: bottom-right ``causal`` and ``window`` per (varlen) sequence."""
+    count = torch.zeros(sq, sk, dtype=torch.long)
+    for c in calls:
+        left, right = c.window or (-1, -1)
+        bounds = c.varlen.bounds() if c.varlen else [(0, c.q1 - c.q0, 0, c.k1 - c.k0)]
+        for q0, q1, k0, k1 in bounds:
+            i, j = torch.arange(q1 - q0)[:, None], torch.arange(k1 - k0)[None, :]
+            diag = i + (k1 - k0) - (q1 - q0)  # the key aligned with query i
+            keep = torch.ones(q1 - q0, k1 - k0, dtype=torch.bool)
+            if c.causal:
+                keep &= j <= diag
+            if left >= 0:
+                keep &= j >= diag - left
+            if right >= 0:
+                keep &= j <= diag + right
+            count[c.q0 + q0 : c.q0 + q1, c.k0 + k0 : c.k0 + k1] += keep.long()
+    return count
 
 
-def test_block_runs_skip_hidden_chunks_and_merge_visible_ones():
-    # query chunk 2 against keys 0..3: one run of the two earlier chunks, the diagonal, nothing after
-    assert layout.block_runs([2], [0, 1, 2, 3], causal=True) == [(0, 0, 2, False), (0, 2, 3, True)]
-    assert layout.block_runs([0], [1, 2], causal=True) == []
-    assert layout.block_runs([0, 3], [1, 2], causal=False) == [(0, 0, 2, False), (1, 0, 2, False)]
+def _visible(n, causal, window, cu):
+    pos = torch.arange(n)
+    visible = torch.ones(n, n, dtype=torch.bool)
+    if causal:
+        visible &= pos[:, None] >= pos[None, :]
+    if window is not None:
+        visible &= pos[None, :] > pos[:, None] - window
+    if cu is not None:
+        doc = torch.bucketize(pos, torch.tensor(cu[1:]), right=True)
+        visible &= doc[:, None] == doc[None, :]
+    return visible
+
+
+def _work(calls) -> int:
+    return int(_plan_mask(calls, 64, 64).sum())
 
 
 @pytest.mark.parametrize("p", [2, 3, 4, 8])
 def test_zigzag_ring_steps_have_equal_work(p):
     """Under zigzag, every rank does the same causal work at every ring step; contiguous does not."""
     for lay, balanced in (("zigzag", True), ("contiguous", False)):
-        table = layout.chunk_table(lay, p)
-        per_step = [
-            {_work(layout.block_runs(table[r], table[(r - s) % p], causal=True)) for r in range(p)} for s in range(1, p)
-        ]
+        table, chunk = layout.chunk_table(lay, p), 2
+        segs = [chunk_segments(t, chunk) for t in table]
+        per_step = [{_work(plan_blocks(segs[r], segs[(r - s) % p], causal=True)) for r in range(p)} for s in range(1, p)]
         assert all(len(w) == 1 for w in per_step) == balanced, (lay, per_step)
 
 
-def _plan_mask(calls, sq, sk):
-    """The (query, key) pairs a block plan computes, and how often each (causal masks bottom-right)."""
-    count = torch.zeros(sq, sk, dtype=torch.long)
-    for c in calls:
-        bounds = c.varlen.bounds() if c.varlen else [(0, c.q1 - c.q0, 0, c.k1 - c.k0)]
-        for q0, q1, k0, k1 in bounds:
-            block = torch.ones(q1 - q0, k1 - k0, dtype=torch.long)
-            count[c.q0 + q0 : c.q0 + q1, c.k0 + k0 : c.k0 + k1] += block.tril(k1 - k0 - (q1 - q0)) if c.causal else block
-    return count
+CUS = [None, (0, 16), (0, 1, 2, 7, 8, 9, 16), (0, 3, 11, 16), (0, 15, 16), tuple(range(17))]
+MASKS = [(False, None), (True, None), (True, 1), (True, 3), (True, 5), (True, 9)]
 
 
-DOCS_24 = tuple(range(0, 48, 2)) + (48,)
-
-
-@pytest.mark.parametrize("cu", [None, (0, 16), (0, 1, 2, 7, 8, 9, 16), (0, 3, 11, 16), (0, 15, 16), tuple(range(17))])
-@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("cu", CUS)
+@pytest.mark.parametrize("causal,window", MASKS)
 @pytest.mark.parametrize("lay", layout.LAYOUTS)
-def test_block_plans_cover_exactly_the_visible_pairs(lay, causal, cu):
-    """For every pair of ranks, the plan's calls cover the document (and causal) mask once."""
+def test_block_plans_cover_exactly_the_visible_pairs(lay, causal, window, cu):
+    """For every pair of ranks, the plan's calls cover the document, causal and window mask once."""
     p, n = 4, 16
-    pos = torch.arange(n)
-    visible = torch.ones(n, n, dtype=torch.bool)
-    if causal:
-        visible &= pos[:, None] >= pos[None, :]
-    if cu is not None:
-        doc = torch.bucketize(pos, torch.tensor(cu[1:]), right=True)
-        visible &= doc[:, None] == doc[None, :]
+    visible = _visible(n, causal, window, cu)
     table = layout.chunk_table(lay, p)
     chunk = n // (len(table[0]) * p)
     for r in range(p):
         for src in range(p):
-            calls = plan_blocks(table[r], table[src], chunk, causal, cu, batch=2, device="cpu")
+            calls = plan_blocks(chunk_segments(table[r], chunk), chunk_segments(table[src], chunk), causal=causal, window=window,
+                                cu_seqlens=cu, batch=2, device="cpu")
             want = visible[layout.positions(lay, n, p, r)][:, layout.positions(lay, n, p, src)]
             count = _plan_mask(calls, len(want), len(want))
             assert torch.equal(count, want.long()), (r, src, calls)
@@ -101,14 +111,35 @@ def test_block_plans_cover_exactly_the_visible_pairs(lay, causal, cu):
             for c in calls:
                 if c.varlen is not None:
                     assert c.varlen.cu_q.tolist()[-1] == 2 * (c.q1 - c.q0) and c.varlen.cu_k.tolist()[-1] == 2 * (c.k1 - c.k0)
+                assert c.window is None or min(c.window) >= -1
+            assert sees_any(chunk_segments(table[r], chunk), chunk_segments(table[src], chunk), causal=causal, window=window,
+                            cu_seqlens=cu) == bool(want.any())
+
+
+@pytest.mark.parametrize("cu", CUS)
+@pytest.mark.parametrize("window", [None, 2, 6])
+def test_block_plans_over_arbitrary_segments(window, cu):
+    """Keys in scattered segments (halo tails, placeholders, runs merged across chunks):
+    one call per query run and key run, the exact mask."""
+    n = 16
+    visible = _visible(n, True, window, cu)
+    q_segs = ((8, 4), (4, 4))
+    k_segs = ((2, 2), (None, 3), (4, 2), (6, 2), (12, 2), (0, 2))
+    calls = plan_blocks(q_segs, k_segs, causal=True, window=window, cu_seqlens=cu)
+    q_pos = torch.cat([torch.arange(a, a + m) for a, m in q_segs])
+    k_pos = torch.cat([torch.arange(a, a + m) if a is not None else torch.full((m,), -1) for a, m in k_segs])
+    want = visible[q_pos][:, k_pos.clamp(min=0)] & (k_pos >= 0)
+    assert torch.equal(_plan_mask(calls, len(q_pos), len(k_pos)), want.long()), calls
+    assert len(calls) <= 2 * 4
 
 
 @pytest.mark.parametrize("docs", [24, 1000])
-def test_block_plans_do_not_grow_with_the_documents(docs):
+@pytest.mark.parametrize("window", [None, 300])
+def test_block_plans_do_not_grow_with_the_documents(docs, window):
     """Calls per rank pair are bounded by the chunks, whatever the packing."""
     p, n = 4, 8000
     cu = tuple(range(0, n, n // docs)) + (n,) if n % docs else tuple(range(0, n + 1, n // docs))
     table = layout.chunk_table("zigzag", p)
-    chunk = n // (2 * p)
-    calls = sum(len(plan_blocks(table[r], table[s], chunk, True, cu)) for r in range(p) for s in range(p))
+    segs = [chunk_segments(t, n // (2 * p)) for t in table]
+    calls = sum(len(plan_blocks(segs[r], segs[s], causal=True, window=window, cu_seqlens=cu)) for r in range(p) for s in range(p))
     assert calls <= 4 * p * p

@@ -71,12 +71,14 @@ def test_all_backends_give_the_same_answer(ranks, world):
 @pytest.mark.parametrize("dtype", ["bf16", "fp16"])
 @pytest.mark.parametrize("world", [2, 4])
 def test_low_precision_error_does_not_grow_with_ranks(ranks, world, dtype):
-    """Blocks computed and merged in fp32: error at P ranks <= 1.5x the error at P=1, per backend."""
+    """Blocks computed and merged in fp32: relative RMS error at P ranks <= 1.3x the error at P=1,
+    per backend. Observed 1.13-1.21 over five seeds (a max-element error swings 0.7-2.6x with the
+    seed); rounding the merged output to the input dtype after every merge gives 1.35 at P=4."""
     one = values(ranks(1), f"numerics/{dtype}")[0]
     for r in values(ranks(world), f"numerics/{dtype}"):
         for backend, errors in r.items():
             for what, err, base in zip(("out", "dq", "dk", "dv"), errors, one[backend]):
-                assert err <= 1.5 * base, f"{backend} {what}: {err:.3g} at P={world} vs {base:.3g} at P=1"
+                assert err <= 1.3 * base, f"{backend} {what}: {err:.3g} at P={world} vs {base:.3g} at P=1"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

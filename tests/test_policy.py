@@ -1,5 +1,6 @@
 """The auto policy, profiles and `sp-bench plan` (no ranks needed)."""
 
+import itertools
 import json
 
 import pytest
@@ -9,12 +10,14 @@ from click.testing import CliRunner
 import ulysses_sp as usp
 from ulysses_sp.integrations.transformers import _backend_per_layer
 from ulysses_sp.profile import COLLECTIVES, CPU_GLOO_PROFILE, NVLINK_PROFILE, LinkCost, Profile
-from ulysses_sp.registry import choose_backend
+from ulysses_sp.registry import choose_backend, get_backend
 from ulysses_sp.spec import AttnSpec, Estimate
-from ulysses_sp.topology import Topology
+from ulysses_sp.topology import HybridGroups, Topology
 
 from ulysses_sp.cli.main import main as sp_bench
 from ulysses_sp.cli.plan import LayerShape, layers_from_config, plan_rows
+
+from .conftest import values
 
 
 def spec(hq, hkv, seq, p, d=64, dtype=torch.bfloat16):
@@ -85,6 +88,11 @@ def test_per_layer_backend_lists():
     assert _backend_per_layer("ring", layers) == {0: "ring", 1: "ring", 2: "ring"}
     assert _backend_per_layer(["ulysses", "ring", "auto"], layers) == {0: "ulysses", 1: "ring", 2: "auto"}
     assert _backend_per_layer(lambda i: "ring" if i % 2 else "ulysses", layers)[1] == "ring"
+    assert _backend_per_layer(["hybrid-u2", "auto", "hybrid"], layers)[0] == "hybrid-u2"
+    assert usp.SequenceParallelAttention(Topology.for_planning(8), backend="hybrid-u2").backend == "hybrid-u2"
+    for bad in ("hybrid-u0", "hybrid-2", "hybrid-u"):
+        with pytest.raises(ValueError, match=f"unknown SP backend '{bad}'.*hybrid-u\\{{U\\}}"):
+            usp.SequenceParallelAttention(Topology.for_planning(8), backend=bad)
     with pytest.raises(ValueError, match="one name per attention layer \\(3\\), got 2"):
         _backend_per_layer(["ulysses", "ring"], layers)
 
@@ -166,6 +174,91 @@ def test_auto_at_scale_respects_the_budget_and_the_kernel(monkeypatch):
         assert considered[chosen.name].peak_bytes <= free
     except ValueError as e:  # "no SP backend can run this attention: NAME: why; NAME: why; ..."
         considered = {part.split(": ", 1)[0]: part for part in str(e).split("attention: ", 1)[1].split("; ")}
-    for name in ("ulysses", "allgather", "ring", "hybrid"):
+    for name in ("ulysses", "allgather", "ring", "hybrid-u2", "hybrid-u4"):
         assert "over the memory budget of 76800 MiB" in str(considered[name]), considered[name]
     assert usp.kernels.resolve_kernel("auto", torch.bfloat16, topo.device, 128) != "math"
+
+
+def test_auto_weighs_the_hybrid_at_every_ulysses_degree():
+    """6 q heads on 8 ranks: Ulysses (U = 8) and hybrid-u4 cannot split them, hybrid-u2
+    (U = 2 x R = 4) can; the plain "hybrid" (the topology's degree) is not a separate candidate."""
+    topo = Topology.for_planning(8, ranks_per_node=8)
+    for hkv in (6, 2):
+        _, considered = choose_backend(spec(6, hkv, 8192, 8, d=128), topo, NVLINK_PROFILE)
+        assert [n for n in considered if n.startswith("hybrid")] == ["hybrid-u2", "hybrid-u4"]
+        assert isinstance(considered["hybrid-u2"], Estimate)
+        assert considered["hybrid-u4"].startswith("hybrid-u4: q heads (6) must divide by the all-to-all degree (4); hybrid-u2 fits")
+        assert considered["ulysses"].startswith("ulysses: q heads (6) must divide by the all-to-all degree (8)")
+    assert get_backend("hybrid-u2") is get_backend("hybrid-u2") and get_backend("hybrid-u2").groups(topo) == HybridGroups(None, 0, 2, None, 0, 4)
+    assert get_backend("hybrid").groups(topo).ulysses_degree == 8
+    assert get_backend("hybrid-u3").check(spec(6, 6, 8192, 8), topo).startswith("hybrid-u3: ulysses_degree must be a positive integer dividing sp_size (8), got 3; valid values: [1, 2, 4, 8]")
+    assert "that split is the ring backend" in get_backend("hybrid-u1").check(spec(6, 6, 8192, 8), topo)
+    with pytest.raises(ValueError, match="that split is the ulysses backend"):
+        Topology.for_planning(8, ulysses_degree=2).hybrid_groups(8)
+    two_nodes = Topology.for_planning(16, ranks_per_node=8)
+    assert [two_nodes.spans_nodes(g, u) for g in ("ulysses", "ring") for u in (2, 16)] == [False, True, True, False]
+
+
+@pytest.mark.parametrize("ranks,seq", [(8, 8192), (16, 32768)])
+def test_auto_picks_hybrid_u2_where_it_beats_ring_and_allgather(ranks, seq):
+    """6 heads (Llama-style, D128, bf16) under the built-in NVLink profile, 8 GPUs per node:
+    one node at 8k (hybrid-u2 ~0.42 ms, all-gather ~0.52, ring ~0.71), two nodes at 32k where
+    the Ulysses pairs stay inside a node and the ring crosses (~4.8 ms against ~9.6 for both)."""
+    chosen, considered = choose_backend(spec(6, 6, seq, ranks, d=128), Topology.for_planning(ranks, ranks_per_node=8), NVLINK_PROFILE)
+    assert chosen.name == "hybrid-u2"
+    assert considered["hybrid-u2"].seconds < min(considered["ring"].seconds, considered["allgather"].seconds)
+
+
+def test_auto_picks_hybrid_u2_on_four_ranks(ranks):
+    """2 heads on a topology of Ulysses degree 4: auto takes hybrid-u2 (the cheapest under the
+    built-in CPU profile), which runs on groups the default topology built, and matches the reference."""
+    for r in values(ranks(4), "parity/auto/zigzag-causal-2-heads-topo-u4"):
+        feasible = {n: t for n, t in r["considered"].items() if isinstance(t, float)}
+        assert r["chosen"] == ["hybrid-u2"] == [min(feasible, key=feasible.get)]
+        assert r["considered"]["ulysses"].startswith("ulysses: q heads (2)")
+        assert max(r[g] for g in ("out", "dq", "dk", "dv")) < 1e-10
+
+
+@pytest.mark.parametrize("ranks", [8, 64])
+def test_gemma3_like_stack_gets_halo_on_sliding_layers(ranks):
+    """5 sliding layers (W = 1024) per full layer, 8 q / 4 kv heads, D128, 128k tokens, NVLink
+    (8 per node): halo (O(W) bytes) for every sliding layer, a full-attention backend for the others."""
+    layers = ([LayerShape(8, 4, 128, 1024)] * 5 + [LayerShape(8, 4, 128)]) * 2
+    rows = plan_rows(layers, seq_len=128 * 1024, sp_size=ranks, ranks_per_node=8, profile=NVLINK_PROFILE)
+    assert [(first, last) for first, last, *_ in rows] == [(0, 4), (5, 5), (6, 10), (11, 11)]
+    for first, last, shape, chosen, considered in rows:
+        if shape.window:
+            assert chosen == "halo"
+            assert considered["halo"].comm_bytes < min(e.comm_bytes for e in considered.values() if isinstance(e, Estimate) and e is not considered["halo"])
+        else:
+            assert chosen != "halo" and considered["halo"].startswith("halo: only for sliding-window layers")
+
+
+def test_plan_shows_the_ulysses_degree():
+    result = CliRunner().invoke(sp_bench, ["plan", "--heads", "6", "--seq", "8k", "--sp-size", "8", "--layers", "4"])
+    assert result.exit_code == 0, result.output
+    assert "hybrid U=2 x R=4" in result.output and "0-3" in result.output and "hybrid-u4" in result.output
+
+
+@pytest.mark.parametrize("config,windows", [
+    ({"model_type": "gemma3_text", "num_hidden_layers": 6, "sliding_window": 512,
+      "layer_types": ["sliding_attention"] * 5 + ["full_attention"]}, [512] * 5 + [None]),
+    ({"model_type": "gemma3_text", "num_hidden_layers": 7, "sliding_window": 512, "sliding_window_pattern": 6}, [512] * 5 + [None, 512]),
+    ({"model_type": "gemma2", "num_hidden_layers": 4, "sliding_window": 4096}, [4096, None, 4096, None]),
+    ({"model_type": "qwen2", "num_hidden_layers": 4, "sliding_window": 4096, "use_sliding_window": False, "max_window_layers": 2}, [None] * 4),
+    ({"model_type": "qwen2", "num_hidden_layers": 4, "sliding_window": 4096, "use_sliding_window": True, "max_window_layers": 2}, [None, None, 4096, 4096]),
+    ({"model_type": "mistral", "num_hidden_layers": 3, "sliding_window": 4096}, [4096] * 3),
+    ({"model_type": "mistral", "num_hidden_layers": 3, "sliding_window": None}, [None] * 3),
+])
+def test_plan_reads_sliding_windows_per_layer(tmp_path, config, windows):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"num_attention_heads": 8, "num_key_value_heads": 2, "hidden_size": 512, **config}))
+    layers = layers_from_config(str(path))
+    assert [layer.window for layer in layers] == windows
+    rows = plan_rows(layers, seq_len=8192, sp_size=4, profile=NVLINK_PROFILE)
+    expected, first = [], 0  # consecutive layers with one window form one row
+    for window, run in itertools.groupby(windows):
+        last = first + len(list(run)) - 1
+        expected.append((first, last, window))
+        first = last + 1
+    assert [(first, last, shape.window) for first, last, shape, *_ in rows] == expected

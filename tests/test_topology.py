@@ -16,6 +16,24 @@ def test_groups_are_blocks_of_consecutive_ranks(ranks, world):
             ring = sp // ud
             assert got["ranks"] == (rank % sp, sp, rank // sp, world // sp, (rank % sp) % ud, ud, (rank % sp) // ud, ring)
             assert got["device"] == "cpu" and got["timeout"] == 30
+            for u, split in got["hybrid"].items():  # the topology's degree and every divisor 1 < U < sp
+                assert split["ulysses"] == [base + (rank - base) // u * u + i for i in range(u)]
+                assert split["ring"] == [base + (rank - base) % u + j * u for j in range(sp // u)]
+                assert split["ranks"] == ((rank % sp) % u, u, (rank % sp) // u, sp // u)
+            assert set(got["hybrid"]) == {u for u in range(1, sp + 1) if sp % u == 0 and (u == ud or 1 < u < sp)}
+
+
+def test_hybrid_groups_of_every_degree_are_made_once(ranks):
+    """4 ranks: ulysses_degree=2 creates SP (1), DP (4), Ulysses (2) and ring (2) groups and
+    hybrid-u2 runs on the topology's own; the default degree 4 adds U=2's 2 + 2 groups once."""
+    for rank, got in enumerate(values(ranks(4), "topology/hybrid-degrees")):
+        own = [[0, 1, 2, 3], [0], [1], [2], [3], [0, 1], [2, 3], [0, 2], [1, 3]]
+        assert got[2]["new_groups"] == own and got[2]["own_groups"]
+        assert got[4]["new_groups"] == [[0, 1, 2, 3], [0], [1], [2], [3], [0, 1, 2, 3], [0], [1], [2], [3], [0, 1], [2, 3], [0, 2], [1, 3]]
+        assert not got[4]["own_groups"]
+        for ud in (2, 4):
+            assert got[ud]["ulysses"] == [rank // 2 * 2, rank // 2 * 2 + 1] and got[ud]["ring"] == [rank % 2, rank % 2 + 2]
+        assert got["err"] < 1e-10
 
 
 EXPECTED = {

@@ -62,7 +62,17 @@ def _check_cu_seqlens(values: list, seq_len: int) -> tuple[int, ...]:
     return tuple(values)
 
 
-def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=None, cu_seqlens=None, kernel: str = "auto") -> AttnSpec:
+def _check_window(window, softcap, causal) -> None:
+    if window is not None and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
+        raise ValueError(f"window must be a positive integer (query i sees keys i - window < j <= i) or None, got {window!r}")
+    if window is not None and not causal:
+        raise ValueError("a sliding window needs causal=True (query i sees keys i - window < j <= i)")
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float)) or not (math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite number >= 0 (0 or None: no soft-capping), got {softcap!r}")
+
+
+def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=None, cu_seqlens=None, kernel: str = "auto",
+              window: int | None = None, softcap: float | None = None) -> AttnSpec:
     """Validate this rank's shards and describe the call, with the kernel that will run it
     (``kernels.resolve_kernel``). Local only: no communication."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -97,6 +107,8 @@ def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=Non
         )
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale}")
+    softcap = 0.0 if softcap is None else softcap
+    _check_window(window, softcap, causal)
     seq_len = s * topo.sp_size
     return AttnSpec(
         batch=b,
@@ -111,6 +123,8 @@ def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=Non
         layout=topo.layout,
         cu_seqlens=_cu_seqlens_tuple(cu_seqlens, seq_len, topo.cache),
         kernel=resolve_kernel(kernel, q.dtype, q.device, d),
+        window=window if window is not None and window < seq_len else None,  # a window over everything is none
+        softcap=float(softcap),
     )
 
 
@@ -118,11 +132,11 @@ def _signature(spec: AttnSpec, backend: str, tensors) -> tuple[int, ...]:
     dtype_code = zlib.crc32(str(spec.dtype).encode())
     # which inputs need a gradient decides which tensors the backward all-to-all carries
     grads = sum(1 << i for i, t in enumerate(tensors) if t.requires_grad and torch.is_grad_enabled())
-    extras = zlib.crc32(repr((spec.cu_seqlens, backend, spec.softmax_scale, spec.kernel)).encode())
+    extras = zlib.crc32(repr((spec.cu_seqlens, backend, spec.softmax_scale, spec.kernel, spec.window, spec.softcap)).encode())
     return (spec.batch, spec.local_seq_len, spec.q_heads, spec.kv_heads, spec.head_dim, dtype_code, int(spec.causal), grads, extras)
 
 
-_SIGNATURE_FIELDS = ("batch", "local_seq_len", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "requires_grad", "cu_seqlens/backend/scale/kernel")
+_SIGNATURE_FIELDS = ("batch", "local_seq_len", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "requires_grad", "cu_seqlens/backend/scale/kernel/window/softcap")
 
 
 def _check_ranks_agree(spec: AttnSpec, backend: str, topo: Topology, tensors) -> None:
@@ -166,7 +180,9 @@ class SequenceParallelAttention(nn.Module):
     output shard, the shape of ``q``. ``backend`` is a registered name or
     ``"auto"``; with ``auto`` the choice is made once per call shape and cached.
     ``kernel`` is the local attention kernel (``ulysses_sp.kernels``): ``auto``,
-    ``flash_attn``, ``torch`` or ``math``.
+    ``flash_attn``, ``torch`` or ``math``. ``forward(..., window=W)`` is a causal sliding
+    window in Hugging Face's convention (query i sees keys i - W < j <= i) and
+    ``softcap=c`` caps the scaled scores at ``c * tanh(s / c)`` (Gemma 2).
     """
 
     def __init__(self, topo: Topology, backend: str = "auto", layer_idx: int | None = None, profile: Profile | None = None, kernel: str = "auto"):
@@ -178,8 +194,10 @@ class SequenceParallelAttention(nn.Module):
         self.topo, self.backend, self.layer_idx, self.profile, self.kernel = topo, backend, layer_idx, profile, kernel
         self._chosen: dict[AttnSpec, object] = {}
 
-    def forward(self, q, k, v, *, causal: bool = True, softmax_scale: float | None = None, cu_seqlens=None) -> torch.Tensor:
-        spec = make_spec(q, k, v, self.topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, kernel=self.kernel)
+    def forward(self, q, k, v, *, causal: bool = True, softmax_scale: float | None = None, cu_seqlens=None, window: int | None = None,
+                softcap: float | None = None) -> torch.Tensor:
+        spec = make_spec(q, k, v, self.topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, kernel=self.kernel,
+                         window=window, softcap=softcap)
         _check_ranks_agree(spec, self.backend, self.topo, (q, k, v))
         backend = self._chosen.get(spec)
         if backend is None:
@@ -194,9 +212,10 @@ class SequenceParallelAttention(nn.Module):
 
 def sp_attention(
     q, k, v, topo: Topology, *, backend: str = "auto", causal: bool = True, softmax_scale=None, cu_seqlens=None, profile: Profile | None = None,
-    kernel: str = "auto",
+    kernel: str = "auto", window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Functional form of :class:`SequenceParallelAttention` (no per-layer cache)."""
-    spec = make_spec(q, k, v, topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, kernel=kernel)
+    spec = make_spec(q, k, v, topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, kernel=kernel, window=window,
+                     softcap=softcap)
     _check_ranks_agree(spec, backend, topo, (q, k, v))
     return _resolve(backend, spec, topo, profile, None).forward(q, k, v, spec, topo)

@@ -1,12 +1,19 @@
-"""Block-wise attention for the ring, hybrid and all-gather backends: which kernel calls
-attend this rank's queries to one set of keys (:func:`plan_blocks`), and running them
-into fp32 accumulators (:func:`blocks_forward`, :func:`blocks_backward`).
+"""Block-wise attention for the ring, hybrid, all-gather and halo backends: which kernel
+calls attend this rank's queries to one set of keys (:func:`plan_blocks`), and running
+them into fp32 accumulators (:func:`blocks_forward`, :func:`blocks_backward`).
 
-A plan has at most one kernel call per (query chunk, run of visible key chunks),
-however many documents are packed: the documents a pair shares become the sequences
-of one varlen call (``kernels.Varlen``), a pair sharing none is skipped, and no mask
-is built. Plans are pure functions of the layout and the packing, computed once per
-call signature and kept in ``Topology.cache`` with their device tensors.
+Queries and keys are described by *segments*: ``(global start, length)`` in local order
+(``start`` None for local positions that are never attended). Masks are stated in global
+positions (causal: key <= query; window W: key > query - W; packed: same document) and
+each call is trimmed to the queries that see a key and the keys some query sees, so its
+mask is flash-attn's bottom-right ``causal``/``window`` (see ``ulysses_sp.kernels``).
+A plan has at most one kernel call per (query run, key run) of globally consecutive
+segments (a key run is cut where the query run starts, so the keys before it and the
+square diagonal are separate calls), however many documents are packed: documents that share the same mask become
+the sequences of one varlen call (``kernels.Varlen``; a gap becomes a sequence with no
+queries or no keys), pairs that see nothing are skipped, and no mask tensor is built.
+Plans are pure functions of the layout, the window and the packing, computed once per call
+signature and kept in ``Topology.cache`` with their device tensors.
 """
 
 from __future__ import annotations
@@ -15,15 +22,14 @@ import bisect
 from dataclasses import dataclass
 
 from .kernels import Varlen, get_kernel, merge_partials
-from .layout import block_runs
 
-__all__ = ["BlockCall", "plan_blocks", "cached_plan", "blocks_forward", "blocks_backward"]
+__all__ = ["BlockCall", "chunk_segments", "plan_blocks", "sees_any", "cached_plan", "blocks_forward", "blocks_backward"]
 
 
 @dataclass(frozen=True, eq=False)
 class BlockCall:
-    """One kernel call: local queries ``q0:q1`` attend local keys ``k0:k1``; ``causal`` is
-    the kernel's (bottom-right) mask, within each sequence of ``varlen`` when packed."""
+    """One kernel call: local queries ``q0:q1`` attend local keys ``k0:k1`` with the kernel's
+    (bottom-right) ``causal`` mask and ``window`` band, within each sequence of ``varlen``."""
 
     q0: int
     q1: int
@@ -31,79 +37,142 @@ class BlockCall:
     k1: int
     causal: bool
     varlen: Varlen | None = None
+    window: tuple[int, int] | None = None
 
 
-def _docs_in(chunk_id: int, chunk: int, cu_seqlens) -> range:
-    """Indices of the documents that overlap global chunk ``chunk_id``."""
-    lo, hi = chunk_id * chunk, (chunk_id + 1) * chunk
+def chunk_segments(chunk_ids, chunk: int) -> tuple[tuple[int, int], ...]:
+    """Segments of equal chunks given by global chunk id, in local order."""
+    return tuple((c * chunk, chunk) for c in chunk_ids)
+
+
+def _runs(segments) -> list[tuple[int, int, int]]:
+    """``(global start, global end, local start)`` of each run of segments that are
+    consecutive both locally and globally."""
+    runs, pos = [], 0
+    for start, n in segments:
+        if start is not None and n:
+            if runs and runs[-1][1] == start and runs[-1][2] + runs[-1][1] - runs[-1][0] == pos:
+                runs[-1] = (runs[-1][0], start + n, runs[-1][2])
+            else:
+                runs.append((start, start + n, pos))
+        pos += n
+    return runs
+
+
+def _split_at(runs, start):
+    """Runs cut at global position ``start``: a causal query run's keys before it (fully
+    visible, or a band) and from it (the square diagonal) become separate calls, so no
+    kernel needs a causal mask with more keys than queries."""
+    if start is None:
+        return runs
+    out = []
+    for a, b, local in runs:
+        out += [(a, start, local), (start, b, local + start - a)] if a < start < b else [(a, b, local)]
+    return out
+
+
+def _docs(cu_seqlens, lo: int, hi: int) -> range:
+    """Indices of the documents that overlap ``[lo, hi)``."""
     return range(bisect.bisect_right(cu_seqlens, lo) - 1, bisect.bisect_left(cu_seqlens, hi))
 
 
-def _overlap(doc: int, chunk_id: int, chunk: int, cu_seqlens) -> int:
-    return max(0, min(cu_seqlens[doc + 1], (chunk_id + 1) * chunk) - max(cu_seqlens[doc], chunk_id * chunk))
+def _rows(q_run, k_run, causal: bool, window, cu_seqlens):
+    """Per document shared by the runs: its ``(q0, q1, k0, k1)`` (global) trimmed to the
+    queries that see a key and the keys some query sees, its exact band ``(left, right)`` in
+    the kernel's bottom-right coordinates, and whether each side masks anything."""
+    (qa, qb, _), (ka, kb, _) = q_run, k_run
+    bounds = [(qa, qb, ka, kb)]
+    if cu_seqlens is not None:
+        dq, dk = _docs(cu_seqlens, qa, qb), _docs(cu_seqlens, ka, kb)
+        bounds = [
+            (max(qa, cu_seqlens[d]), min(qb, cu_seqlens[d + 1]), max(ka, cu_seqlens[d]), min(kb, cu_seqlens[d + 1]))
+            for d in range(max(dq.start, dk.start), min(dq.stop, dk.stop))
+        ]
+    rows = []
+    for q0, q1, k0, k1 in bounds:
+        band, active = (None, None), (False, False)
+        if causal:
+            reach = window - 1 if window is not None else q1 - k0  # how far back a query sees
+            q0, q1, k0, k1 = max(q0, k0), min(q1, k1 + reach), max(k0, q0 - reach), min(k1, q1)
+            right = q1 - k1  # key <= query
+            band = (window - 1 - right if window is not None else None, right)  # key > query - window
+            active = (window is not None and k0 < q1 - window, k1 - 1 > q0)
+        if q1 > q0 and k1 > k0:
+            rows.append(((q0, q1, k0, k1), band, active))
+    return rows
 
 
-def _packed_call(q_chunk: int, k_run, chunk: int, causal: bool, cu_seqlens, q_lo: int, k_lo: int, batch: int, device):
-    """The call for one query chunk and a run of key chunks (increasing global ids) of a
-    packed sequence, or None when they share no document. Every document is an interval,
-    so its queries are consecutive in the chunk and its keys consecutive in the run: the
-    documents between the first and the last shared one are the call's sequences."""
-    docs = sorted(set(_docs_in(q_chunk, chunk, cu_seqlens)).union(*(_docs_in(b, chunk, cu_seqlens) for b in k_run)))
-    rows, q_pos, k_pos = [], 0, 0
-    for d in docs:
-        nq = _overlap(d, q_chunk, chunk, cu_seqlens)
-        nk = sum(_overlap(d, b, chunk, cu_seqlens) for b in k_run)
-        rows.append((q_pos, nq, k_pos, nk))
-        q_pos, k_pos = q_pos + nq, k_pos + nk
-    shared = [i for i, (_, nq, _, nk) in enumerate(rows) if nq and nk]
-    if not shared:
-        return None
-    rows = rows[shared[0] : shared[-1] + 1]
-    (q_first, _, k_first, _), (q_last, nq_last, k_last, nk_last) = rows[0], rows[-1]
-    varlen = None if len(rows) == 1 else Varlen.build([r[1] for r in rows], [r[3] for r in rows], batch, device)
-    return BlockCall(q_lo + q_first, q_lo + q_last + nq_last, k_lo + k_first, k_lo + k_last + nk_last, causal, varlen)
+def _call(rows, q_run, k_run, batch: int, device) -> BlockCall:
+    """One call for consecutive documents with the same band; gaps between their query
+    (key) ranges become sequences without keys (queries)."""
+    lens_q, lens_k = [], []
+    (q_first, _, k_first, _), _, _ = rows[0]
+    q_end, k_end = q_first, k_first
+    for (q0, q1, k0, k1), _, _ in rows:
+        if q0 > q_end:
+            lens_q, lens_k = lens_q + [q0 - q_end], lens_k + [0]
+        if k0 > k_end:
+            lens_q, lens_k = lens_q + [0], lens_k + [k0 - k_end]
+        lens_q, lens_k = lens_q + [q1 - q0], lens_k + [k1 - k0]
+        q_end, k_end = q1, k1
+    varlen = Varlen.build(lens_q, lens_k, batch, device) if len(lens_q) > 1 else None
+    # a side no document needs is left unbounded (-1)
+    left, right = (side if any(r[2][i] for r in rows) else -1 for i, side in enumerate(rows[0][1]))
+    window = None if left == -1 and right in (-1, 0) else (left, right)
+    q_local, k_local = q_run[2] - q_run[0], k_run[2] - k_run[0]
+    return BlockCall(q_local + q_first, q_local + q_end, k_local + k_first, k_local + k_end, right == 0, varlen, window)
 
 
-def plan_blocks(q_chunks, k_chunks, chunk: int, causal: bool, cu_seqlens=None, batch: int = 1, device=None) -> tuple[BlockCall, ...]:
-    """The kernel calls that attend local queries (global chunk ids ``q_chunks``, in local
-    order, ``chunk`` tokens each) to local keys (``k_chunks``), given the global document
-    boundaries ``cu_seqlens`` of a packed sequence (or None)."""
+def plan_blocks(q_segments, k_segments, *, causal: bool, window: int | None = None, cu_seqlens=None, batch: int = 1,
+                device=None) -> tuple[BlockCall, ...]:
+    """The kernel calls that attend the local queries (``q_segments``) to the local keys
+    (``k_segments``) under a causal mask, a sliding ``window`` (Hugging Face's W: key >
+    query - W; needs ``causal``) and the documents of ``cu_seqlens`` (global boundaries)."""
     calls = []
-    for i, j0, j1, diagonal in block_runs(q_chunks, k_chunks, causal):
-        q_lo, k_lo = i * chunk, j0 * chunk
-        if cu_seqlens is None:
-            calls.append(BlockCall(q_lo, q_lo + chunk, k_lo, j1 * chunk, diagonal))
-            continue
-        call = _packed_call(q_chunks[i], k_chunks[j0:j1], chunk, diagonal, cu_seqlens, q_lo, k_lo, batch, device)
-        if call is not None:
-            calls.append(call)
+    for q_run in _runs(q_segments):
+        for k_run in _split_at(_runs(k_segments), q_run[0] if causal else None):
+            rows = _rows(q_run, k_run, causal, window, cu_seqlens)
+            start = 0
+            for i in range(1, len(rows) + 1):
+                if i == len(rows) or rows[i][1] != rows[start][1]:
+                    calls.append(_call(rows[start:i], q_run, k_run, batch, device))
+                    start = i
     return tuple(calls)
 
 
-def cached_plan(topo, q_chunks, k_chunks, chunk: int, spec, device) -> tuple[BlockCall, ...]:
-    """:func:`plan_blocks` for ``spec``'s causal flag, packing and batch, kept in ``topo.cache``."""
-    key = ("blocks", tuple(q_chunks), tuple(k_chunks), chunk, spec.causal, spec.cu_seqlens, spec.batch, str(device))
-    return topo.cached(key, lambda: plan_blocks(q_chunks, k_chunks, chunk, spec.causal, spec.cu_seqlens, spec.batch, device))
+def sees_any(q_segments, k_segments, *, causal: bool, window: int | None = None, cu_seqlens=None) -> bool:
+    """Whether any query of ``q_segments`` sees any key of ``k_segments`` (no tensors built)."""
+    return any(_rows(q, k, causal, window, cu_seqlens) for q in _runs(q_segments) for k in _runs(k_segments))
 
 
-def blocks_forward(kernel: str, q, k, v, calls, scale: float, out_acc, lse_acc) -> None:
+def cached_plan(topo, q_segments, k_segments, spec, device) -> tuple[BlockCall, ...]:
+    """:func:`plan_blocks` for ``spec``'s mask, window, packing and batch, kept in ``topo.cache``."""
+    q_segments, k_segments = tuple(q_segments), tuple(k_segments)
+    key = ("blocks", q_segments, k_segments, spec.causal, spec.window, spec.cu_seqlens, spec.batch, str(device))
+    return topo.cached(key, lambda: plan_blocks(
+        q_segments, k_segments, causal=spec.causal, window=spec.window, cu_seqlens=spec.cu_seqlens, batch=spec.batch, device=device
+    ))
+
+
+def blocks_forward(kernel: str, q, k, v, calls, spec, out_acc, lse_acc) -> None:
     """Run ``calls`` with the named kernel and merge their results into the fp32
     accumulators ``out_acc`` ``[B, Sq, H, D]`` / ``lse_acc`` ``[B, H, Sq]`` in place.
     q, k and v reach the kernel in their own dtype."""
     run = get_kernel(kernel).block_forward
     for c in calls:
-        o, lse = run(q[:, c.q0 : c.q1], k[:, c.k0 : c.k1], v[:, c.k0 : c.k1], causal=c.causal, scale=scale, varlen=c.varlen)
+        o, lse = run(q[:, c.q0 : c.q1], k[:, c.k0 : c.k1], v[:, c.k0 : c.k1], causal=c.causal, scale=spec.softmax_scale,
+                     varlen=c.varlen, window=c.window, softcap=spec.softcap)
         out_acc[:, c.q0 : c.q1], lse_acc[..., c.q0 : c.q1] = merge_partials(out_acc[:, c.q0 : c.q1], lse_acc[..., c.q0 : c.q1], o, lse)
 
 
-def blocks_backward(kernel: str, dout, q, k, v, out, lse, calls, scale: float, dq_acc, dk_acc, dv_acc) -> None:
+def blocks_backward(kernel: str, dout, q, k, v, out, lse, calls, spec, dq_acc, dk_acc, dv_acc) -> None:
     """Gradients of :func:`blocks_forward` from the final ``out``/``lse`` of every query row,
     added in place to the accumulators ``dq_acc``, ``dk_acc``, ``dv_acc``."""
     run = get_kernel(kernel).block_backward
     for c in calls:
         dq, dk, dv = run(
             dout[:, c.q0 : c.q1], q[:, c.q0 : c.q1], k[:, c.k0 : c.k1], v[:, c.k0 : c.k1], out[:, c.q0 : c.q1],
-            lse[..., c.q0 : c.q1], causal=c.causal, scale=scale, varlen=c.varlen,
+            lse[..., c.q0 : c.q1], causal=c.causal, scale=spec.softmax_scale, varlen=c.varlen, window=c.window, softcap=spec.softcap,
         )
         dq_acc[:, c.q0 : c.q1] += dq
         dk_acc[:, c.k0 : c.k1] += dk

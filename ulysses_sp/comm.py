@@ -31,6 +31,7 @@ __all__ = [
     "all_gather",
     "reduce_scatter",
     "ring_send_recv",
+    "exchange",
     "all_gather_ints",
     "kv_heads_sent",
     "head_scatter_problem",
@@ -434,16 +435,24 @@ def ring_send_recv(tensors, group, *, send_to: int, recv_from: int, tag: int = 0
     ``tag``s (gloo matches by tag).
     Not differentiable: ring backends call it inside their own autograd Function.
     """
-    # contiguous: empty_like keeps a strided input's stride order, and gloo's recv needs a contiguous buffer
-    received = [torch.empty_like(t, memory_format=torch.contiguous_format) for t in tensors]
-    to_rank = dist.get_global_rank(group, send_to)
-    from_rank = dist.get_global_rank(group, recv_from)
-    ops = [dist.P2POp(dist.isend, t.contiguous(), to_rank, group, tag) for t in tensors]
-    ops += [dist.P2POp(dist.irecv, r, from_rank, group, tag) for r in received]
-    with _failing_clearly("send_recv", group):
-        works = dist.batch_isend_irecv(ops)
-    moved = sum(_nbytes(t) for t in tensors)
-    _record("send_recv", moved, moved)
+    return exchange([(send_to, t) for t in tensors], [(recv_from, t) for t in tensors], group, tag=tag)
+
+
+def exchange(sends, recvs, group, *, tag: int = 0):
+    """Post point-to-point sends ``[(to, tensor), ...]`` and receives ``[(from, like), ...]``
+    (group ranks; a receive buffer gets ``like``'s shape and dtype) in one ``batch_isend_irecv``.
+
+    Returns ``(received, wait)`` as :func:`ring_send_recv`; empty tensors are not sent.
+    Not differentiable: backends call it inside their own autograd Function.
+    """
+    received = [torch.empty(like.shape, dtype=like.dtype, device=like.device) for _, like in recvs]
+    ops = [dist.P2POp(dist.isend, t.contiguous(), dist.get_global_rank(group, to), group, tag) for to, t in sends if t.numel()]
+    ops += [dist.P2POp(dist.irecv, buf, dist.get_global_rank(group, src), group, tag) for (src, _), buf in zip(recvs, received) if buf.numel()]
+    works = []
+    if ops:
+        with _failing_clearly("send_recv", group):
+            works = dist.batch_isend_irecv(ops)
+    _record("send_recv", sum(_nbytes(t) for _, t in sends), sum(_nbytes(b) for b in received))
 
     def wait() -> None:  # idempotent, so drain() may call it again
         with _failing_clearly("send_recv", group):

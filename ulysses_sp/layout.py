@@ -26,7 +26,6 @@ __all__ = [
     "check_seq_len",
     "shard",
     "pad_to_multiple",
-    "block_runs",
 ]
 
 LAYOUTS = ("contiguous", "zigzag")
@@ -98,30 +97,3 @@ def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = 1, value: float =
         return x
     pad = [0, 0] * (x.dim() - 1 - dim) + [0, extra]
     return F.pad(x, pad, value=value)
-
-
-def block_runs(q_chunks, k_chunks, causal: bool) -> list[tuple[int, int, int, bool]]:
-    """Which key chunks each local query chunk attends, as ``(i, j0, j1, diagonal)``.
-
-    ``q_chunks`` / ``k_chunks`` are the global chunk ids (equal-length chunks)
-    of the local query and key tensors, in local order. Query chunk ``i`` sees
-    key positions ``j0 .. j1-1`` fully, or, when ``diagonal``, the single chunk
-    ``j0`` with the same id under a causal mask. Under ``causal`` a key chunk
-    with a larger id is hidden and yields no run at all (never computed).
-    Consecutive fully visible key chunks form one run (one kernel call).
-    """
-    runs = []
-    for i, a in enumerate(q_chunks):
-        j = 0
-        while j < len(k_chunks):
-            b = k_chunks[j]
-            if causal and b >= a:
-                if b == a:
-                    runs.append((i, j, j + 1, True))
-                j += 1
-                continue
-            start = j
-            while j < len(k_chunks) and (not causal or k_chunks[j] < a):
-                j += 1
-            runs.append((i, start, j, False))
-    return runs

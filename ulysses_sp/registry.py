@@ -2,23 +2,28 @@
 
 A backend is any object with the :class:`Backend` shape. The built-in ones
 are registered when this module is imported; ``register_backend`` adds more.
+``hybrid-u{U}`` names the hybrid backend at Ulysses degree U (made on first use,
+any U; its ``check`` says whether U fits the topology and the heads); ``hybrid``
+is the hybrid at the topology's own ``ulysses_degree``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import re
 from typing import Protocol, runtime_checkable
 
 import torch
 
 from ulysses_sp.backends.allgather import AllGatherBackend
+from ulysses_sp.backends.halo import HaloBackend
 from ulysses_sp.backends.hybrid import HybridBackend
 from ulysses_sp.backends.ring import RingBackend
 from ulysses_sp.backends.ulysses import UlyssesBackend
 from ulysses_sp.profile import Profile, default_profile
 from ulysses_sp.spec import AttnSpec, Estimate
 
-__all__ = ["Backend", "register_backend", "get_backend", "list_backends", "choose_backend"]
+__all__ = ["Backend", "register_backend", "get_backend", "list_backends", "candidates", "choose_backend"]
 
 
 @runtime_checkable
@@ -36,6 +41,14 @@ class Backend(Protocol):
 
 
 _BACKENDS: dict[str, Backend] = {}
+_HYBRIDS: dict[int, HybridBackend] = {}
+_HYBRID_NAME = re.compile(r"hybrid-u([1-9][0-9]*)")
+
+
+def _hybrid(ulysses_degree: int) -> HybridBackend:
+    if ulysses_degree not in _HYBRIDS:
+        _HYBRIDS[ulysses_degree] = HybridBackend(ulysses_degree)
+    return _HYBRIDS[ulysses_degree]
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
@@ -44,6 +57,8 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
         raise TypeError(f"a backend needs name, check, estimate and forward; got {backend!r}")
     if backend.name == "auto":
         raise ValueError("'auto' is reserved for the automatic choice")
+    if _HYBRID_NAME.fullmatch(backend.name):
+        raise ValueError(f"{backend.name!r} is reserved for the hybrid backend at that Ulysses degree")
     if backend.name in _BACKENDS and not replace:
         raise ValueError(f"backend {backend.name!r} is already registered; pass replace=True to override it")
     _BACKENDS[backend.name] = backend
@@ -55,16 +70,34 @@ def list_backends() -> list[str]:
 
 
 def get_backend(name: str) -> Backend:
-    try:
+    """The registered backend ``name``, or the hybrid at Ulysses degree U for ``hybrid-u{U}``."""
+    if name in _BACKENDS:
         return _BACKENDS[name]
-    except KeyError:
-        raise ValueError(f"unknown SP backend {name!r}; known: {', '.join(['auto', *_BACKENDS])}") from None
+    match = _HYBRID_NAME.fullmatch(name) if isinstance(name, str) else None
+    if match:
+        return _hybrid(int(match.group(1)))
+    raise ValueError(f"unknown SP backend {name!r}; known: {', '.join(['auto', *_BACKENDS])}, hybrid-u{{U}} (U: a Ulysses degree)")
+
+
+def candidates(topo) -> dict[str, Backend]:
+    """What ``auto`` weighs: every registered backend, with the built-in ``hybrid`` replaced
+    by ``hybrid-u{U}`` for every divisor 1 < U < sp_size. ``hybrid`` runs at the topology's
+    degree, which is one of those, or ring's split (U = 1) or Ulysses' (U = P), so it
+    would only duplicate an entry."""
+    out: dict[str, Backend] = {}
+    for name, backend in _BACKENDS.items():
+        if isinstance(backend, HybridBackend) and backend.ulysses_degree is None:
+            p = topo.sp_size
+            out.update((f"hybrid-u{u}", _hybrid(u)) for u in range(2, p) if p % u == 0)
+        else:
+            out[name] = backend
+    return out
 
 
 def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tuple[Backend, dict[str, str | Estimate]]:
-    """The cheapest feasible backend for ``spec``, and for every backend either
-    its estimate or the reason it was dropped (``check()`` failed, or its peak
-    memory exceeds the profile's budget).
+    """The cheapest feasible backend of :func:`candidates` for ``spec``, and for every
+    candidate either its estimate or the reason it was dropped (``check()`` failed, or
+    its peak memory exceeds the profile's budget).
 
     ``profile`` defaults to the topology's, else the built-in one for its device. The memory
     budget is the profile's, else what the CUDA device reports free (``torch.cuda.mem_get_info``).
@@ -74,11 +107,13 @@ def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tupl
     if budget is None and topo.device.type == "cuda":
         budget = torch.cuda.mem_get_info(topo.device)[0]
     considered: dict[str, str | Estimate] = {}
-    for name, backend in _BACKENDS.items():
+    backends = candidates(topo)
+    for name, backend in backends.items():
         reason = backend.check(spec, topo)
         if reason is None:
             estimate = backend.estimate(spec, topo, profile)
-            overhead = profile.overhead_seconds(name, spec)
+            hybrid_u = _HYBRID_NAME.fullmatch(name) and name not in profile.backend_overhead
+            overhead = profile.overhead_seconds("hybrid" if hybrid_u else name, spec)  # calibrate measures "hybrid"
             if overhead:
                 estimate = dataclasses.replace(estimate, seconds=estimate.seconds + overhead)
             if budget is not None and estimate.peak_bytes > budget:
@@ -91,8 +126,8 @@ def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tupl
         reasons = "; ".join(f"{r}" for r in considered.values())
         raise ValueError(f"no SP backend can run this attention: {reasons}")
     best = min(feasible, key=lambda n: feasible[n].seconds)
-    return _BACKENDS[best], considered
+    return backends[best], considered
 
 
-for _builtin in (UlyssesBackend(), AllGatherBackend(), RingBackend(), HybridBackend()):
+for _builtin in (UlyssesBackend(), AllGatherBackend(), RingBackend(), HybridBackend(), HaloBackend()):
     register_backend(_builtin)

@@ -3,68 +3,84 @@
 Each rank keeps its queries; keys and values travel around the ring, one
 hop per step, the next hop posted before the current block is computed.
 Partial results merge in fp32 through ``(out, lse)``; key chunks a causal
-mask hides are never computed. The backward is a custom autograd Function
-that recomputes every block from the saved ``(q, k, v, out, lse)`` and sends
-the dK/dV accumulators around the ring with the K/V they belong to, so memory
-stays O(local tokens) and no graph is kept per step.
+mask or a sliding window hides are never computed. The backward is a custom
+autograd Function that recomputes every block from the saved
+``(q, k, v, out, lse)`` and sends the dK/dV accumulators around the ring with
+the K/V they belong to, so memory stays O(local tokens) and no graph is kept
+per step.
 
 What a rank computes against the keys of each source rank is a block plan
 (``blocks.plan_blocks``: ``ring_plans`` makes them from the chunk ids each rank
 holds, ``layout.chunk_table``); the kernel that runs them is named by the caller.
+The ring runs only as many hops as the farthest source any rank's queries see
+(``RingPlans.hops``; under a sliding window and the contiguous layout, one or two):
+K/V go no further, and after the last hop each dK/dV accumulator is sent straight
+back to its owner instead of around the rest of the ring.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 
 from . import comm
-from .blocks import blocks_backward, blocks_forward, cached_plan
+from .blocks import blocks_backward, blocks_forward, cached_plan, chunk_segments, sees_any
 from .kernels import accumulator_dtype
 
-__all__ = ["ring_attention", "ring_plans"]
+__all__ = ["RingPlans", "ring_attention", "ring_plans", "ring_hops"]
 
 _KV_TAG, _GRAD_TAG = 0, 1
 
 
-def _kv_blocks(k, v, group, posted: list):
-    """``(src, K, V)`` for the blocks of every rank, own first, in ring order. The next hop
-    is posted before a block is handed out and its wait appended to ``posted``, so the
-    caller can ``comm.drain`` it if it raises while the hop is in flight."""
+@dataclass(frozen=True, eq=False)
+class RingPlans:
+    """This rank's block plan against the keys of each ring rank (``calls[src]``), and the
+    hops every rank runs: the farthest ring distance at which any rank's queries see a key."""
+
+    calls: list
+    hops: int
+
+
+def _kv_blocks(k, v, group, hops: int, posted: list):
+    """``(src, K, V)`` for this rank's own block and the next ``hops`` in ring order. The
+    next hop is posted before a block is handed out and its wait appended to ``posted``, so
+    the caller can ``comm.drain`` it if it raises while the hop is in flight."""
     p, r = comm.group_size(group), dist.get_rank(group)
     k_cur, v_cur = k, v
-    for step in range(p):
-        if step < p - 1:
+    for step in range(hops + 1):
+        if step < hops:
             (k_next, v_next), wait = comm.ring_send_recv([k_cur, v_cur], group, send_to=(r + 1) % p, recv_from=(r - 1) % p, tag=_KV_TAG)
             posted.append(wait)
         yield (r - step) % p, k_cur, v_cur
-        if step < p - 1:
+        if step < hops:
             wait()
             k_cur, v_cur = k_next, v_next
 
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, plans, kernel, scale):
+    def forward(ctx, q, k, v, group, plans, kernel, spec):
         acc = accumulator_dtype(q.dtype)
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
         posted = []
         try:
-            for src, k_cur, v_cur in _kv_blocks(k, v, group, posted):
-                blocks_forward(kernel, q, k_cur, v_cur, plans[src], scale, out_acc, lse_acc)
+            for src, k_cur, v_cur in _kv_blocks(k, v, group, plans.hops, posted):
+                blocks_forward(kernel, q, k_cur, v_cur, plans.calls[src], spec, out_acc, lse_acc)
         except BaseException:
             comm.drain(posted)
             raise
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
-        ctx.args = (group, plans, kernel, scale)
+        ctx.args = (group, plans, kernel, spec)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
-        group, plans, kernel, scale = ctx.args
+        group, plans, kernel, spec = ctx.args
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         p, r = comm.group_size(group), dist.get_rank(group)
         acc = accumulator_dtype(q.dtype)
@@ -72,21 +88,25 @@ class _RingAttention(torch.autograd.Function):
         arriving, wait_grads = None, None
         posted = []
         try:
-            for src, k_cur, v_cur in _kv_blocks(k, v, group, posted):
+            for step, (src, k_cur, v_cur) in enumerate(_kv_blocks(k, v, group, plans.hops, posted)):
                 dk_blk = torch.zeros(k.shape, dtype=acc, device=k.device)
                 dv_blk = torch.zeros(v.shape, dtype=acc, device=v.device)
-                blocks_backward(kernel, dout, q, k_cur, v_cur, out, lse, plans[src], scale, dq_acc, dk_blk, dv_blk)
+                blocks_backward(kernel, dout, q, k_cur, v_cur, out, lse, plans.calls[src], spec, dq_acc, dk_blk, dv_blk)
                 if need_k or need_v:
                     # The accumulators of block `src` travel with it: add what earlier ranks
-                    # gave, pass on; after the last step each rank receives its own block's sum.
+                    # gave, pass on; the last hop's go straight back to their owner, so each
+                    # rank receives its own block's sum.
                     if wait_grads is not None:
                         wait_grads()
                         dk_blk += arriving[0]
                         dv_blk += arriving[1]
-                    if p == 1:
+                    if plans.hops == 0:
                         arriving = (dk_blk, dv_blk)
                     else:
-                        arriving, wait_grads = comm.ring_send_recv([dk_blk, dv_blk], group, send_to=(r + 1) % p, recv_from=(r - 1) % p, tag=_GRAD_TAG)
+                        ahead = 1 if step < plans.hops else p - plans.hops
+                        arriving, wait_grads = comm.ring_send_recv(
+                            [dk_blk, dv_blk], group, send_to=(r + ahead) % p, recv_from=(r - ahead) % p, tag=_GRAD_TAG
+                        )
                         posted.append(wait_grads)
         except BaseException:
             comm.drain(posted)
@@ -101,13 +121,25 @@ class _RingAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None
 
 
-def ring_plans(topo, chunk_lists, rank: int, spec, q) -> list:
-    """This rank's block plan against each ring rank's keys (``chunk_lists[src]``)."""
+def ring_hops(chunk_lists, chunk: int, spec) -> int:
+    """The farthest ring distance at which some rank's queries see some key (0: none beyond its own)."""
+    p = len(chunk_lists)
+    segs = [chunk_segments(c, chunk) for c in chunk_lists]
+    mask = dict(causal=spec.causal, window=spec.window, cu_seqlens=spec.cu_seqlens)
+    return max((d for d in range(1, p) for r in range(p) if sees_any(segs[r], segs[(r - d) % p], **mask)), default=0)
+
+
+def ring_plans(topo, chunk_lists, rank: int, spec, q) -> RingPlans:
+    """This rank's :class:`RingPlans` when ring rank ``src`` holds chunks ``chunk_lists[src]``."""
     chunk = q.shape[1] // len(chunk_lists[rank])
-    return [cached_plan(topo, chunk_lists[rank], chunks, chunk, spec, q.device) for chunks in chunk_lists]
+    hops = topo.cached(("ring-hops", tuple(map(tuple, chunk_lists)), chunk, spec.causal, spec.window, spec.cu_seqlens),
+                       lambda: ring_hops(chunk_lists, chunk, spec))
+    mine = chunk_segments(chunk_lists[rank], chunk)
+    return RingPlans([cached_plan(topo, mine, chunk_segments(c, chunk), spec, q.device) for c in chunk_lists], hops)
 
 
-def ring_attention(q_bshd, k_bshd, v_bshd, group, plans, *, kernel: str, scale: float) -> torch.Tensor:
+def ring_attention(q_bshd, k_bshd, v_bshd, group, plans: RingPlans, *, kernel: str, spec) -> torch.Tensor:
     """Attention of this rank's queries to the keys of every rank of ``group``, computing
-    ``plans[src]`` (``ring_plans``) against the keys of ring rank ``src`` with ``kernel``."""
-    return _RingAttention.apply(q_bshd, k_bshd, v_bshd, group, plans, kernel, scale)
+    ``plans.calls[src]`` (``ring_plans``) against the keys of ring rank ``src`` with ``kernel``
+    (``spec`` gives the scale and soft-cap)."""
+    return _RingAttention.apply(q_bshd, k_bshd, v_bshd, group, plans, kernel, spec)

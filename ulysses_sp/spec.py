@@ -35,6 +35,18 @@ class AttnSpec:
     """Global document boundaries of a packed sequence (0, ..., seq_len), or None."""
     kernel: str = "torch"
     """The local attention kernel that computes it (``kernels.resolve_kernel``: never ``auto``)."""
+    window: int | None = None
+    """Sliding window, Hugging Face's convention: query i sees key j iff i - window < j <= i
+    (causal only); None: every earlier key."""
+    softcap: float = 0.0
+    """Logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``; 0: none."""
+
+    def visible_pairs(self, length: int) -> float:
+        """Query-key pairs one sequence of ``length`` tokens computes: length**2, halved
+        under a causal mask, about length * window under a window shorter than it."""
+        if self.window is not None and self.window < length:
+            return length * self.window - self.window * (self.window - 1) / 2
+        return length**2 / (2 if self.causal else 1)
 
     @property
     def element_size(self) -> int:
@@ -64,13 +76,11 @@ class AttnSpec:
 
     def attention_flops(self, ranks: int) -> float:
         """Forward attention FLOPs per rank when ``ranks`` share the work evenly:
-        4 * B * (query-key pairs) * Hq * D / ranks, pairs halved under a causal mask
-        and counted per document for packed sequences."""
-        if self.cu_seqlens is None:
-            pairs = self.seq_len**2
-        else:
-            pairs = sum((b - a) ** 2 for a, b in zip(self.cu_seqlens, self.cu_seqlens[1:]))
-        return 4 * self.batch * pairs * self.q_heads * self.head_dim / ranks / (2 if self.causal else 1)
+        4 * B * (query-key pairs) * Hq * D / ranks, pairs (:meth:`visible_pairs`) counted
+        per document for packed sequences."""
+        bounds = self.cu_seqlens or (0, self.seq_len)
+        pairs = sum(self.visible_pairs(b - a) for a, b in zip(bounds, bounds[1:]))
+        return 4 * self.batch * pairs * self.q_heads * self.head_dim / ranks
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,9 @@ Each SP group is a block of ``sp_size`` consecutive global ranks (so it stays
 inside a node when ranks are numbered node by node). Inside an SP group the
 Ulysses sub-groups are runs of ``ulysses_degree`` consecutive ranks and the ring
 sub-groups take every ``ulysses_degree``-th rank: the all-to-all stays on the
-fast links, the ring crosses the slow ones.
+fast links, the ring crosses the slow ones. The same split is also built for
+every other proper divisor of ``sp_size`` (:meth:`Topology.hybrid_groups`), so
+the hybrid backend can run at any Ulysses degree, chosen per layer.
 """
 
 from __future__ import annotations
@@ -21,14 +23,40 @@ from .devices import local_world_size
 from . import layout as _layout
 from .profile import load_profile
 
-__all__ = ["Topology", "init_sequence_parallel", "DEFAULT_TIMEOUT"]
+__all__ = ["Topology", "HybridGroups", "init_sequence_parallel", "DEFAULT_TIMEOUT"]
 
 DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 
+@dataclass(frozen=True)
+class HybridGroups:
+    """One Ulysses x ring split of the SP group (:meth:`Topology.hybrid_groups`); groups are
+    None on a planning topology."""
+
+    ulysses_group: dist.ProcessGroup | None
+    """This rank's run of ``ulysses_degree`` consecutive SP ranks (head-scatter all-to-all)."""
+    ulysses_rank: int
+    ulysses_degree: int
+    ring_group: dist.ProcessGroup | None
+    """The SP ranks equal to this one modulo ``ulysses_degree`` (K/V ring)."""
+    ring_rank: int
+    ring_degree: int
+
+
 @dataclass
 class Topology:
-    """Who talks to whom. Built by :func:`init_sequence_parallel`."""
+    """Who talks to whom. Built by :func:`init_sequence_parallel`.
+
+    Groups created per DP x SP topology, each with a ``new_group`` call on every rank of
+    the world (in the same order everywhere): ``dp_size`` SP groups, ``sp_size`` DP groups,
+    and, for ``ulysses_degree`` and every other divisor 1 < U < P of P = ``sp_size``,
+    ``dp_size x (P/U + U)`` Ulysses and ring sub-groups. A rank belongs to one Ulysses and one ring
+    group per degree: gloo connects each group's members eagerly (U - 1 + P/U - 1 peers per
+    rank and degree), NCCL creates a group's communicator at its first collective, so an
+    unused degree costs a Python object and no connections. With the default
+    ``ulysses_degree = P``, P = 8 adds 12 groups per SP group and 8 gloo peers per rank,
+    P = 64 adds 124 groups and 114 peers.
+    """
 
     rank: int
     """Global rank."""
@@ -61,6 +89,9 @@ class Topology:
     """``once``: ranks compare each call signature the first time they see it (one tiny
     all-gather per new shape). ``always``: compare on every call, which also catches a
     rank falling back to a shape it has already seen while the others have not."""
+    hybrid: dict = field(default_factory=dict, repr=False, compare=False)
+    """The :class:`HybridGroups` of every proper divisor of ``sp_size`` other than
+    ``ulysses_degree`` (read them through :meth:`hybrid_groups`)."""
     verified_signatures: set = field(default_factory=set, repr=False, compare=False)
     """Call signatures already checked to agree across the SP group."""
     profile: object = field(default=None, repr=False, compare=False)
@@ -77,14 +108,32 @@ class Topology:
             self.cache[key] = make()
         return self.cache[key]
 
-    def spans_nodes(self, group: str) -> bool:
+    def hybrid_groups(self, ulysses_degree: int) -> HybridGroups:
+        """The Ulysses and ring sub-groups of this rank at Ulysses degree ``ulysses_degree``:
+        the topology's own groups at ``self.ulysses_degree``, else those built at init for
+        every divisor 1 < U < ``sp_size``. ``ValueError`` for a degree that does not divide
+        ``sp_size``, or for 1 and ``sp_size`` (the ring and Ulysses backends) when they are
+        not the topology's degree."""
+        u = _check_degree("ulysses_degree", ulysses_degree, self.sp_size, "sp_size")
+        if u == self.ulysses_degree:
+            return HybridGroups(self.ulysses_group, self.ulysses_rank, u, self.ring_group, self.ring_rank, self.ring_degree)
+        if u not in self.hybrid:
+            raise ValueError(
+                f"no hybrid groups at ulysses_degree {u} of sp_size {self.sp_size}: that split is the "
+                f"{'ring' if u == 1 else 'ulysses'} backend; use it, or init_sequence_parallel(ulysses_degree={u})"
+            )
+        return self.hybrid[u]
+
+    def spans_nodes(self, group: str, ulysses_degree: int | None = None) -> bool:
         """Whether the ``sp``, ``ulysses`` or ``ring`` group crosses machines (blocks of
-        ``ranks_per_node`` consecutive ranks)."""
+        ``ranks_per_node`` consecutive ranks), the latter two at ``ulysses_degree``
+        (default: the topology's)."""
         per_node = self.ranks_per_node or self.world_size
+        u = self.ulysses_degree if ulysses_degree is None else ulysses_degree
         if group == "ulysses":
-            return self.ulysses_degree > per_node
+            return u > per_node
         if group == "ring":
-            return self.ring_degree > 1 and self.sp_size > per_node
+            return self.sp_size // u > 1 and self.sp_size > per_node
         return self.sp_size > per_node
 
     @classmethod
@@ -93,12 +142,25 @@ class Topology:
         (``sp-bench plan``): everything but communication works."""
         sp_size = _check_degree("sp_size", sp_size, sp_size, "sp_size")
         ulysses_degree = _check_degree("ulysses_degree", sp_size if ulysses_degree is None else ulysses_degree, sp_size, "sp_size")
+        hybrid = {u: HybridGroups(None, 0, u, None, 0, sp_size // u) for u in _other_degrees(sp_size, ulysses_degree)}
         return cls(
             rank=0, world_size=sp_size, sp_group=None, sp_rank=0, sp_size=sp_size, dp_group=None, dp_rank=0, dp_size=1,
             ulysses_group=None, ulysses_rank=0, ulysses_degree=ulysses_degree, ring_group=None, ring_rank=0,
-            ring_degree=sp_size // ulysses_degree, layout=_layout.check_layout(layout), device=torch.device("cpu"),
+            ring_degree=sp_size // ulysses_degree, hybrid=hybrid, layout=_layout.check_layout(layout), device=torch.device("cpu"),
             timeout=DEFAULT_TIMEOUT, ranks_per_node=ranks_per_node, profile=profile,
         )
+
+
+def _other_degrees(sp_size: int, ulysses_degree: int) -> list[int]:
+    """The divisors 1 < U < sp_size other than ``ulysses_degree``, increasing."""
+    return [u for u in range(2, sp_size) if sp_size % u == 0 and u != ulysses_degree]
+
+
+def _split_lists(sp_lists: list[list[int]], u: int) -> tuple[list[list[int]], list[list[int]]]:
+    """(Ulysses groups: runs of ``u`` consecutive ranks, ring groups: every ``u``-th rank) of every SP group."""
+    sp_size = len(sp_lists[0])
+    return ([block[i : i + u] for block in sp_lists for i in range(0, sp_size, u)],
+            [block[j::u] for block in sp_lists for j in range(u)])
 
 
 def _check_degree(name: str, value, total: int, total_name: str) -> int:
@@ -188,25 +250,33 @@ def init_sequence_parallel(
     ring_degree = sp_size // ulysses_degree
     sp_lists = [list(range(g * sp_size, (g + 1) * sp_size)) for g in range(dp_size)]
     dp_lists = [list(range(s, world_size, sp_size)) for s in range(sp_size)]
-    ulysses_lists = [block[i : i + ulysses_degree] for block in sp_lists for i in range(0, sp_size, ulysses_degree)]
-    ring_lists = [block[j::ulysses_degree] for block in sp_lists for j in range(ulysses_degree)]
+    ulysses_lists, ring_lists = _split_lists(sp_lists, ulysses_degree)
 
     sp_rank = rank % sp_size
+    sp_group = _my_group(sp_lists, rank, timeout)
+    dp_group = _my_group(dp_lists, rank, timeout)
+    ulysses_group = _my_group(ulysses_lists, rank, timeout)
+    ring_group = _my_group(ring_lists, rank, timeout)
+    hybrid = {}
+    for u in _other_degrees(sp_size, ulysses_degree):  # the same order on every rank: new_group is collective
+        u_lists, r_lists = _split_lists(sp_lists, u)
+        hybrid[u] = HybridGroups(_my_group(u_lists, rank, timeout), sp_rank % u, u, _my_group(r_lists, rank, timeout), sp_rank // u, sp_size // u)
     return Topology(
         rank=rank,
         world_size=world_size,
-        sp_group=_my_group(sp_lists, rank, timeout),
+        sp_group=sp_group,
         sp_rank=sp_rank,
         sp_size=sp_size,
-        dp_group=_my_group(dp_lists, rank, timeout),
+        dp_group=dp_group,
         dp_rank=rank // sp_size,
         dp_size=dp_size,
-        ulysses_group=_my_group(ulysses_lists, rank, timeout),
+        ulysses_group=ulysses_group,
         ulysses_rank=sp_rank % ulysses_degree,
         ulysses_degree=ulysses_degree,
-        ring_group=_my_group(ring_lists, rank, timeout),
+        ring_group=ring_group,
         ring_rank=sp_rank // ulysses_degree,
         ring_degree=ring_degree,
+        hybrid=hybrid,
         layout=layout,
         device=_device_for_backend(),
         timeout=timeout,

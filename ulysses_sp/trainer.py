@@ -14,6 +14,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import resource
 import sys
 import time
@@ -66,7 +67,7 @@ class TrainConfig:
 def parse_args(argv=None) -> TrainConfig:
     p = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--sp-size", type=int, default=None, help="sequence-parallel size (default: every rank)")
-    p.add_argument("--sp-backend", default="auto", help=f"one of {', '.join(BACKENDS)}, or a comma-separated name per layer")
+    p.add_argument("--sp-backend", default="auto", help=f"one of {', '.join(BACKENDS)}, hybrid-u{{U}} (the hybrid at Ulysses degree U), or a comma-separated name per layer")
     p.add_argument("--profile", default=None, help="a profile from sp-bench calibrate, for auto (default: built in)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2)
     p.add_argument("--model", default=None, help="config.json or local model directory (default: the embedded tiny Llama)")
@@ -77,14 +78,14 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--dtype", choices=DTYPES, default=None, help="training precision (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--sp-kernel", choices=KERNEL_NAMES, default="auto", help="local attention kernel (default: auto)")
-    p.add_argument("--ulysses-degree", type=int, default=None, help="for the hybrid backend (default: sp size)")
+    p.add_argument("--ulysses-degree", type=int, default=None, help="what the hybrid backend means (default: sp size); hybrid-u{U} and auto use any degree")
     p.add_argument("--save", default=None, help="checkpoint directory (DeepSpeed format), written at the end")
     p.add_argument("--resume", default=None, help="checkpoint directory to continue from")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     a = p.parse_args(argv)
-    unknown = [name for name in a.sp_backend.split(",") if name not in BACKENDS]
+    unknown = [name for name in a.sp_backend.split(",") if name not in BACKENDS and not re.fullmatch(r"hybrid-u[1-9][0-9]*", name)]
     if unknown:
-        p.error(f"--sp-backend: unknown {unknown}; choose from {', '.join(BACKENDS)} (one, or one per layer)")
+        p.error(f"--sp-backend: unknown {unknown}; choose from {', '.join(BACKENDS)}, hybrid-u{{U}} (one, or one per layer)")
     return TrainConfig(
         sp_size=a.sp_size, sp_backend=a.sp_backend, zero_stage=a.zero_stage, model=a.model, data=a.data, seq_len=a.seq_len,
         steps=a.steps, lr=a.lr, seed=a.seed, save=a.save, resume=a.resume, ulysses_degree=a.ulysses_degree, profile=a.profile,

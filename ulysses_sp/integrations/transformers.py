@@ -2,7 +2,8 @@
 
 ``apply_sequence_parallel(model, topo)`` registers the ``"ulysses_sp"``
 attention implementation (and a mask function that builds no mask: causal
-masking and packed documents are handled inside the backends), gives every
+masking, sliding windows and packed documents are handled inside the backends;
+each layer's ``sliding_window`` and ``softcap`` go to its backend), gives every
 attention layer its own :class:`SequenceParallelAttention` (so ``auto`` can
 choose per layer) and switches the model to it. Inputs are this rank's shards
 from :func:`ulysses_sp.shard_batch`; pass its ``position_ids`` (global, so
@@ -32,35 +33,52 @@ def _unsupported(module, what: str, fix: str) -> ValueError:
     return ValueError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): {what} is not supported by ulysses_sp (backend {backend!r}); {fix}")
 
 
-def sp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, **kwargs):
-    """transformers attention function: ``[B, H, S_local, D]`` in, ``([B, S_local, H, D], None)`` out."""
+def sp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, sliding_window=None,
+                         softcap=None, **kwargs):
+    """transformers attention function: ``[B, H, S_local, D]`` in, ``([B, S_local, H, D], None)`` out.
+
+    ``sliding_window`` (what Mistral, Qwen2, Gemma 2/3 and GPT-OSS pass per layer; None on full
+    layers) has the backends' convention, query i sees keys i - W < j <= i, the same as
+    ``masking_utils.sliding_window_overlay`` and flash-attn's ``window_size=(W - 1, W - 1)``; a
+    window covering the whole global sequence is full causal attention. ``softcap`` (Gemma 2's
+    ``attn_logit_softcapping``) caps the scaled scores at ``softcap * tanh(s / softcap)``.
+    """
     spa = module.__dict__.get(_STATE)
     if spa is None:
         raise RuntimeError(f"attn_implementation {ATTN_IMPLEMENTATION!r} needs ulysses_sp.apply_sequence_parallel(model, topo) first")
     if dropout and module.training:
         raise _unsupported(module, f"attention dropout ({dropout})", "set config.attention_dropout = 0 for training")
-    if kwargs.get("softcap") is not None:
-        raise _unsupported(module, "logit softcapping", "use a model without attn_logit_softcapping")
-    if kwargs.get("position_bias") is not None or kwargs.get("s_aux") is not None:
-        raise _unsupported(module, "an additive attention bias or sinks", "use a model without them")
-    window = kwargs.get("sliding_window")
-    if window is not None and query.shape[2] * spa.topo.sp_size > window:
-        raise _unsupported(module, f"sliding-window attention (window {window} < sequence {query.shape[2] * spa.topo.sp_size})", "use full attention layers")
+    if kwargs.get("s_aux") is not None:
+        raise _unsupported(module, "attention sinks (s_aux, as in GPT-OSS)", "use a model without attention sinks")
+    if kwargs.get("position_bias") is not None:
+        raise _unsupported(module, "an additive attention (position) bias", "use a model without one")
     if attention_mask is not None and not bool(attention_mask.all()):
         raise _unsupported(module, "a padding attention mask", "pad on the right with ulysses_sp.shard_batch and drop attention_mask")
     past = kwargs.get("past_key_values")
-    if past is not None and past.get_seq_length() > 0:
-        raise _unsupported(module, "a KV cache with past tokens (generation)", "call remove_sequence_parallel(model) to generate")
+    if key.shape[2] != query.shape[2] or (past is not None and past.get_seq_length() > 0):
+        raise _unsupported(module, f"a KV cache with past tokens ({key.shape[2]} keys for {query.shape[2]} queries: generation)",
+                           "call remove_sequence_parallel(model) to generate")
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
+    if sliding_window is not None and not causal:
+        raise _unsupported(module, f"bidirectional sliding-window attention (window {sliding_window})", "use causal attention")
     out = spa(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-        causal=causal, softmax_scale=scaling, cu_seqlens=kwargs.get("cu_seq_lens_q"),
+        causal=causal, softmax_scale=scaling, cu_seqlens=kwargs.get("cu_seq_lens_q"), window=sliding_window, softcap=softcap,
     )
     return out, None
 
 
-def _no_mask(*args, **kwargs):
-    """Masks are the backends' business: causal via the flag, documents via cu_seqlens."""
+def _no_mask(*args, config=None, use_vmap=False, **kwargs):
+    """Masks are the backends' business: causal via the flag, sliding windows via the
+    ``sliding_window`` kwarg of each layer, documents via cu_seqlens. transformers calls
+    this for ``create_causal_mask`` and ``create_sliding_window_causal_mask`` alike, so no
+    S x S mask is built for either kind of layer. Masks the backends cannot reproduce
+    (chunked attention, overlays such as bidirectional or image-token blocks) raise."""
+    if config is not None and getattr(config, "attention_chunk_size", None) is not None:
+        raise ValueError(f"chunked attention (attention_chunk_size={config.attention_chunk_size}, Llama 4) is not supported by ulysses_sp")
+    if use_vmap:  # transformers sets it exactly when an or_mask_function / and_mask_function overlays the mask
+        raise ValueError("a mask overlay (or_mask_function / and_mask_function: bidirectional attention, image-token blocks) "
+                         "is not supported by ulysses_sp")
     return None
 
 
@@ -89,7 +107,9 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
 
     ``backend`` is one name for every layer (``"auto"`` decides per layer and
     shape), a list with one name per attention layer (like Megatron's
-    ``--cp-comm-type``), or a callable ``layer_idx -> name``. ``kernel`` names the local
+    ``--cp-comm-type``), or a callable ``layer_idx -> name`` (e.g. ``"halo"`` for the layers
+    whose ``config.layer_types`` entry is ``"sliding_attention"``, ``"ring"`` for the others:
+    ``halo`` runs only windowed layers). ``kernel`` names the local
     attention kernel (``auto``, ``flash_attn``, ``torch``, ``math``). Keeps the previous
     attention implementation for :func:`remove_sequence_parallel` and turns the
     KV cache off (training and evaluation, not generation).

@@ -6,29 +6,39 @@ device, the dtype or the installed packages: they name a kernel (``AttnSpec.kern
 resolved once per call signature by :func:`resolve_kernel`) and call its contract,
 all in the ``[B, S, H, D]`` layout, q heads a multiple of kv heads (GQA):
 
-* ``block_forward(q, k, v, *, causal, scale, varlen=None) -> (out, lse)``: out in the
-  input dtype, lse ``[B, H, Sq]`` in fp32 (fp64 for fp64 inputs), the natural
-  log-sum-exp of the scaled scores; **-inf for a query row that sees no key**, whatever
-  the kernel itself writes (flash-attn writes +inf).
-* ``block_backward(dout, q, k, v, out, lse, *, causal, scale, varlen=None) -> (dq, dk, dv)``
-  from the *final* out and lse of every query row (so a block's share of the gradient
-  comes out right however many blocks the row was merged from), in the input dtype.
+* ``block_forward(q, k, v, *, causal, scale, varlen=None, window=None, softcap=0.0) -> (out, lse)``:
+  out in the input dtype, lse ``[B, H, Sq]`` in fp32 (fp64 for fp64 inputs), the natural
+  log-sum-exp of the (capped) scores; **out 0 and lse -inf for a query row that sees no
+  key**, whatever the kernel itself writes (flash-attn writes +inf).
+* ``block_backward(dout, q, k, v, out, lse, *, causal, scale, varlen=None, window=None, softcap=0.0)
+  -> (dq, dk, dv)`` from the *final* out and lse of every query row (so a block's share of
+  the gradient comes out right however many blocks the row was merged from), in the
+  input dtype.
 * :func:`attend` makes the pair one differentiable call (whole sequences: Ulysses, P=1).
 
-``causal`` is flash-attn's mask, aligned to the bottom right: query i of Sq sees key j
-of Sk iff ``j <= i + Sk - Sq`` (for Sq == Sk the usual lower triangle). ``varlen``
-(:class:`Varlen`) packs independent sequences into one call: sequence n holds
-``lens_q[n]`` consecutive queries and ``lens_k[n]`` consecutive keys, masked (if causal)
-within itself only; a length may be 0.
+The mask is flash-attn's, aligned to the bottom right: query i of Sq sees key j of Sk iff
+``(left < 0 or j >= i + Sk - Sq - left) and (right < 0 or j <= i + Sk - Sq + right) and
+(not causal or j <= i + Sk - Sq)``, ``window = (left, right)`` (ints >= -1, -1 unbounded;
+None is (-1, -1)), so causal alone is the usual lower triangle for Sq == Sk. Empty rows
+can only be the top ones (the last query always sees the last key unless Sk = 0).
+``varlen`` (:class:`Varlen`) packs independent sequences into one call: sequence n holds
+``lens_q[n]`` consecutive queries and ``lens_k[n]`` consecutive keys, masked within
+itself only (its own Sq, Sk in the formula); a length may be 0. ``softcap`` > 0 replaces
+a score s = scale * q.k by ``softcap * tanh(s / softcap)`` before the mask and softmax
+(flash-attn's and Gemma 2's soft-capping); 0 is off.
 
 Inputs reach the kernel in their own dtype (never upcast); only the backends' merges
 accumulate in fp32 (:func:`merge_partials`). Kernels:
 
-* ``flash_attn``: flash-attn 2.x (2.6 and 2.7+ private signatures), native varlen and
-  bottom-right masks; imported at use, so a fake in ``sys.modules`` runs it on CPU.
+* ``flash_attn``: flash-attn 2.x (2.6 and 2.7+ private signatures), native varlen,
+  bottom-right masks, windows and soft-capping; imported at use, so a fake in
+  ``sys.modules`` runs it on CPU. Windows flash-attn reads differently (one-sided or
+  wider than Sk, with Sq > Sk + 1) run in query tiles where it reads them right.
 * ``torch``: on CPU the ATen flash op; on CUDA ``_scaled_dot_product_flash_attention``
   (fp16/bf16, GQA without repeating K/V) or ``_scaled_dot_product_efficient_attention``
   (fp32). No varlen form: sequences loop inside the kernel, in O(tokens) memory.
+  Windows: query tiles with per-tile masks (CPU, CUDA fp32) or ``_flash_attention_forward``'s
+  window (CUDA fp16/bf16); soft-capping: the math kernel over query tiles.
 * ``math``: plain fp32/fp64 math, O(Sq x Sk) memory: the reference, and the last resort.
 """
 
@@ -36,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import Varlen, accumulator_dtype, merge_partials
+from .common import Varlen, accumulator_dtype, check_options, merge_partials
 from .flash_attn_kernel import FlashAttnKernel
 from .math_kernel import MathKernel
 from .torch_kernel import TorchKernel
@@ -79,29 +89,36 @@ def resolve_kernel(name: str, dtype: torch.dtype, device: torch.device, head_dim
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, kernel, causal, scale, varlen):
-        out, lse = kernel.block_forward(q, k, v, causal=causal, scale=scale, varlen=varlen)
+    def forward(ctx, q, k, v, kernel, options):
+        out, lse = kernel.block_forward(q, k, v, **options)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (kernel, causal, scale, varlen)
+        ctx.args = (kernel, options)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        kernel, causal, scale, varlen = ctx.args
-        dq, dk, dv = kernel.block_backward(dout, q, k, v, out, lse, causal=causal, scale=scale, varlen=varlen)
-        return dq, dk, dv, None, None, None, None
+        kernel, options = ctx.args
+        return *kernel.block_backward(dout, *ctx.saved_tensors, **options), None, None
 
 
-def attend(q_bshd, k_bshd, v_bshd, *, kernel: str, causal: bool, scale: float, varlen: Varlen | None = None) -> torch.Tensor:
+def attend(q_bshd, k_bshd, v_bshd, *, kernel: str, causal: bool, scale: float, varlen: Varlen | None = None,
+           window: tuple[int, int] | None = None, softcap: float = 0.0) -> torch.Tensor:
     """Differentiable attention of whole (or packed) sequences with the named kernel; the
     backward recomputes from (q, k, v, out, lse) through the same kernel."""
     if q_bshd.shape[1] == 0 or k_bshd.shape[1] == 0:  # the CPU op dies with SIGFPE on it
         raise ValueError(f"attention needs non-empty sequences, got q {tuple(q_bshd.shape)} and k {tuple(k_bshd.shape)}")
-    return _Attention.apply(q_bshd, k_bshd, v_bshd, get_kernel(kernel), causal, scale, varlen)
+    check_options(window, softcap)
+    options = dict(causal=causal, scale=scale, varlen=varlen, window=None if window is None else tuple(window), softcap=float(softcap))
+    return _Attention.apply(q_bshd, k_bshd, v_bshd, get_kernel(kernel), options)
 
 
-def local_attention(q_bshd, k_bshd, v_bshd, *, causal: bool, scale: float | None = None, kernel: str = "auto") -> torch.Tensor:
-    """:func:`attend` with the default scale 1/sqrt(D) and ``auto`` resolved for these tensors."""
+def local_attention(q_bshd, k_bshd, v_bshd, *, causal: bool, scale: float | None = None, kernel: str = "auto",
+                    window: int | None = None, softcap: float = 0.0) -> torch.Tensor:
+    """:func:`attend` with the default scale 1/sqrt(D) and ``auto`` resolved for these tensors.
+    ``window``: Hugging Face's sliding window W (query i sees key j iff i - W < j <= i; causal
+    only), the contract's ``(W - 1, 0)``."""
+    if window is not None and not (isinstance(window, int) and window >= 1 and causal):
+        raise ValueError(f"window must be an int >= 1 with causal=True (query i sees keys i - window < j <= i), got {window!r} with causal={causal}")
     name = resolve_kernel(kernel, q_bshd.dtype, q_bshd.device, q_bshd.shape[-1])
-    return attend(q_bshd, k_bshd, v_bshd, kernel=name, causal=causal, scale=scale if scale is not None else q_bshd.shape[-1] ** -0.5)
+    return attend(q_bshd, k_bshd, v_bshd, kernel=name, causal=causal, scale=scale if scale is not None else q_bshd.shape[-1] ** -0.5,
+                  window=None if window is None else (window - 1, 0), softcap=softcap)

@@ -1,15 +1,17 @@
-"""What every kernel shares: the packed-sequence descriptor, the fp32 merge, and the
-per-sequence loop and bottom-right split for kernels that lack a varlen form or a
-bottom-right causal mask (each in O(tokens) memory)."""
+"""What every kernel shares: the packed-sequence descriptor, the fp32 merge, the mask of
+the contract (causal and sliding windows, bottom-right aligned) and the loop over
+sequences and query tiles for kernels that lack a varlen form or that mask with
+explicit tensors (each in O(tokens) memory beyond one tile)."""
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from itertools import accumulate
 
 import torch
 
-__all__ = ["Varlen", "accumulator_dtype", "merge_partials", "dense_forward", "dense_backward"]
+__all__ = ["Varlen", "accumulator_dtype", "merge_partials", "check_options", "visible", "tiled_forward", "tiled_backward"]
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -72,65 +74,104 @@ def merge_partials(out, lse, block_out, block_lse):
     return out * w_old + block_out * w_new, new_lse
 
 
+def check_options(window, softcap) -> None:
+    """ValueError unless ``window`` is None or (left, right) of ints >= -1 and ``softcap`` a finite float >= 0."""
+    if window is not None and not (
+        isinstance(window, (tuple, list)) and len(window) == 2 and all(isinstance(w, int) and w >= -1 for w in window)
+    ):
+        raise ValueError(f"window must be None or (left, right), ints >= -1 (-1: unbounded), got {window!r}")
+    if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap >= 0):
+        raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {softcap!r}")
+
+
 def _empty_lse(q: torch.Tensor) -> torch.Tensor:
     b, s, h, _ = q.shape
     return torch.full((b, h, s), float("-inf"), dtype=accumulator_dtype(q.dtype), device=q.device)
 
 
-def _bottom_right_forward(square, q, k, v, causal, scale):
-    """``square(q, k, v, causal, scale)`` handles any shape unmasked and causal only for
-    Sq == Sk (top-left = bottom-right there); longer keys split into a visible prefix and
-    a square diagonal, merged; longer queries leave their first rows empty."""
-    sq, sk = q.shape[1], k.shape[1]
-    if not causal or sq == sk:
-        return square(q, k, v, causal, scale)
-    if sq < sk:
-        p = sk - sq
-        out, lse = merge_partials(None, None, *square(q, k[:, :p], v[:, :p], False, scale))
-        out, lse = merge_partials(out, lse, *square(q, k[:, p:], v[:, p:], True, scale))
-        return out.to(q.dtype), lse
-    p = sq - sk
+def _unbounded_sides(sq: int, sk: int, left: int, right: int) -> tuple[int, int]:
+    """(left, right) with -1 for a side that bounds no row of an Sq x Sk block."""
+    return (-1 if left >= sk - 1 else left), (-1 if right >= sq - 1 else right)
+
+
+def visible(sq: int, sk: int, window: tuple[int, int], device) -> torch.Tensor | None:
+    """``[Sq, Sk]`` bool mask of the contract (no causal flag: it is ``right = 0``): query i
+    sees key j iff ``i + Sk - Sq - left <= j <= i + Sk - Sq + right``, a side -1 unbounded;
+    None when nothing is masked."""
+    left, right = window
+    if left < 0 and right < 0:
+        return None
+    d = torch.arange(sk, device=device)[None, :] - torch.arange(sq, device=device)[:, None] - (sk - sq)
+    return (d >= -left if left >= 0 else True) & (d <= right if right >= 0 else True)
+
+
+def _tiles(sq: int, sk: int, causal: bool, window, tile):
+    """Query tiles of one sequence: ``(a, b, c, e, tile_window)`` for query rows [a, b) and the
+    keys [c, e) they can see, ``tile_window`` the same mask in the tile's own bottom-right
+    terms. Rows that see no key (only top rows can: the last row always sees the last key)
+    are left out, so a kernel never meets an empty row. ``tile(sq, sk, window)``: rows per
+    tile (None: one tile)."""
+    if sq == 0 or sk == 0:
+        return
+    left, right = window if window is not None else (-1, -1)
+    left, right = _unbounded_sides(sq, sk, left, 0 if causal else right)
+    first = 0 if right < 0 else max(0, sq - sk - right)
+    rows = tile(sq, sk, (left, right)) if tile else sq
+    for a in range(first, sq, rows):
+        b = min(a + rows, sq)
+        c = 0 if left < 0 else max(0, a + sk - sq - left)
+        e = sk if right < 0 else min(sk, b + sk - sq + right)
+        shift = (sq - b) - (sk - e)  # the tile's diagonal sits this far right of the block's
+        yield a, b, c, e, _unbounded_sides(b - a, e - c, left if left < 0 else left + shift, right if right < 0 else right - shift)
+
+
+def _plan(q, k, causal, window, varlen, tile):
+    """Per sequence of the block: its bounds ``(q0, q1, k0, k1)`` and its :func:`_tiles`; and
+    the only tile ``(q0, q1, k0, k1, window)`` if there is one and it sees every key (then
+    nothing is sliced or copied but rows, and with every row too not even those: nor on
+    a device whose tensors cannot be sliced here, FakeTensorMode CUDA)."""
+    bounds = varlen.bounds() if varlen is not None else [(0, q.shape[1], 0, k.shape[1])]
+    plan = [(s, list(_tiles(s[1] - s[0], s[3] - s[2], causal, window, tile))) for s in bounds]
+    spans = [(q0 + a, q0 + b, k0 + c, k0 + e, w) for (q0, _, k0, _), tiles in plan for a, b, c, e, w in tiles]
+    return plan, spans[0] if len(spans) == 1 and spans[0][2:4] == (0, k.shape[1]) else None
+
+
+def tiled_forward(square, tile, q, k, v, causal, scale, varlen, window, softcap):
+    """The contract from ``square(q, k, v, window, scale, softcap) -> (out, lse)``, which
+    computes one dense block (no causal flag: ``window`` says it all) whose every row sees
+    a key: one call per sequence and query tile, written into one output (no graph)."""
+    plan, single = _plan(q, k, causal, window, varlen, tile)
+    if single is not None and single[:2] == (0, q.shape[1]):
+        return square(q, k, v, single[4], scale, softcap)
     out, lse = q.new_zeros(q.shape), _empty_lse(q)
-    out[:, p:], lse[..., p:] = square(q[:, p:], k, v, True, scale)
+    for (q0, _, k0, _), tiles in plan:
+        for a, b, c, e, w in tiles:
+            rows, keys = slice(q0 + a, q0 + b), slice(k0 + c, k0 + e)
+            out[:, rows], lse[..., rows] = square(q[:, rows], k[:, keys], v[:, keys], w, scale, softcap)
     return out, lse
 
 
-def _bottom_right_backward(square, dout, q, k, v, out, lse, causal, scale):
-    sq, sk = q.shape[1], k.shape[1]
-    if not causal or sq == sk:
-        return square(dout, q, k, v, out, lse, causal, scale)
-    if sq < sk:
-        p = sk - sq
-        dq1, dk1, dv1 = square(dout, q, k[:, :p], v[:, :p], out, lse, False, scale)
-        dq2, dk2, dv2 = square(dout, q, k[:, p:], v[:, p:], out, lse, True, scale)
-        acc = accumulator_dtype(q.dtype)
-        return (dq1.to(acc) + dq2).to(q.dtype), torch.cat([dk1, dk2], 1), torch.cat([dv1, dv2], 1)
-    p = sq - sk
-    dq = torch.zeros_like(q)
-    dq[:, p:], dk, dv = square(dout[:, p:], q[:, p:], k, v, out[:, p:], lse[..., p:], True, scale)
-    return dq, dk, dv
-
-
-def dense_forward(square, q, k, v, causal, scale, varlen):
-    """Forward of a kernel without a varlen form: one ``square`` call per non-empty
-    sequence, written into one output (O(tokens), no per-sequence graph)."""
-    if varlen is None:
-        return _bottom_right_forward(square, q, k, v, causal, scale)
-    out, lse = q.new_zeros(q.shape), _empty_lse(q)
-    for q0, q1, k0, k1 in varlen.bounds():
-        if q1 > q0 and k1 > k0:
-            out[:, q0:q1], lse[..., q0:q1] = _bottom_right_forward(square, q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], causal, scale)
-    return out, lse
-
-
-def dense_backward(square, dout, q, k, v, out, lse, causal, scale, varlen):
-    """Backward of :func:`dense_forward`; gradients written in place per sequence."""
-    if varlen is None:
-        return _bottom_right_backward(square, dout, q, k, v, out, lse, causal, scale)
+def tiled_backward(square, tile, dout, q, k, v, out, lse, causal, scale, varlen, window, softcap):
+    """Backward of :func:`tiled_forward` from ``square(dout, q, k, v, out, lse, window, scale,
+    softcap) -> (dq, dk, dv)``; dK/dV of a sequence cut in several tiles add up in fp32."""
+    plan, single = _plan(q, k, causal, window, varlen, tile)
+    if single is not None:  # dK, dV straight from the kernel
+        rows, w = slice(*single[:2]), single[4]
+        if single[:2] == (0, q.shape[1]):
+            return square(dout, q, k, v, out, lse, w, scale, softcap)
+        dq = torch.zeros_like(q)
+        dq[:, rows], dk, dv = square(dout[:, rows], q[:, rows], k, v, out[:, rows], lse[..., rows], w, scale, softcap)
+        return dq, dk, dv
     dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    for q0, q1, k0, k1 in varlen.bounds():
-        if q1 > q0 and k1 > k0:
-            dq[:, q0:q1], dk[:, k0:k1], dv[:, k0:k1] = _bottom_right_backward(
-                square, dout[:, q0:q1], q[:, q0:q1], k[:, k0:k1], v[:, k0:k1], out[:, q0:q1], lse[..., q0:q1], causal, scale
-            )
+    for (q0, _, k0, k1), tiles in plan:
+        gk, gv = dk[:, k0:k1], dv[:, k0:k1]
+        if len(tiles) > 1:
+            gk, gv = (torch.zeros_like(g, dtype=accumulator_dtype(g.dtype)) for g in (gk, gv))
+        for a, b, c, e, w in tiles:
+            rows, keys = slice(q0 + a, q0 + b), slice(k0 + c, k0 + e)
+            dq[:, rows], gk_, gv_ = square(dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows], lse[..., rows], w, scale, softcap)
+            gk[:, c:e] += gk_
+            gv[:, c:e] += gv_
+        if len(tiles) > 1:
+            dk[:, k0:k1], dv[:, k0:k1] = gk, gv
     return dq, dk, dv

@@ -1,16 +1,17 @@
 """``math``: plain softmax attention computed in fp32 (fp64 for fp64 inputs).
 
-It holds the ``[B, H, Sq, Sk]`` scores of a call, so it is the reference and the last
-resort, never what ``auto`` picks where another kernel runs. It propagates NaN and
-inf as one-process attention does, which is why the torch kernel hands it blocks with
-non-finite inputs.
+It holds the ``[B, H, Sq, Sk]`` scores of a sequence, masked with the contract's explicit
+mask (causal, window), so it is the reference and the last resort, never what ``auto``
+picks where another kernel runs. It propagates NaN and inf as one-process attention
+does, which is why the torch kernel hands it blocks with non-finite inputs; it is also
+the torch kernel's soft-capping path, over query tiles.
 """
 
 from __future__ import annotations
 
 import torch
 
-from .common import accumulator_dtype, dense_backward, dense_forward
+from .common import accumulator_dtype, tiled_backward, tiled_forward, visible
 
 __all__ = ["MathKernel", "square_forward", "square_backward"]
 
@@ -19,32 +20,40 @@ def _repeat_kv(t: torch.Tensor, q_heads: int) -> torch.Tensor:
     return t if t.shape[2] == q_heads else t.repeat_interleave(q_heads // t.shape[2], dim=2)
 
 
-def _scores(q, k, causal, scale):
+def _scores(q, k, window, scale, softcap):
+    """Capped, masked scores and tanh(scores / softcap) (None without a cap) for the backward."""
     acc = accumulator_dtype(q.dtype)
     q_, k_ = (t.to(acc).transpose(1, 2) for t in (q, _repeat_kv(k, q.shape[2])))
     scores = (q_ @ k_.transpose(-1, -2)) * scale
-    if causal:  # Sq == Sk here (dense_forward splits the rest)
-        mask = torch.ones(q.shape[1], k.shape[1], dtype=torch.bool, device=q.device).tril()
+    capped = None
+    if softcap:
+        capped = torch.tanh(scores / softcap)
+        scores = softcap * capped
+    mask = visible(q.shape[1], k.shape[1], window, q.device)
+    if mask is not None:
         scores = scores.masked_fill(~mask, float("-inf"))
-    return scores
+    return scores, capped
 
 
-def square_forward(q, k, v, causal, scale):
-    scores = _scores(q, k, causal, scale)
+def square_forward(q, k, v, window, scale, softcap):
+    scores, _ = _scores(q, k, window, scale, softcap)
     lse = torch.logsumexp(scores, dim=-1)
     v_ = _repeat_kv(v, q.shape[2]).to(scores.dtype).transpose(1, 2)
     out = torch.exp(scores - lse.unsqueeze(-1)) @ v_
     return out.transpose(1, 2).to(q.dtype), lse
 
 
-def square_backward(dout, q, k, v, out, lse, causal, scale):
+def square_backward(dout, q, k, v, out, lse, window, scale, softcap):
     hq, hk = q.shape[2], k.shape[2]
-    probs = torch.exp(_scores(q, k, causal, scale) - lse.to(accumulator_dtype(q.dtype)).unsqueeze(-1))
+    scores, capped = _scores(q, k, window, scale, softcap)
+    probs = torch.exp(scores - lse.to(scores.dtype).unsqueeze(-1))
     acc = probs.dtype
     q_, k_, v_ = (t.to(acc).transpose(1, 2) for t in (q, _repeat_kv(k, hq), _repeat_kv(v, hq)))
     do_, o_ = (t.to(acc).transpose(1, 2) for t in (dout, out))
     dv_ = probs.transpose(-1, -2) @ do_
     ds = probs * (do_ @ v_.transpose(-1, -2) - (do_ * o_).sum(-1, keepdim=True)) * scale
+    if capped is not None:  # d/dx softcap * tanh(x / softcap) = 1 - tanh^2
+        ds = ds * (1 - capped * capped)
 
     def fold(g):  # [B, Hq, S, D] -> [B, S, Hkv, D], summing each kv head's q group
         return g.unflatten(1, (hk, hq // hk)).sum(2).transpose(1, 2)
@@ -58,8 +67,8 @@ class MathKernel:
     def problem(self, dtype, device, head_dim) -> str | None:
         return None
 
-    def block_forward(self, q, k, v, *, causal, scale, varlen=None):
-        return dense_forward(square_forward, q, k, v, causal, scale, varlen)
+    def block_forward(self, q, k, v, *, causal, scale, varlen=None, window=None, softcap=0.0):
+        return tiled_forward(square_forward, None, q, k, v, causal, scale, varlen, window, softcap)
 
-    def block_backward(self, dout, q, k, v, out, lse, *, causal, scale, varlen=None):
-        return dense_backward(square_backward, dout, q, k, v, out, lse, causal, scale, varlen)
+    def block_backward(self, dout, q, k, v, out, lse, *, causal, scale, varlen=None, window=None, softcap=0.0):
+        return tiled_backward(square_backward, None, dout, q, k, v, out, lse, causal, scale, varlen, window, softcap)
