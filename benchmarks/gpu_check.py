@@ -108,36 +108,41 @@ def backend_checks() -> None:
             def _():
                 q, k, v, dout = inputs(2048, 2048, 16, 4, 128, torch.bfloat16, seed=1)
                 cu = torch.tensor([0, 100, 1000, 1024, 2048], device="cuda")
+                window = 512 if backend == "halo" else None  # halo runs windowed layers only
                 leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-                out = usp.sp_attention(*leaves, topo, backend=backend, kernel=kernel, cu_seqlens=cu)
+                out = usp.sp_attention(*leaves, topo, backend=backend, kernel=kernel, cu_seqlens=cu, window=window)
                 out.backward(dout)
                 ref_leaves = [t.double().clone().requires_grad_() for t in (q, k, v)]
-                ref = usp.sp_attention(*ref_leaves, topo, backend=backend, kernel="math", cu_seqlens=cu)
+                ref = usp.sp_attention(*ref_leaves, topo, backend=backend, kernel="math", cu_seqlens=cu, window=window)
                 ref.backward(dout.double())
                 errs = [rel(out, ref)] + [rel(a.grad, b.grad) for a, b in zip(leaves, ref_leaves)]
                 assert max(errs) < TOL[torch.bfloat16], f"errors {errs}"
                 return f"kernel {usp.attention.make_spec(q, k, v, topo, kernel=kernel).kernel}; errors " + " ".join(f"{e:.1e}" for e in errs)
 
 
-PARITY = {  # name: (q heads, kv heads, causal, documents of the 4096 tokens or None)
-    "gqa-causal": (16, 4, True, None),
-    "mqa-full": (8, 1, False, None),
-    "gqa-causal-packed": (16, 4, True, (0, 300, 1500, 1501, 4096)),
+PARITY = {  # name: (q heads, kv heads, causal, documents of the 4096 tokens or None, sliding window or None, softcap)
+    "gqa-causal": (16, 4, True, None, None, 0.0),
+    "mqa-full": (8, 1, False, None, None, 0.0),
+    "gqa-causal-packed": (16, 4, True, (0, 300, 1500, 1501, 4096), None, 0.0),
+    "gqa-window1000": (16, 4, True, None, 1000, 0.0),
+    "gqa-window300-packed-softcap": (16, 4, True, (0, 300, 1500, 1501, 4096), 300, 20.0),
 }
 
 
-def _reference(full, causal, cu):
+def _reference(full, causal, cu, window, softcap):
     """fp64 out and dq, dk, dv of the whole sequence with the math kernel on this GPU."""
     lens = None if cu is None else [b - a for a, b in zip(cu, cu[1:])]
     varlen = None if cu is None else kernels.Varlen.build(lens, lens, 1, "cuda")
     leaves = [t.double().requires_grad_() for t in full[:3]]
-    out = kernels.attend(*leaves, kernel="math", causal=causal, scale=full[0].shape[-1] ** -0.5, varlen=varlen)
+    out = kernels.attend(*leaves, kernel="math", causal=causal, scale=full[0].shape[-1] ** -0.5, varlen=varlen,
+                         window=None if window is None else (window - 1, 0), softcap=softcap)
     out.backward(full[3].double())
     return [out.detach()] + [t.grad for t in leaves]
 
 
 def parity_rank(rank: int, world: int, port: int) -> None:
-    """Every backend x layout x kernel x case on ``world`` GPUs with NCCL, bf16, against fp64
+    """Every backend (and hybrid-u2 on 8 GPUs, where it is not the topology's degree) x layout x
+    kernel x case (windows and soft-capping included) on ``world`` GPUs with NCCL, bf16, against fp64
     one-process attention; rank 0 prints one line per combination (the worst rank's error)."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     torch.cuda.set_device(rank)
@@ -145,16 +150,18 @@ def parity_rank(rank: int, world: int, port: int) -> None:
     ud = 2 if world % 2 == 0 and world > 2 else None
     for layout in ("zigzag", "contiguous"):
         topo = usp.init_sequence_parallel(world, layout=layout, ulysses_degree=ud)
-        for case, (hq, hkv, causal, cu) in PARITY.items():
+        for case, (hq, hkv, causal, cu, window, softcap) in PARITY.items():
             g = torch.Generator(device="cuda").manual_seed(7)
             full = [torch.randn(1, 4096, h, 128, device="cuda", generator=g).bfloat16() for h in (hq, hkv, hkv, hq)]
-            want = _reference(full, causal, cu)
-            for backend in usp.list_backends():
+            want = _reference(full, causal, cu, window, softcap)
+            for backend in usp.list_backends() + (["hybrid-u2"] if world == 8 else []):
+                if backend == "halo" and window is None:  # halo runs windowed layers only
+                    continue
                 for kernel in ("auto", "torch"):
                     name = f"nccl P={world} {backend} {layout} kernel={kernel} bf16 {case}"
                     try:
                         shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full[:3]]
-                        out = usp.sp_attention(*shards, topo, backend=backend, kernel=kernel, causal=causal,
+                        out = usp.sp_attention(*shards, topo, backend=backend, kernel=kernel, causal=causal, window=window, softcap=softcap,
                                                cu_seqlens=None if cu is None else torch.tensor(cu, device="cuda"))
                         out.backward(usp.shard_sequence(full[3], topo))
                         got = [usp.gather_sequence(t, topo) for t in (out.detach(), *(s.grad for s in shards))]

@@ -9,7 +9,8 @@ p2p exchange overlaps computation. Every rank measures at once, as in training.
 Last, every registered backend runs one reference attention (8 q and kv heads,
 dim 64, fp32, causal, ``backend_seq`` tokens); what it takes beyond the time the
 profile so far predicts, per byte of the rank's shards and less the leanest
-backend's figure, is its ``backend_overhead``. The backends take turns (one run
+backend's figure, is its ``backend_overhead``; a backend that runs only sliding-window
+layers (halo) is measured against the leanest one on the same attention with a window. The backends take turns (one run
 each, ``repeat`` rounds) so that a drift of the machine's speed during
 calibration does not favour one of them.
 """
@@ -79,15 +80,8 @@ def _kernel_rates(dtype, seq: int, repeat: int, device) -> tuple[float, float]:
     return flops / t_fwd, flops / max(t_both - t_fwd, 1e-9)
 
 
-def _backend_overhead(profile: Profile, seq: int, ulysses_degree, repeat: int, device) -> tuple[dict, dict]:
-    """(``backend_overhead`` per backend, the raw measured and estimated seconds)."""
-    import ulysses_sp as usp
-
-    topo = usp.init_sequence_parallel(dist.get_world_size(), ulysses_degree=ulysses_degree, timeout=3600)
-    gen = torch.Generator().manual_seed(dist.get_rank())
-    q, k, v, dout = (torch.randn(1, seq // topo.sp_size, 8, 64, generator=gen).to(device) for _ in range(4))
-    spec = usp.attention.make_spec(q, k, v, topo)
-    backends = {name: usp.get_backend(name) for name in usp.list_backends() if usp.get_backend(name).check(spec, topo) is None}
+def _backend_times(backends: dict, spec, topo, q, k, v, dout, profile: Profile, repeat: int, device) -> dict:
+    """Per backend, the median measured seconds of forward+backward of ``spec`` and its estimate."""
 
     def step(backend):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -100,11 +94,34 @@ def _backend_overhead(profile: Profile, seq: int, ulysses_degree, repeat: int, d
             seconds = _timed(lambda b=backends[name]: step(b), 1, device)
             if round_:
                 times[name].append(seconds)
-    raw = {name: {"measured_s": statistics.median(times[name]), "estimated_s": b.estimate(spec, topo, profile).seconds}
-           for name, b in backends.items()}
+    return {name: {"measured_s": statistics.median(times[name]), "estimated_s": b.estimate(spec, topo, profile).seconds}
+            for name, b in backends.items()}
+
+
+def _backend_overhead(profile: Profile, seq: int, ulysses_degree, repeat: int, device) -> tuple[dict, dict]:
+    """(``backend_overhead`` per backend, the raw measured and estimated seconds). Backends that
+    run only sliding-window layers (halo) are measured on the same attention with a window of
+    ``seq / 8``, next to the leanest full-attention backend, and get their overhead relative to it."""
+    import ulysses_sp as usp
+
+    topo = usp.init_sequence_parallel(dist.get_world_size(), ulysses_degree=ulysses_degree, timeout=3600)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    q, k, v, dout = (torch.randn(1, seq // topo.sp_size, 8, 64, generator=gen).to(device) for _ in range(4))
+    spec = usp.attention.make_spec(q, k, v, topo)
+    runs = {name: usp.get_backend(name) for name in usp.list_backends() if usp.get_backend(name).check(spec, topo) is None}
+    raw = _backend_times(runs, spec, topo, q, k, v, dout, profile, repeat, device)
     per_byte = {name: (r["measured_s"] - r["estimated_s"]) / spec.shard_bytes for name, r in raw.items()}
-    leanest = min(per_byte.values())
-    return {name: x - leanest for name, x in per_byte.items()}, {"seq": seq, "ulysses_degree": topo.ulysses_degree, **raw}
+    leanest = min(per_byte, key=per_byte.get)
+    overhead = {name: x - per_byte[leanest] for name, x in per_byte.items()}
+    windowed = usp.attention.make_spec(q, k, v, topo, window=seq // 8)
+    only_windowed = {name: usp.get_backend(name) for name in usp.list_backends()
+                     if name not in runs and usp.get_backend(name).check(windowed, topo) is None}
+    if only_windowed:
+        raw_w = _backend_times({leanest: runs[leanest], **only_windowed}, windowed, topo, q, k, v, dout, profile, repeat, device)
+        base = raw_w[leanest]["measured_s"] - raw_w[leanest]["estimated_s"]
+        overhead.update((name, (r["measured_s"] - r["estimated_s"] - base) / windowed.shard_bytes) for name, r in raw_w.items() if name != leanest)
+        raw["windowed"] = {"window": seq // 8, **raw_w}
+    return overhead, {"seq": seq, "ulysses_degree": topo.ulysses_degree, **raw}
 
 
 def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), progress=None, backend_seq: int = 4096,

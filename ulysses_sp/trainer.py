@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import resource
 import sys
 import time
@@ -29,11 +28,11 @@ from .data import shard_batch, sp_cross_entropy
 from .kernels import KERNEL_NAMES
 from .integrations.deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
 from .tasks import PAD_ID, VOCAB_SIZE, passkey_batch
+from .registry import get_backend, list_backends
 from .topology import init_sequence_parallel
 
 __all__ = ["TrainConfig", "main", "parse_args"]
 
-BACKENDS = ("auto", "ulysses", "allgather", "ring", "hybrid")
 DTYPES = ("bf16", "fp16", "fp32")
 
 
@@ -64,10 +63,18 @@ class TrainConfig:
     """The local attention kernel: ``auto``, ``flash_attn``, ``torch`` or ``math``."""
 
 
+def _known_backend(name: str) -> bool:
+    try:
+        get_backend(name)
+    except ValueError:
+        return False
+    return True
+
+
 def parse_args(argv=None) -> TrainConfig:
     p = argparse.ArgumentParser(prog="train.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--sp-size", type=int, default=None, help="sequence-parallel size (default: every rank)")
-    p.add_argument("--sp-backend", default="auto", help=f"one of {', '.join(BACKENDS)}, hybrid-u{{U}} (the hybrid at Ulysses degree U), or a comma-separated name per layer")
+    p.add_argument("--sp-backend", default="auto", help=f"auto, one of {', '.join(list_backends())}, hybrid-u{{U}} (the hybrid at Ulysses degree U), or a comma-separated name per layer")
     p.add_argument("--profile", default=None, help="a profile from sp-bench calibrate, for auto (default: built in)")
     p.add_argument("--zero-stage", type=int, choices=(0, 1, 2, 3), default=2)
     p.add_argument("--model", default=None, help="config.json or local model directory (default: the embedded tiny Llama)")
@@ -83,9 +90,9 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--resume", default=None, help="checkpoint directory to continue from")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     a = p.parse_args(argv)
-    unknown = [name for name in a.sp_backend.split(",") if name not in BACKENDS and not re.fullmatch(r"hybrid-u[1-9][0-9]*", name)]
+    unknown = [name for name in a.sp_backend.split(",") if name != "auto" and not _known_backend(name)]
     if unknown:
-        p.error(f"--sp-backend: unknown {unknown}; choose from {', '.join(BACKENDS)}, hybrid-u{{U}} (one, or one per layer)")
+        p.error(f"--sp-backend: unknown {unknown}; choose from auto, {', '.join(list_backends())}, hybrid-u{{U}} (one, or one per layer)")
     return TrainConfig(
         sp_size=a.sp_size, sp_backend=a.sp_backend, zero_stage=a.zero_stage, model=a.model, data=a.data, seq_len=a.seq_len,
         steps=a.steps, lr=a.lr, seed=a.seed, save=a.save, resume=a.resume, ulysses_degree=a.ulysses_degree, profile=a.profile,
