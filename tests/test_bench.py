@@ -9,14 +9,14 @@ from click.testing import CliRunner
 from ulysses_sp.cli.main import main as sp_bench
 from ulysses_sp.cli.report import CSV_COLUMNS
 
-BACKENDS = ["ulysses", "allgather", "ring", "hybrid", "auto"]
+BACKENDS = ["ulysses", "allgather", "ring", "hybrid", "halo", "auto"]
 PEERS = ["peer:deepspeed", "peer:torch-ring", "peer:ring-flash-attn", "peer:yunchang"]
 
 
 @pytest.fixture(scope="module")
 def bench(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench")
-    args = ["run", "--nproc", "2", "--seq", "64,128", "--heads", "4", "--kv-heads", "2,q", "--head-dim", "8",
+    args = ["run", "--nproc", "2", "--seq", "64,128", "--heads", "4", "--kv-heads", "2,q", "--head-dim", "8", "--window", "none,16",
             "--warmup", "0", "--repeat", "2", "--peers", "--check",
             "--json", str(out / "b.json"), "--csv", str(out / "b.csv"), "--plot", str(out / "b.png")]
     result = CliRunner().invoke(sp_bench, args, catch_exceptions=False)
@@ -27,12 +27,14 @@ def bench(tmp_path_factory):
 def test_every_backend_and_peer_has_a_row_per_cell(bench):
     _, output, data = bench
     rows = data["rows"]
-    cells = {(r["seq"], r["kv_heads"]) for r in rows}
-    assert cells == {(64, 2), (64, 4), (128, 2), (128, 4)}
+    cells = {(r["seq"], r["kv_heads"], r["window"]) for r in rows}
+    assert cells == {(s, kv, w) for s in (64, 128) for kv in (2, 4) for w in (None, 16)}
     for cell in cells:
-        assert sorted(r["entry"] for r in rows if (r["seq"], r["kv_heads"]) == cell) == sorted(BACKENDS + PEERS)
+        assert sorted(r["entry"] for r in rows if (r["seq"], r["kv_heads"], r["window"]) == cell) == sorted(BACKENDS + PEERS)
     for r in rows:
-        if r["kind"] == "ulysses-sp":
+        if r["entry"] == "halo" and r["window"] is None:
+            assert r["skipped"].startswith("halo: only for sliding-window layers"), r
+        elif r["kind"] == "ulysses-sp":
             assert "skipped" not in r, r
             assert r["fwd_s"]["min"] <= r["fwd_s"]["median"] <= r["fwd_s"]["max"]
             assert len(r["fwd_bwd_s_all"]) == 2 and r["fwd_bwd_s"]["median"] > r["fwd_s"]["median"] > 0
@@ -46,7 +48,9 @@ def test_every_backend_and_peer_has_a_row_per_cell(bench):
 def test_peers_run_or_say_why(bench):
     _, output, data = bench
     for r in data["rows"]:
-        if r["entry"] in ("peer:deepspeed", "peer:torch-ring"):  # both run on CPU/gloo
+        if r["kind"] == "peer" and r["window"]:
+            assert r["skipped"] == "peers are run without a sliding window", r
+        elif r["entry"] in ("peer:deepspeed", "peer:torch-ring"):  # both run on CPU/gloo
             assert "skipped" not in r and r["max_error"] < 1e-5, r
         elif r["kind"] == "peer":  # fp32 on CPU without the fake: flash-attn's peers say why not
             assert "not installed" in r["skipped"] or "flash-attn" in r["skipped"], r
@@ -64,6 +68,9 @@ def test_peers_on_the_fake_flash_attn(tmp_path):
     rows = json.loads((tmp_path / "b.json").read_text())["rows"]
     assert sorted(r["entry"] for r in rows) == sorted(2 * (BACKENDS + PEERS))
     for r in rows:
+        if r["entry"] == "halo":  # full attention: halo says why not
+            assert r["skipped"].startswith("halo: only for sliding-window layers"), r
+            continue
         assert "skipped" not in r, r
         assert r["max_error"] < 3e-2, r  # bf16 inputs against fp64 attention
 
