@@ -120,6 +120,36 @@ def backend_checks() -> None:
                 return f"kernel {usp.attention.make_spec(q, k, v, topo, kernel=kernel).kernel}; errors " + " ".join(f"{e:.1e}" for e in errs)
 
 
+def memory_checks() -> None:
+    """The memory stack on one GPU, bf16: the tiled loss, the tiled MLP and offloaded
+    checkpoints give the untiled gradients, and offload really moves bytes to the host."""
+    import copy
+
+    import transformers
+
+    from ulysses_sp import tiling
+
+    topo = usp.init_sequence_parallel(1)
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
+                                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, use_cache=False)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).cuda().bfloat16()
+    ids = torch.randint(0, 32000, (1, 8192))
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in usp.shard_batch({"input_ids": ids, "labels": ids.clone()}, topo).items()}
+
+    @check("memory stack bf16: tiled loss + tiled MLP + offload == plain")
+    def _():
+        model = copy.deepcopy(ref)
+        usp.apply_sequence_parallel(ref, topo)
+        usp.sp_cross_entropy(ref(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits, batch["shift_labels"], topo).backward()
+        usp.apply_sequence_parallel(model, topo, tiled_mlp=1024, checkpoint="offload")
+        usp.causal_lm_loss(model, batch, topo).backward()
+        errs = [rel(p.grad.float(), q.grad.float()) for p, q in zip(model.parameters(), ref.parameters())]
+        moved = tiling.offload_store(model).stats()["offloaded_bytes"]
+        assert max(errs) < TOL[torch.bfloat16] and moved > 0, f"worst gradient error {max(errs):.2e}, offloaded bytes {moved}"
+        return f"worst gradient error {max(errs):.1e}; {moved / 2**20:.1f} MiB offloaded to host"
+
+
 PARITY = {  # name: (q heads, kv heads, causal, documents of the 4096 tokens or None, sliding window or None, softcap)
     "gqa-causal": (16, 4, True, None, None, 0.0),
     "mqa-full": (8, 1, False, None, None, 0.0),
@@ -198,6 +228,7 @@ def main() -> int:
     dist.init_process_group("nccl", rank=0, world_size=1)
     kernel_checks()
     backend_checks()
+    memory_checks()
     dist.destroy_process_group()
     print(f"gpu_check: {sum(RESULTS)} passed, {len(RESULTS) - sum(RESULTS)} failed", flush=True)
     return 0 if all(RESULTS) else 1

@@ -852,3 +852,5 @@ def non_finite_input(env: Env) -> dict:
 
 
 from . import reliability_cases  # noqa: E402,F401
+from . import loss_cases  # noqa: E402,F401
+from . import tiling_cases  # noqa: E402,F401

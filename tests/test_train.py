@@ -6,7 +6,7 @@ pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
 pytest.importorskip("transformers", reason="the hf extra is not installed")
 
 from ulysses_sp.launch import run_ranks  # noqa: E402
-from ulysses_sp.trainer import TrainConfig, parse_args, precision_config, resolve_dtype, train  # noqa: E402
+from ulysses_sp.trainer import TrainConfig, memory_options, parse_args, precision_config, resolve_dtype, train  # noqa: E402
 
 STEPS, SEQ = 8, 512
 
@@ -49,6 +49,30 @@ def test_zero3_trains_like_zero2(sp2_losses):
     zero3 = _run(2, zero_stage=3)
     for step, (a, b) in enumerate(zip(zero3[0], sp2_losses[0])):
         assert abs(a - b) < 1e-4, f"step {step + 1}: {a} with ZeRO-3, {b} with ZeRO-2"
+
+
+@pytest.mark.parametrize("zero_stage", [2, 3])
+def test_memory_stack_trains_like_without(sp2_losses, zero_stage):
+    """Tiled loss, tiled MLP and per-layer checkpointing (offload: nothing to move on CPU,
+    the hooks still run) through DeepSpeed give the same loss curve (ZeRO-3 also equals ZeRO-2)."""
+    tiled = _run(2, zero_stage=zero_stage, tiled_loss=True, tiled_mlp=True, checkpoint="offload")
+    for step, (a, b) in enumerate(zip(tiled[0], sp2_losses[0])):
+        assert abs(a - b) < 1e-4, f"step {step + 1}: {a} with the memory stack (ZeRO-{zero_stage}), {b} without"
+
+
+def test_memory_options_follow_the_length():
+    from transformers import LlamaConfig
+
+    model = LlamaConfig(vocab_size=128256, intermediate_size=1024)
+    short, why = memory_options(TrainConfig(sp_size=2, seq_len=2048), model, 2, on_gpu=False)
+    assert short == {"tiled_loss": True, "tiled_mlp": False, "checkpoint": "none"}, why  # 1024 x 128256 >= 2^26
+    long_, _ = memory_options(TrainConfig(sp_size=2, seq_len=1 << 17), model, 2, on_gpu=True)
+    assert long_ == {"tiled_loss": True, "tiled_mlp": True, "checkpoint": "offload"}
+    forced, why = memory_options(TrainConfig(sp_size=2, seq_len=1 << 17, tiled_mlp=False, checkpoint="layers"), model, 2, on_gpu=True)
+    assert (forced["tiled_mlp"], forced["checkpoint"], why["checkpoint"]) == (False, "layers", "flag")
+    cfg = parse_args(["--tiled-loss", "--no-tiled-mlp", "--checkpoint", "offload"])
+    assert (cfg.tiled_loss, cfg.tiled_mlp, cfg.checkpoint) == (True, False, "offload")
+    assert parse_args([]).tiled_loss is None and parse_args([]).checkpoint == "auto"
 
 
 def test_parse_args_takes_dtype_and_kernel():

@@ -17,6 +17,7 @@ from .data import (
     sp_cross_entropy,
 )
 from .layout import pad_to_multiple
+from .loss import causal_lm_loss, sp_linear_cross_entropy
 from .registry import get_backend, list_backends, register_backend
 from .profile import CPU_GLOO_PROFILE, NVLINK_PROFILE, LinkCost, Profile, load_profile
 from .spec import AttnSpec, Estimate
@@ -25,12 +26,13 @@ from .topology import Topology, init_sequence_parallel
 __version__ = "0.1.0"
 
 
-def apply_sequence_parallel(model, topo, backend: str = "auto", profile=None, kernel: str = "auto"):
+def apply_sequence_parallel(model, topo, backend: str = "auto", profile=None, kernel: str = "auto", tiled_mlp=False, checkpoint: str = "none"):
     """Switch a Hugging Face transformers model to sequence-parallel attention (needs the ``hf``
-    extra); see :mod:`ulysses_sp.integrations.transformers`."""
+    extra), optionally with tiled MLPs and per-layer checkpointing; see
+    :mod:`ulysses_sp.integrations.transformers`."""
     from .integrations.transformers import apply_sequence_parallel as apply
 
-    return apply(model, topo, backend=backend, profile=profile, kernel=kernel)
+    return apply(model, topo, backend=backend, profile=profile, kernel=kernel, tiled_mlp=tiled_mlp, checkpoint=checkpoint)
 
 
 def remove_sequence_parallel(model):
@@ -51,6 +53,8 @@ __all__ = [
     "shard_batch",
     "cu_seqlens_from_position_ids",
     "sp_cross_entropy",
+    "sp_linear_cross_entropy",
+    "causal_lm_loss",
     "SequenceParallelSampler",
     "pad_to_multiple",
     "CommCounter",

@@ -25,6 +25,7 @@ import torch.distributed as dist
 from . import comm
 from .devices import bind_device, check_one_rank_per_device, local_world_size, move_batch
 from .data import shard_batch, sp_cross_entropy
+from .loss import causal_lm_loss
 from .kernels import KERNEL_NAMES
 from .integrations.deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
 from .tasks import PAD_ID, VOCAB_SIZE, passkey_batch
@@ -61,6 +62,36 @@ class TrainConfig:
     DeepSpeed's mixed precision (it casts the fp32 model and keeps fp32 master weights)."""
     sp_kernel: str = "auto"
     """The local attention kernel: ``auto``, ``flash_attn``, ``torch`` or ``math``."""
+    tiled_loss: bool | None = None
+    """The LM head and the loss over tiles of tokens (``causal_lm_loss``); None: :func:`memory_options` decides."""
+    tiled_mlp: bool | None = None
+    """Each layer's MLP over tiles of tokens, recomputed in the backward; None: decided by length."""
+    checkpoint: str = "auto"
+    """``none``, ``layers`` (per-layer activation checkpointing), ``offload`` (and the
+    checkpoints in pinned host memory), or ``auto``: decided by length."""
+
+
+MEMORY_TILE_ELEMENTS = 1 << 26
+"""A [local tokens, width] fp32 activation of this many elements (256 MiB) or more is tiled."""
+
+
+def memory_options(cfg: TrainConfig, model_config, sp_size: int, on_gpu: bool) -> tuple[dict, dict]:
+    """(tiled_loss, tiled_mlp, checkpoint) for ``apply_sequence_parallel`` and the loss, and
+    why each was chosen. Defaults from the local length L = seq_len / sp_size: tile the loss
+    when L x vocab, and the MLP when L x intermediate, reaches 64 Mi elements (256 MiB in
+    fp32); checkpoint every layer from L = 8k, offloaded to host memory on GPUs from L = 32k."""
+    local = cfg.seq_len // sp_size
+    chosen, why = {}, {}
+    for name, width in (("tiled_loss", model_config.vocab_size), ("tiled_mlp", model_config.intermediate_size)):
+        given = getattr(cfg, name)
+        chosen[name] = given if given is not None else local * width >= MEMORY_TILE_ELEMENTS
+        why[name] = "flag" if given is not None else f"{local} local tokens x {width} {'>=' if chosen[name] else '<'} 2^26"
+    if cfg.checkpoint != "auto":
+        chosen["checkpoint"], why["checkpoint"] = cfg.checkpoint, "flag"
+    else:
+        chosen["checkpoint"] = "offload" if on_gpu and local >= 32768 else "layers" if local >= 8192 else "none"
+        why["checkpoint"] = f"{local} local tokens{' on GPU' if on_gpu else ''}"
+    return chosen, why
 
 
 def _known_backend(name: str) -> bool:
@@ -86,6 +117,13 @@ def parse_args(argv=None) -> TrainConfig:
     p.add_argument("--dtype", choices=DTYPES, default=None, help="training precision (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--sp-kernel", choices=KERNEL_NAMES, default="auto", help="local attention kernel (default: auto)")
     p.add_argument("--ulysses-degree", type=int, default=None, help="what the hybrid backend means (default: sp size); hybrid-u{U} and auto use any degree")
+    p.add_argument("--tiled-loss", action=argparse.BooleanOptionalAction, default=None,
+                   help="LM head + loss over tiles of tokens (default: on when local tokens x vocab >= 2^26)")
+    p.add_argument("--tiled-mlp", action=argparse.BooleanOptionalAction, default=None,
+                   help="each MLP over tiles of tokens, recomputed in backward (default: on when local tokens x intermediate >= 2^26)")
+    p.add_argument("--checkpoint", choices=("auto", "none", "layers", "offload"), default="auto",
+                   help="activation checkpointing per layer; offload: to pinned host memory (default auto: layers from 8k local "
+                        "tokens, offload on GPUs from 32k)")
     p.add_argument("--save", default=None, help="checkpoint directory (DeepSpeed format), written at the end")
     p.add_argument("--resume", default=None, help="checkpoint directory to continue from")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
@@ -96,7 +134,7 @@ def parse_args(argv=None) -> TrainConfig:
     return TrainConfig(
         sp_size=a.sp_size, sp_backend=a.sp_backend, zero_stage=a.zero_stage, model=a.model, data=a.data, seq_len=a.seq_len,
         steps=a.steps, lr=a.lr, seed=a.seed, save=a.save, resume=a.resume, ulysses_degree=a.ulysses_degree, profile=a.profile,
-        dtype=a.dtype, sp_kernel=a.sp_kernel,
+        dtype=a.dtype, sp_kernel=a.sp_kernel, tiled_loss=a.tiled_loss, tiled_mlp=a.tiled_mlp, checkpoint=a.checkpoint,
     )
 
 
@@ -202,7 +240,10 @@ def train(cfg: TrainConfig) -> list[float]:
     rank0 = topo.rank == 0
 
     backend = cfg.sp_backend.split(",") if "," in cfg.sp_backend else cfg.sp_backend
-    model = apply_sequence_parallel(build_model(cfg), topo, backend=backend, kernel=cfg.sp_kernel)
+    model = build_model(cfg)
+    memory, why = memory_options(cfg, model.config, topo.sp_size, on_gpu)
+    model = apply_sequence_parallel(model, topo, backend=backend, kernel=cfg.sp_kernel, tiled_mlp=memory["tiled_mlp"],
+                                    checkpoint=memory["checkpoint"])
     model.train()
     ds_config = {
         "train_micro_batch_size_per_gpu": 1,
@@ -228,6 +269,7 @@ def train(cfg: TrainConfig) -> list[float]:
             f"data {'passkey task' if source is None else cfg.data}",
             flush=True,
         )
+        print("memory: " + ", ".join(f"{name} {value} ({why[name]})" for name, value in memory.items()), flush=True)
     progress = None
     if rank0:
         from tqdm import tqdm
@@ -243,8 +285,11 @@ def train(cfg: TrainConfig) -> list[float]:
         else:
             batch = source.batch(step, topo.dp_rank, topo.dp_size)
         local = move_batch(shard_batch(batch, topo, pad_token_id=PAD_ID), topo.device)  # shard on CPU, move this rank's part
-        logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], cu_seq_lens_q=local.get("cu_seqlens")).logits
-        loss = sp_cross_entropy(logits, local["shift_labels"], topo, count_group=dist.group.WORLD)
+        if memory["tiled_loss"]:
+            loss = causal_lm_loss(engine, local, topo, count_group=dist.group.WORLD)
+        else:
+            logits = engine(input_ids=local["input_ids"], position_ids=local["position_ids"], cu_seq_lens_q=local.get("cu_seqlens")).logits
+            loss = sp_cross_entropy(logits, local["shift_labels"], topo, count_group=dist.group.WORLD)
         engine.backward(loss * scale)
         engine.step()
         losses.append(loss.item())

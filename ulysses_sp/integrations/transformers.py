@@ -19,6 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface
 from ..attention import SequenceParallelAttention
 from ..profile import Profile
 from ..topology import Topology
+from .. import tiling
 
 __all__ = ["ATTN_IMPLEMENTATION", "apply_sequence_parallel", "remove_sequence_parallel", "sp_attention_forward"]
 
@@ -102,7 +103,8 @@ def _backend_per_layer(backend, layers) -> dict[int, str]:
     return dict(zip(indices, names))
 
 
-def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Profile | None = None, kernel: str = "auto"):
+def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Profile | None = None, kernel: str = "auto",
+                            tiled_mlp: bool | int = False, checkpoint: str = "none"):
     """Switch a loaded transformers model to sequence-parallel attention; returns the model.
 
     ``backend`` is one name for every layer (``"auto"`` decides per layer and
@@ -113,7 +115,19 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     attention kernel (``auto``, ``flash_attn``, ``torch``, ``math``). Keeps the previous
     attention implementation for :func:`remove_sequence_parallel` and turns the
     KV cache off (training and evaluation, not generation).
+
+    ``tiled_mlp``: ``True`` (tiles of ``max(1024, hidden)`` tokens) or a tile size in tokens runs
+    each decoder layer's ``mlp`` over sequence tiles, recomputing each tile in the backward;
+    ``checkpoint``: ``"none"``, ``"layers"`` (recompute each decoder layer in the backward) or
+    ``"offload"`` (also keep each checkpointed layer input in pinned host memory on CUDA; the
+    counters are in ``ulysses_sp.tiling.offload_store(model)``). See :mod:`ulysses_sp.tiling`.
     """
+    tile_tokens = tiling.validate_options(tiled_mlp, checkpoint)
+    if checkpoint != "none" and tiling.hf_checkpointing(model):
+        raise ValueError(f"checkpoint={checkpoint!r} replaces transformers' gradient checkpointing; call model.gradient_checkpointing_disable() first "
+                         "or pass checkpoint='none'")
+    if tile_tokens is not None and not any("mlp" in layer._modules for layer in tiling.decoder_layers(model)):
+        raise ValueError(f"tiled_mlp: {type(model).__name__} has no decoder layer with an `mlp` module to tile")
     layers = _attention_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no attention layers with a layer_idx; ulysses_sp cannot switch it")
@@ -124,6 +138,11 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
         layer.__dict__[_STATE] = SequenceParallelAttention(
             topo, backend=per_layer[layer.layer_idx], layer_idx=layer.layer_idx, profile=profile, kernel=kernel
         )
+    tiling.untile_mlp(model)
+    tiling.uncheckpoint_layers(model)
+    if tile_tokens is not None:
+        tiling.tile_mlp(model, tile_tokens, sp_size=topo.sp_size)
+    tiling.checkpoint_layers(model, checkpoint)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     model.config.use_cache = False
     return model
@@ -136,6 +155,8 @@ def remove_sequence_parallel(model):
         return model
     for layer in _attention_layers(model):
         layer.__dict__.pop(_STATE, None)
+    tiling.untile_mlp(model)
+    tiling.uncheckpoint_layers(model)
     attn_implementation, use_cache = previous
     model.set_attn_implementation(attn_implementation)
     model.config.use_cache = use_cache

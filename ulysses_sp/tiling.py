@@ -1,0 +1,307 @@
+"""Memory for long sequences beyond attention: a tiled MLP and per-layer activation checkpointing
+with the checkpointed inputs offloaded to host memory.
+
+Tiled MLP (:func:`tile_mlp`). A position-wise module ``[B, S, H] -> [B, S, H]`` (LlamaMLP's
+gate/up/down, or anything else that treats tokens independently) runs over tiles of tokens:
+:class:`TiledMLPFunction` saves only its input, computes the output tile by tile under
+``no_grad`` and, in the backward, recomputes each tile with grad enabled and backpropagates it
+(parameter gradients accumulate through autograd, the input gradient is written per tile).
+The intermediate activations live for one tile, O(tile x intermediate) instead of
+O(S_local x intermediate); the price is a second forward of the MLP.
+
+Tile-count rule (every rank must call the MLP module the same number of times: ZeRO-3 gathers
+its parameters per module call, and a rank that calls once more waits forever):
+
+- ``n_tiles = ceil(B * S_local / tile_tokens)``: a function of the input's *shape* only, never of
+  its contents (padding, valid tokens, documents). B and S_local are equal on every rank of an
+  SP group (``shard_batch`` pads the global length to a multiple of the SP size).
+- Under ZeRO-3 (parameters carry DeepSpeed's ``ds_id``) with more ranks than one SP group,
+  different DP groups may hold different lengths, so the count is the maximum over the world
+  (one all-reduce of one integer per MLP forward); a rank with fewer tokens runs empty tiles.
+- Tiles come from ``tensor_split``, which always returns exactly ``n_tiles`` pieces (possibly
+  empty), so the number of module calls is exactly ``n_tiles`` in the forward and again in the
+  backward.
+- ``tiled_mlp=True`` uses ``max(1024, H)`` tokens per tile (H the hidden size): a tile's
+  intermediate activation ``[tile, I]`` is then about the size of one MLP weight ``[H, I]``, the
+  rule of Arctic Long Sequence Training (``ceil(S / H)`` shards); an int is the tile in tokens.
+
+Each tile calls the MLP *module* (``module(tile)``), so framework hooks (ZeRO-3's parameter
+gather/release, its backward re-gather) run per tile in the forward and in the backward
+recompute. While tile i < n - 1 is backpropagated the parameters carry ``ds_grad_is_ready =
+False``, which tells ZeRO-2 and ZeRO-3 not to reduce a partial gradient (the same protocol as
+DeepSpeed's own TiledMLP); the last tile sets it back to True.
+
+Checkpointing (:func:`checkpoint_layers`): ``"layers"`` recomputes each decoder layer in the
+backward (``torch.utils.checkpoint``, ``use_reentrant=False``); the SP attention inside re-runs its
+collectives in the recompute, in the same order on every rank because every rank recomputes the
+same layers in the same (reverse) order. ``"offload"`` checkpoints with the re-entrant variant,
+whose only saved tensors are the layer's tensor inputs (``ctx.save_for_backward``), under
+``torch.autograd.graph.saved_tensors_hooks`` from an :class:`OffloadStore`: on CUDA pack copies the
+input to a pinned host buffer (``non_blocking=True``) and unpack copies it back for the backward;
+on CPU there is nothing to move and the store keeps the tensor, counting tensors and bytes in
+both cases (``offload_store(model)``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+__all__ = [
+    "CHECKPOINT_MODES",
+    "OffloadStore",
+    "TiledMLP",
+    "TiledMLPFunction",
+    "checkpoint_layers",
+    "default_tile_tokens",
+    "offload_store",
+    "tile_count",
+    "tile_mlp",
+    "untile_mlp",
+    "uncheckpoint_layers",
+    "validate_options",
+]
+
+CHECKPOINT_MODES = ("none", "layers", "offload")
+MIN_DEFAULT_TILE = 1024
+_TILED = "_ulysses_sp_tiled_mlp"
+_CKPT = "_ulysses_sp_checkpoint"
+_STORE = "_ulysses_sp_offload_store"
+
+
+def validate_options(tiled_mlp, checkpoint_mode) -> int | None:
+    """The tile in tokens (``None``: off, ``0``: the default rule); ValueError for anything else."""
+    if checkpoint_mode not in CHECKPOINT_MODES:
+        raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint_mode!r}")
+    if tiled_mlp is None or tiled_mlp is False:
+        return None
+    if tiled_mlp is True:
+        return 0
+    if isinstance(tiled_mlp, int) and not isinstance(tiled_mlp, bool) and tiled_mlp >= 1:
+        return int(tiled_mlp)
+    raise ValueError(f"tiled_mlp must be False, True (the default tile) or a tile size in tokens >= 1, got {tiled_mlp!r}")
+
+
+def default_tile_tokens(hidden: int) -> int:
+    return max(MIN_DEFAULT_TILE, int(hidden))
+
+
+def tile_count(tokens: int, tile_tokens: int) -> int:
+    """``ceil(tokens / tile_tokens)``, at least 1: the number of module calls per pass."""
+    return max(1, math.ceil(tokens / tile_tokens))
+
+
+def _agree(n: int, device, group) -> int:
+    t = torch.tensor([n], dtype=torch.int64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+    return int(t.item())
+
+
+class TiledMLPFunction(torch.autograd.Function):
+    """``module`` over ``n_tiles`` tiles of the flattened ``B * S`` tokens of ``x``; see the module docstring."""
+
+    @staticmethod
+    def forward(ctx, x, module, n_tiles, params):
+        ctx.module, ctx.n_tiles, ctx.params = module, n_tiles, params
+        ctx.save_for_backward(x)
+        flat = x.reshape(1, -1, x.shape[-1])
+        out = None
+        with torch.no_grad():
+            start = 0
+            for tile in torch.tensor_split(flat, n_tiles, dim=1):
+                y = module(tile)
+                if out is None:
+                    out = y.new_empty(flat.shape[:2] + y.shape[2:])
+                out[:, start:start + tile.shape[1]] = y
+                start += tile.shape[1]
+        return out.view(x.shape[:-1] + out.shape[-1:])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (x,) = ctx.saved_tensors
+        module, n, params = ctx.module, ctx.n_tiles, ctx.params
+        flat = x.detach().reshape(1, -1, x.shape[-1])
+        grad_flat = grad_out.reshape(1, flat.shape[1], -1)
+        grad_x = torch.zeros_like(flat) if ctx.needs_input_grad[0] else None
+        start = 0
+        try:
+            for i, tile in enumerate(torch.tensor_split(flat, n, dim=1)):
+                ready = i == n - 1
+                for p in params:
+                    p.ds_grad_is_ready = ready
+                size = tile.shape[1]
+                tile = tile.detach().requires_grad_(grad_x is not None)
+                with torch.enable_grad():
+                    y = module(tile)
+                if y.requires_grad:
+                    torch.autograd.backward(y, grad_flat[:, start:start + size])
+                if grad_x is not None and tile.grad is not None:
+                    grad_x[:, start:start + size] = tile.grad
+                start += size
+        finally:
+            for p in params:
+                p.ds_grad_is_ready = True
+        return (grad_x.view(x.shape) if grad_x is not None else None), None, None, None
+
+
+class TiledMLP:
+    """Stands in the decoder layer's ``__dict__`` as ``mlp``: ``layer.mlp(x)`` runs the tiles, while
+    ``layer._modules["mlp"]`` (parameters, state_dict, hooks) stays the original module."""
+
+    def __init__(self, module, tile_tokens: int, world_group, agree: bool):
+        self.module, self.tile_tokens, self.world_group, self.agree = module, tile_tokens, world_group, agree
+        self.counts: list[int] = []  # the tile count of every forward (tests assert it is equal on every rank)
+
+    def __call__(self, x, *args, **kwargs):
+        if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2:
+            return self.module(x, *args, **kwargs)
+        tile = self.tile_tokens or default_tile_tokens(x.shape[-1])
+        n = tile_count(x.shape[:-1].numel(), tile)
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        if self.agree and any(hasattr(p, "ds_id") for p in params) and dist.is_initialized() and dist.get_world_size(self.world_group) > 1:
+            n = _agree(n, x.device, self.world_group)
+        self.counts.append(n)
+        if torch.is_grad_enabled() and params and not x.requires_grad:
+            x = x.detach().requires_grad_()  # else autograd would skip the Function and the parameters' gradients
+        if not torch.is_grad_enabled() or not (x.requires_grad or params):
+            with torch.no_grad():
+                return TiledMLPFunction.forward(_NoCtx(), x, self.module, n, [])
+        return TiledMLPFunction.apply(x, self.module, n, params)
+
+
+class _NoCtx:
+    def save_for_backward(self, *tensors):
+        pass
+
+
+def decoder_layers(model) -> list:
+    """The modules that hold one transformer block: transformers' GradientCheckpointingLayer
+    subclasses, else classes named ``*DecoderLayer``."""
+    try:
+        from transformers.modeling_layers import GradientCheckpointingLayer
+    except ImportError:  # pragma: no cover
+        GradientCheckpointingLayer = ()
+    found = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and type(m).__name__.endswith("Layer")]
+    return found or [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
+
+
+def tile_mlp(model, tile_tokens: int, sp_size: int = 1) -> list:
+    """Tile every decoder layer's ``mlp`` (``tile_tokens`` 0: the default rule); returns the stand-ins.
+    ``sp_size``: the SP group size; when the world is larger, ZeRO-3 parameters make the count agree."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    agree = dist.is_initialized() and dist.get_world_size() > sp_size
+    out = []
+    for layer in decoder_layers(model):
+        mlp = layer._modules.get("mlp")
+        if mlp is None:
+            continue
+        layer.__dict__.pop("mlp", None)
+        tiled = TiledMLP(mlp, tile_tokens, world, agree)
+        layer.__dict__["mlp"] = tiled
+        out.append(tiled)
+    if not out:
+        raise ValueError(f"tiled_mlp: {type(model).__name__} has no decoder layer with an `mlp` module")
+    model.__dict__[_TILED] = out
+    return out
+
+
+def untile_mlp(model) -> None:
+    for layer in decoder_layers(model):
+        if isinstance(layer.__dict__.get("mlp"), TiledMLP):
+            del layer.__dict__["mlp"]
+    model.__dict__.pop(_TILED, None)
+
+
+def tiled_mlps(model) -> list:
+    """The tiled stand-ins (each with ``.counts``, the tile count of every forward); [] when off."""
+    return list(model.__dict__.get(_TILED, ()))
+
+
+class OffloadStore:
+    """``saved_tensors_hooks`` pack/unpack that move saved tensors to pinned host memory on CUDA
+    (asynchronous copies, back to the device in the backward) and keep them as they are elsewhere.
+    Counts what it handled: ``packed``/``packed_bytes``, ``unpacked``, ``offloaded_bytes``
+    (the bytes that actually went to the host)."""
+
+    def __init__(self):
+        self.reset()
+
+    def reset(self):
+        self.packed = self.packed_bytes = self.unpacked = self.offloaded_bytes = 0
+
+    def pack(self, t: torch.Tensor):
+        self.packed += 1
+        nbytes = t.numel() * t.element_size()
+        self.packed_bytes += nbytes
+        if t.device.type != "cuda" or isinstance(t, torch.nn.Parameter):
+            return (None, t)
+        host = torch.empty(t.shape, dtype=t.dtype, layout=t.layout, pin_memory=True)
+        host.copy_(t, non_blocking=True)  # ordered on the current stream: t's block is reused only after it
+        self.offloaded_bytes += nbytes
+        return (t.device, host)
+
+    def unpack(self, packed):
+        self.unpacked += 1
+        device, t = packed
+        return t if device is None else t.to(device, non_blocking=True)
+
+    def stats(self) -> dict:
+        return {"packed": self.packed, "packed_bytes": self.packed_bytes, "unpacked": self.unpacked, "offloaded_bytes": self.offloaded_bytes}
+
+
+def _checkpointed_forward(layer, mode: str, store: OffloadStore | None):
+    original = type(layer).forward
+
+    @functools.wraps(original)
+    def forward(*args, **kwargs):
+        if not (layer.training and torch.is_grad_enabled()):
+            return original(layer, *args, **kwargs)
+        if not args:
+            args = (kwargs.pop("hidden_states"),)
+        if mode == "layers":
+            return checkpoint(functools.partial(original, layer, **kwargs), *args, use_reentrant=False)
+        hidden, rest = args[0], args[1:]
+        if isinstance(hidden, torch.Tensor) and not hidden.requires_grad:
+            hidden = hidden.detach().requires_grad_()  # re-entrant checkpointing gives no parameter gradients otherwise
+        with torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack):
+            return checkpoint(lambda h, *a: original(layer, h, *a, **kwargs), hidden, *rest, use_reentrant=True)
+
+    return forward
+
+
+def hf_checkpointing(model) -> bool:
+    """Whether transformers' own gradient checkpointing is on (some layer's ``gradient_checkpointing``)."""
+    return any(getattr(m, "gradient_checkpointing", False) is True for m in model.modules())
+
+
+def checkpoint_layers(model, mode: str) -> OffloadStore | None:
+    """Checkpoint every decoder layer (``"layers"`` or ``"offload"``); returns the offload store."""
+    if mode == "none":
+        return None
+    if hf_checkpointing(model):
+        raise ValueError("checkpoint='layers'/'offload' replaces transformers' gradient checkpointing; call model.gradient_checkpointing_disable() first")
+    store = OffloadStore() if mode == "offload" else None
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"checkpoint={mode!r}: {type(model).__name__} has no decoder layers to checkpoint")
+    for layer in layers:
+        layer.__dict__["forward"] = _checkpointed_forward(layer, mode, store)
+        layer.__dict__[_CKPT] = mode
+    model.__dict__[_STORE] = store
+    return store
+
+
+def uncheckpoint_layers(model) -> None:
+    for layer in decoder_layers(model):
+        if layer.__dict__.pop(_CKPT, None) is not None:
+            layer.__dict__.pop("forward", None)
+    model.__dict__.pop(_STORE, None)
+
+
+def offload_store(model) -> OffloadStore | None:
+    """The :class:`OffloadStore` of a model under ``checkpoint="offload"`` (else None)."""
+    return model.__dict__.get(_STORE)
