@@ -44,6 +44,7 @@ both cases (``offload_store(model)``).
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 
@@ -154,7 +155,7 @@ class TiledMLP:
 
     def __init__(self, module, tile_tokens: int, world_group, agree: bool):
         self.module, self.tile_tokens, self.world_group, self.agree = module, tile_tokens, world_group, agree
-        self.counts: list[int] = []  # the tile count of every forward (tests assert it is equal on every rank)
+        self.counts: collections.deque[int] = collections.deque(maxlen=64)  # the tile counts of the last forwards (equal on every rank)
 
     def __call__(self, x, *args, **kwargs):
         if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2:
@@ -217,7 +218,7 @@ def untile_mlp(model) -> None:
 
 
 def tiled_mlps(model) -> list:
-    """The tiled stand-ins (each with ``.counts``, the tile count of every forward); [] when off."""
+    """The tiled stand-ins (each with ``.counts``, the tile counts of the last 64 forwards); [] when off."""
     return list(model.__dict__.get(_TILED, ()))
 
 
