@@ -26,7 +26,7 @@ import torch
 from ulysses_sp import comm, layout
 from dataclasses import dataclass
 
-from ulysses_sp.blocks import blocks_backward, blocks_forward, cached_plan, chunk_segments
+from ulysses_sp.blocks import blocks_backward, blocks_forward, cached_plan, chunk_segments, first_writes
 from ulysses_sp.kernels import accumulator_dtype
 from ulysses_sp.profile import Profile
 from ulysses_sp.spec import AttnSpec, Estimate
@@ -67,6 +67,8 @@ class _Plan:
     """Calls against this rank's own K/V (only when tails are gathered)."""
     calls: tuple
     """Calls against the gathered K/V, in global order."""
+    first: tuple = ((), ())
+    """``blocks.first_writes`` of (own_calls, calls)."""
 
 
 def _plan(q, spec: AttnSpec, topo) -> _Plan:
@@ -80,11 +82,13 @@ def _plan(q, spec: AttnSpec, topo) -> _Plan:
     own = chunk_segments(mine, c)
     n = sum(map(len, table))
     if tail == c:
-        return _Plan(*orders, None, (), cached_plan(topo, own, chunk_segments(range(n), c), spec, q.device))
+        calls = cached_plan(topo, own, chunk_segments(range(n), c), spec, q.device)
+        return _Plan(*orders, None, (), calls, tuple(first_writes([(), calls])))
     tails = topo.cached(("allgather-tails", len(mine), c, tail, str(q.device)), lambda: torch.tensor(
         [i * c + c - tail + j for i in range(len(mine)) for j in range(tail)], dtype=torch.long, device=q.device))
     gathered = [((x + 1) * c - tail, tail) if x not in mine else (None, tail) for x in range(n)]  # own tails: attended locally
-    return _Plan(*orders, tails, cached_plan(topo, own, own, spec, q.device), cached_plan(topo, own, gathered, spec, q.device))
+    own_calls, calls = cached_plan(topo, own, own, spec, q.device), cached_plan(topo, own, gathered, spec, q.device)
+    return _Plan(*orders, tails, own_calls, calls, tuple(first_writes([own_calls, calls])))
 
 
 def _gathered_head_chunks(k, v, group, stride: int, plan: _Plan):
@@ -120,9 +124,9 @@ class _AllGatherAttention(torch.autograd.Function):
         lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
         for h0, h1, k_full, v_full in _gathered_head_chunks(k, v, group, stride, plan):
             qh, kh = slice(h0 * groups, h1 * groups), slice(h0, h1)
-            blocks_forward(kernel, q[:, :, qh], k[:, :, kh], v[:, :, kh], plan.own_calls, spec, out_acc[:, :, qh], lse_acc[:, qh])
+            blocks_forward(kernel, q[:, :, qh], k[:, :, kh], v[:, :, kh], plan.own_calls, spec, out_acc[:, :, qh], lse_acc[:, qh], plan.first[0])
             if k_full is not None:
-                blocks_forward(kernel, q[:, :, qh], k_full, v_full, plan.calls, spec, out_acc[:, :, qh], lse_acc[:, qh])
+                blocks_forward(kernel, q[:, :, qh], k_full, v_full, plan.calls, spec, out_acc[:, :, qh], lse_acc[:, qh], plan.first[1])
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse_acc)
         ctx.args = (group, plan, kernel, spec, stride)

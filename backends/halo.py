@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import torch
 
 from ulysses_sp import comm, layout
-from ulysses_sp.blocks import blocks_backward, blocks_forward, cached_plan, chunk_segments
+from ulysses_sp.blocks import blocks_backward, blocks_forward, cached_plan, chunk_segments, first_writes
 from ulysses_sp.kernels import accumulator_dtype
 from ulysses_sp.profile import Profile
 from ulysses_sp.spec import AttnSpec, Estimate
@@ -73,6 +73,8 @@ class _Plan:
     """``(src, tokens)`` this rank receives from each peer, in the order of the halo tensor."""
     own_calls: tuple
     halo_calls: tuple
+    first: tuple
+    """``blocks.first_writes`` of (own_calls, halo_calls)."""
 
 
 def _local_positions(table_row, chunk: int, ranges, device) -> torch.Tensor:
@@ -93,7 +95,8 @@ def _plan(q, spec: AttnSpec, topo) -> _Plan:
         halo_segments = [(a, b - a) for _, rs in incoming for a, b in rs]
         own = chunk_segments(table[r], chunk)
         recvs = [(src, sum(b - a for a, b in rs)) for src, rs in incoming]
-        return _Plan(sends, recvs, cached_plan(topo, own, own, spec, q.device), cached_plan(topo, own, halo_segments, spec, q.device))
+        own_calls, halo_calls = cached_plan(topo, own, own, spec, q.device), cached_plan(topo, own, halo_segments, spec, q.device)
+        return _Plan(sends, recvs, own_calls, halo_calls, tuple(first_writes([own_calls, halo_calls])))
 
     return topo.cached(("halo", spec.layout, topo.sp_size, r, chunk, spec.causal, spec.window, spec.cu_seqlens, spec.batch, str(q.device)), make)
 
@@ -112,11 +115,11 @@ class _HaloAttention(torch.autograd.Function):
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
         try:
-            blocks_forward(kernel, q, k, v, plan.own_calls, spec, out_acc, lse_acc)  # while the halo is in flight
+            blocks_forward(kernel, q, k, v, plan.own_calls, spec, out_acc, lse_acc, plan.first[0])  # while the halo is in flight
         finally:
             wait()
         k_halo, v_halo = (torch.cat(received[i::2], dim=1) if received else _recv_like(t, 0) for i, t in enumerate((k, v)))
-        blocks_forward(kernel, q, k_halo, v_halo, plan.halo_calls, spec, out_acc, lse_acc)
+        blocks_forward(kernel, q, k_halo, v_halo, plan.halo_calls, spec, out_acc, lse_acc, plan.first[1])
         out = out_acc.to(q.dtype)
         ctx.save_for_backward(q, k, v, k_halo, v_halo, out, lse_acc)
         ctx.args = (group, plan, kernel, spec)

@@ -21,9 +21,10 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from .kernels import Varlen, get_kernel, merge_partials
+from .kernels import Varlen, get_kernel
+from .kernels.common import merge_into
 
-__all__ = ["BlockCall", "chunk_segments", "plan_blocks", "sees_any", "cached_plan", "blocks_forward", "blocks_backward"]
+__all__ = ["BlockCall", "chunk_segments", "plan_blocks", "sees_any", "cached_plan", "first_writes", "blocks_forward", "blocks_backward"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -154,15 +155,32 @@ def cached_plan(topo, q_segments, k_segments, spec, device) -> tuple[BlockCall, 
     ))
 
 
-def blocks_forward(kernel: str, q, k, v, calls, spec, out_acc, lse_acc) -> None:
+def first_writes(call_lists) -> list[tuple[bool, ...]]:
+    """For plans run in this order into the same accumulators: per call, whether none of its
+    query rows was written by an earlier call, so its result can be stored without a merge."""
+    touched, out = [], []
+    for calls in call_lists:
+        flags = []
+        for c in calls:
+            flags.append(all(c.q1 <= a or c.q0 >= b for a, b in touched))
+            touched.append((c.q0, c.q1))
+        out.append(tuple(flags))
+    return out
+
+
+def blocks_forward(kernel: str, q, k, v, calls, spec, out_acc, lse_acc, first=None) -> None:
     """Run ``calls`` with the named kernel and merge their results into the fp32
-    accumulators ``out_acc`` ``[B, Sq, H, D]`` / ``lse_acc`` ``[B, H, Sq]`` in place.
+    accumulators ``out_acc`` ``[B, Sq, H, D]`` / ``lse_acc`` ``[B, H, Sq]`` in place; a call
+    flagged in ``first`` (:func:`first_writes`) is stored without merging.
     q, k and v reach the kernel in their own dtype."""
     run = get_kernel(kernel).block_forward
-    for c in calls:
+    for i, c in enumerate(calls):
         o, lse = run(q[:, c.q0 : c.q1], k[:, c.k0 : c.k1], v[:, c.k0 : c.k1], causal=c.causal, scale=spec.softmax_scale,
                      varlen=c.varlen, window=c.window, softcap=spec.softcap)
-        out_acc[:, c.q0 : c.q1], lse_acc[..., c.q0 : c.q1] = merge_partials(out_acc[:, c.q0 : c.q1], lse_acc[..., c.q0 : c.q1], o, lse)
+        if first is not None and first[i]:
+            out_acc[:, c.q0 : c.q1], lse_acc[..., c.q0 : c.q1] = o, lse
+        else:
+            merge_into(out_acc[:, c.q0 : c.q1], lse_acc[..., c.q0 : c.q1], o, lse)
 
 
 def blocks_backward(kernel: str, dout, q, k, v, out, lse, calls, spec, dq_acc, dk_acc, dv_acc) -> None:

@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
-from .blocks import blocks_backward, blocks_forward, cached_plan, chunk_segments, sees_any
+from .blocks import blocks_backward, blocks_forward, cached_plan, chunk_segments, first_writes, sees_any
 from .kernels import accumulator_dtype
 
 __all__ = ["RingPlans", "ring_attention", "ring_plans", "ring_hops"]
@@ -41,6 +41,8 @@ class RingPlans:
 
     calls: list
     hops: int
+    first: list
+    """Per source, per call: stored without a merge (``blocks.first_writes`` in ring order)."""
 
 
 def _kv_blocks(k, v, group, hops: int, posted: list):
@@ -68,7 +70,7 @@ class _RingAttention(torch.autograd.Function):
         posted = []
         try:
             for src, k_cur, v_cur in _kv_blocks(k, v, group, plans.hops, posted):
-                blocks_forward(kernel, q, k_cur, v_cur, plans.calls[src], spec, out_acc, lse_acc)
+                blocks_forward(kernel, q, k_cur, v_cur, plans.calls[src], spec, out_acc, lse_acc, plans.first[src])
         except BaseException:
             comm.drain(posted)
             raise
@@ -135,7 +137,11 @@ def ring_plans(topo, chunk_lists, rank: int, spec, q) -> RingPlans:
     hops = topo.cached(("ring-hops", tuple(map(tuple, chunk_lists)), chunk, spec.causal, spec.window, spec.cu_seqlens),
                        lambda: ring_hops(chunk_lists, chunk, spec))
     mine = chunk_segments(chunk_lists[rank], chunk)
-    return RingPlans([cached_plan(topo, mine, chunk_segments(c, chunk), spec, q.device) for c in chunk_lists], hops)
+    calls = [cached_plan(topo, mine, chunk_segments(c, chunk), spec, q.device) for c in chunk_lists]
+    p = len(chunk_lists)
+    order = [(rank - step) % p for step in range(hops + 1)]
+    first = dict(zip(order, first_writes([calls[src] for src in order])))
+    return RingPlans(calls, hops, [first.get(src) for src in range(p)])
 
 
 def ring_attention(q_bshd, k_bshd, v_bshd, group, plans: RingPlans, *, kernel: str, spec) -> torch.Tensor:

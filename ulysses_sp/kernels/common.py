@@ -11,7 +11,7 @@ from itertools import accumulate
 
 import torch
 
-__all__ = ["Varlen", "accumulator_dtype", "merge_partials", "check_options", "visible", "tiled_forward", "tiled_backward"]
+__all__ = ["Varlen", "accumulator_dtype", "merge_partials", "merge_into", "check_options", "visible", "tiled_forward", "tiled_backward"]
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -72,6 +72,18 @@ def merge_partials(out, lse, block_out, block_lse):
     w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
     w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
     return out * w_old + block_out * w_new, new_lse
+
+
+def merge_into(out, lse, block_out, block_lse) -> None:
+    """:func:`merge_partials` into the accumulators ``out`` ``[B, S, H, D]`` / ``lse``
+    ``[B, H, S]`` (fp32 views) in place: one fused scale-and-add over ``out``, no
+    out-sized temporary beyond ``block_out``'s fp32 copy."""
+    new_lse = torch.logaddexp(lse, block_lse)
+    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
+    w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
+    w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
+    out.mul_(w_old).addcmul_(block_out.to(out.dtype), w_new)
+    lse.copy_(new_lse)
 
 
 def check_options(window, softcap) -> None:
