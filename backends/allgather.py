@@ -40,8 +40,11 @@ def _head_chunks(kv_heads: int, stride: int) -> list[tuple[int, int]]:
 
 def _token_orders(table: list[list[int]], tail: int, device):
     """Token index tensors on ``device`` over the gathered tails (``tail`` tokens per chunk):
-    rank-major (as gathered) -> global order, and back."""
+    rank-major (as gathered) -> global order, and back; (None, None) when rank-major is
+    already global order (the contiguous layout), so nothing is reordered."""
     gathered = [n for chunks in table for n in chunks]
+    if gathered == sorted(gathered):
+        return None, None
     to_global = torch.tensor(sorted(range(len(gathered)), key=gathered.__getitem__))
     to_gathered = torch.tensor(gathered)
 
@@ -59,8 +62,9 @@ def tail_tokens(spec: AttnSpec, chunk: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class _Plan:
-    to_global: torch.Tensor
-    to_gathered: torch.Tensor
+    to_global: torch.Tensor | None
+    to_gathered: torch.Tensor | None
+    """Rank-major <-> global token order of the gathered K/V; None when they are the same."""
     tails: torch.Tensor | None
     """Local positions of this rank's tails (None: every token is gathered)."""
     own_calls: tuple
@@ -101,13 +105,17 @@ def _gathered_head_chunks(k, v, group, stride: int, plan: _Plan):
     pending = _gather(k, v, chunks[0], group, plan.tails)
     try:
         for n, (h0, h1) in enumerate(chunks):
-            k_full, v_full = (wait().index_select(1, plan.to_global) for wait in pending)
+            k_full, v_full = (_reorder(wait(), plan.to_global) for wait in pending)
             if n + 1 < len(chunks):
                 pending = _gather(k, v, chunks[n + 1], group, plan.tails)
             yield h0, h1, k_full, v_full
     except BaseException:  # the consumer raised (GeneratorExit here): no prefetch may stay in flight
         comm.drain(pending)
         raise
+
+
+def _reorder(t, index):
+    return t if index is None else t.index_select(1, index)
 
 
 def _gather(k, v, heads: tuple[int, int], group, tails):
@@ -157,7 +165,7 @@ class _AllGatherAttention(torch.autograd.Function):
                 if dest is None:
                     continue
                 if grad_full is not None:  # back to rank-major order; each rank keeps the sum for its own tokens
-                    summed = comm.reduce_scatter_sum(grad_full.index_select(1, plan.to_gathered), group, dim=1)
+                    summed = comm.reduce_scatter_sum(_reorder(grad_full, plan.to_gathered), group, dim=1)
                     if mine is None:
                         mine = summed
                     else:
