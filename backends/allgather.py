@@ -71,7 +71,7 @@ class _Plan:
     """Calls against this rank's own K/V (only when tails are gathered)."""
     calls: tuple
     """Calls against the gathered K/V, in global order."""
-    first: tuple = ((), ())
+    first: tuple
     """``blocks.first_writes`` of (own_calls, calls)."""
 
 

@@ -28,9 +28,8 @@ def _attend(q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         lens = [e - s for s, e in zip(spec.cu_seqlens, spec.cu_seqlens[1:])]
         key = ("ulysses-varlen", spec.cu_seqlens, spec.batch, str(q.device))
         varlen = topo.cached(key, lambda: kernels.Varlen.build(lens, lens, spec.batch, q.device))
-    window = None if spec.window is None else (spec.window - 1, 0)
-    return kernels.attend(q, k, v, kernel=spec.kernel, causal=spec.causal, scale=spec.softmax_scale, varlen=varlen, window=window,
-                          softcap=spec.softcap)
+    return kernels.attend(q, k, v, kernel=spec.kernel, causal=spec.causal, scale=spec.softmax_scale, varlen=varlen,
+                          window=kernels.sliding_band(spec.window, spec.causal), softcap=spec.softcap)
 
 
 class UlyssesBackend:

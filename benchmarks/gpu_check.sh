@@ -5,7 +5,8 @@
 #
 # Installs the package (and flash-attn if it is missing and installs in time), prints the
 # versions, runs benchmarks/gpu_check.py, then the main job for 20 bf16 steps on one GPU
-# and, with 2+ GPUs, with SP=2 on two. One summary line per check: "PASS name ...",
+# and, with 2+ GPUs, with SP=2 on two with the memory stack on (--tiled-loss --tiled-mlp
+# --checkpoint offload). One summary line per check: "PASS name ...",
 # "FAIL name ..." or "SKIP name ..." (not a failure). Exit status 1 if any check failed,
 # 0 otherwise; without nvidia-smi or without a GPU it prints "SKIP no GPU" and exits 0.
 #
@@ -68,6 +69,19 @@ out_of_time() {
 }
 timed_out() { ((RC == 124 || RC == 125 || RC == 137)); }
 
+# report NAME VERB OK [NOTE]: after run_logged NAME, "PASS NAME OK" when RC is 0, else VERB
+# (fail or skip) with why: out of time, or the exit status and the log's last line; then NOTE
+report() {
+    local name=$1 verb=$2 ok=$3 note=${4:+ $4}
+    if ((RC == 0)); then
+        pass "$name $ok"
+    elif timed_out; then
+        $verb "$name $(out_of_time)$note"
+    else
+        $verb "$name rc=$RC: $(last_line "$LOGS/$name.log")$note"
+    fi
+}
+
 # ---------------------------------------------------------------- GPUs present?
 if ! command -v nvidia-smi >/dev/null 2>&1; then
     echo "SKIP no GPU (nvidia-smi not found)"
@@ -99,13 +113,10 @@ if ((RC != 0)); then
     run_logged install 90 "$R_PY" "${PIP[@]}" --no-deps --no-build-isolation -e .
     how="pip install --no-deps --no-build-isolation -e . (the [all] install failed: $(last_line "$LOGS/install_all.log"))"
 fi
-if ((RC == 0)) && "$PYTHON" -c "import ulysses_sp, ulysses_sp.backends, ulysses_sp.cli.main, deepspeed, transformers" >>"$LOGS/install.log" 2>&1; then
-    pass "install $how"
-elif timed_out; then
-    fail "install $(out_of_time)"
-else
-    fail "install rc=$RC: $(last_line "$LOGS/install.log")"
+if ((RC == 0)) && ! "$PYTHON" -c "import ulysses_sp, ulysses_sp.backends, ulysses_sp.cli.main, deepspeed, transformers" >>"$LOGS/install.log" 2>&1; then
+    RC=1
 fi
+report install fail "$how"
 
 # ---------------------------------------------------------------- flash-attn (optional)
 if "$PYTHON" -c "import flash_attn" >/dev/null 2>&1; then
@@ -113,13 +124,10 @@ if "$PYTHON" -c "import flash_attn" >/dev/null 2>&1; then
 else
     # a source build takes far longer than the budget; a prebuilt wheel installs in time
     run_logged flash_attn_install "${FLASH_ATTN_INSTALL_TIMEOUT:-120}" "$R_PY" "${PIP[@]}" flash-attn --no-build-isolation
-    if ((RC == 0)) && "$PYTHON" -c "import flash_attn" >>"$LOGS/flash_attn_install.log" 2>&1; then
-        pass "flash_attn_install installed"
-    elif timed_out; then
-        skip "flash_attn_install $(out_of_time) (not importable; the flash_attn kernel is not checked)"
-    else
-        skip "flash_attn_install failed rc=$RC: $(last_line "$LOGS/flash_attn_install.log") (the flash_attn kernel is not checked)"
+    if ((RC == 0)) && ! "$PYTHON" -c "import flash_attn" >>"$LOGS/flash_attn_install.log" 2>&1; then
+        RC=1
     fi
+    report flash_attn_install skip installed "(flash-attn not importable: the flash_attn kernel is not checked)"
 fi
 
 # ---------------------------------------------------------------- versions
@@ -151,13 +159,7 @@ fi
 if [[ -f benchmarks/gpu_check.py ]]; then
     run_logged gpu_check_py 300 "$R_TRAIN1" "$PYTHON" benchmarks/gpu_check.py "$@"
     grep -E '^(PASS|FAIL|SKIP) ' "$LOGS/gpu_check_py.log" | sed 's/^/  /'  # its own lines; tracebacks stay in the log
-    if ((RC == 0)); then
-        pass "gpu_check_py benchmarks/gpu_check.py"
-    elif timed_out; then
-        fail "gpu_check_py $(out_of_time)"
-    else
-        fail "gpu_check_py rc=$RC: $(last_line "$LOGS/gpu_check_py.log")"
-    fi
+    report gpu_check_py fail benchmarks/gpu_check.py
 else
     fail "gpu_check_py benchmarks/gpu_check.py not found"
 fi
@@ -192,19 +194,14 @@ train() {
 
 train train_1gpu_bf16 1 240 "$((R_TRAIN2 + R_PAR))" --sp-size 1 --steps 20 --dtype bf16
 if ((NGPU >= 2)); then
-    train train_2gpu_sp2_bf16 2 240 "$R_PAR" --sp-size 2 --steps 20 --dtype bf16
+    # SP=2 with the memory stack on: tiled loss, tiled MLP, checkpoints offloaded to pinned host memory
+    train train_2gpu_sp2_bf16_memory_stack 2 240 "$R_PAR" --sp-size 2 --steps 20 --dtype bf16 --tiled-loss --tiled-mlp --checkpoint offload
     # every backend x layout x kernel on up to 4 GPUs with NCCL against one-process fp64 attention
     run_logged parity_nccl 150 0 "$PYTHON" benchmarks/gpu_check.py --ranks 4
     grep -E '^(PASS|FAIL) ' "$LOGS/parity_nccl.log" | sed 's/^/  /'
-    if ((RC == 0)); then
-        pass "parity_nccl $(last_line "$LOGS/parity_nccl.log")"
-    elif timed_out; then
-        fail "parity_nccl $(out_of_time)"
-    else
-        fail "parity_nccl rc=$RC: $(grep -E '^FAIL' "$LOGS/parity_nccl.log" | head -n 1 | cut -c1-200)"
-    fi
+    report parity_nccl fail "$(last_line "$LOGS/parity_nccl.log")"
 else
-    skip "train_2gpu_sp2_bf16 and parity_nccl need 2 GPUs, found $NGPU"
+    skip "train_2gpu_sp2_bf16_memory_stack and parity_nccl need 2 GPUs, found $NGPU"
 fi
 
 # ---------------------------------------------------------------- summary

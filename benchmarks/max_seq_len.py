@@ -84,14 +84,11 @@ def peak_bytes(config: str, sp: int, seq: int, dtype) -> int:
     """Rank 0's peak bytes allocated during one step at ``seq`` tokens (meta device)."""
     import transformers.masking_utils
 
-    from ulysses_sp import attention
     from ulysses_sp.testing.memory import PeakMemory, _topology
 
     # transformers looks for packed documents by reading position ids back (.item()), which meta
     # tensors cannot do; these batches are one document each, so the answer is known: none
     transformers.masking_utils.find_packed_sequence_indices = lambda position_ids: None
-    # nor can the ranks' shape handshake read back its all-gather; on the fake process group it compares nothing
-    attention._check_ranks_agree = lambda *args: None
     topo = _topology(sp, None)
     model, loss_fn = build(topo, config, dtype, "meta")
     batch = _batch(seq, dataclasses.replace(topo, device=torch.device("cpu")), "meta")

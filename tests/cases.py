@@ -270,19 +270,26 @@ def backend_bytes(env: Env, backend: str, hq: int, hkv: int, grads: str) -> dict
     gen = generator("bytes")
     full = [torch.randn(b, s, h, d, generator=gen) for h in (hq, hkv, hkv)]
     shards = [usp.shard_sequence(t, topo).requires_grad_(n in grads) for n, t in zip("qkv", full)]
-    attn = usp.SequenceParallelAttention(topo, backend=backend)
-    attn(*shards)  # first call: the one-off cross-rank shape handshake
-    with usp.CommCounter() as fwd:
-        out = attn(*shards)
-    with usp.CommCounter() as bwd:
-        out.sum().backward()
-    spec = usp.attention.make_spec(*shards, topo)
+    fwd, bwd, estimate = _counted(topo, backend, shards)
     return {
         "fwd": (fwd.bytes_sent, fwd.bytes_recv, {o: dataclasses.astuple(c) for o, c in fwd.by_op.items()}),
         "bwd": (bwd.bytes_sent, bwd.bytes_recv, {o: dataclasses.astuple(c) for o, c in bwd.by_op.items()}),
-        "estimate": dataclasses.astuple(usp.get_backend(backend).estimate(spec, topo, usp.CPU_GLOO_PROFILE))[2:],
+        "estimate": estimate,
         "degrees": (topo.ulysses_degree, topo.ring_degree),
     }
+
+
+def _counted(topo, backend: str, shards, **options):
+    """(forward CommCounter, backward CommCounter, ``estimate()``'s forward and backward bytes)
+    of one attention call after a first one (which does the one-off cross-rank shape handshake)."""
+    attn = usp.SequenceParallelAttention(topo, backend=backend)
+    attn(*shards, **options)
+    with usp.CommCounter() as fwd:
+        out = attn(*shards, **options)
+    with usp.CommCounter() as bwd:
+        out.sum().backward()
+    spec = usp.attention.make_spec(*shards, topo, **options)
+    return fwd, bwd, dataclasses.astuple(usp.get_backend(backend).estimate(spec, topo, usp.CPU_GLOO_PROFILE))[2:]
 
 
 for _backend in BACKENDS:
@@ -299,17 +306,8 @@ def halo_bytes(env: Env, lay: str, window: int) -> dict:
     shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full]
     result = {}
     for backend in ("halo", "ring", "allgather", "hybrid"):
-        attn = usp.SequenceParallelAttention(topo, backend=backend)
-        attn(*shards, window=window)
-        with usp.CommCounter() as fwd:
-            out = attn(*shards, window=window)
-        with usp.CommCounter() as bwd:
-            out.sum().backward()
-        spec = usp.attention.make_spec(*shards, topo, window=window)
-        result[backend] = {
-            "fwd": (fwd.bytes_sent, fwd.bytes_recv), "bwd": (bwd.bytes_sent, bwd.bytes_recv),
-            "estimate": dataclasses.astuple(usp.get_backend(backend).estimate(spec, topo, usp.CPU_GLOO_PROFILE))[2:],
-        }
+        fwd, bwd, estimate = _counted(topo, backend, shards, window=window)
+        result[backend] = {"fwd": (fwd.bytes_sent, fwd.bytes_recv), "bwd": (bwd.bytes_sent, bwd.bytes_recv), "estimate": estimate}
     return result
 
 
@@ -750,6 +748,10 @@ def _bad_attention(env: Env) -> dict:
         "zero batch": lambda: attn(t(b=0), t(b=0), t(b=0)),
         "zigzag odd local length": lambda: attn(t(seq=3), t(seq=3), t(seq=3)),
         "bad softmax_scale": lambda: attn(t(), t(), t(), softmax_scale=-1.0),
+        "window not positive": lambda: attn(t(), t(), t(), window=0),
+        "window without causal": lambda: attn(t(), t(), t(), causal=False, window=4),
+        "negative softcap": lambda: attn(t(), t(), t(), softcap=-1.0),
+        "halo without a window": lambda: usp.sp_attention(t(), t(), t(), topo, backend="halo"),
         "cu_seqlens not ending at length": lambda: attn(t(), t(), t(), cu_seqlens=torch.tensor([0, 2, s * p - 1])),
         "cu_seqlens not increasing": lambda: attn(t(), t(), t(), cu_seqlens=torch.tensor([0, 3, 3, s * p])),
         "unknown backend (module)": lambda: usp.SequenceParallelAttention(topo, backend="ringg"),

@@ -31,6 +31,10 @@ EXPECTED = {
     "requires_grad differs per rank": "ValueError: the ranks of the SP group called attention with different requires_grad",
     "dtype differs per rank": "ValueError: the ranks of the SP group called attention with different dtype",
     "seen shape differs per rank (always)": "ValueError: the ranks of the SP group called attention with different local_seq_len",
+    "window not positive": "ValueError: window must be an int >= 1 with causal=True",
+    "window without causal": "ValueError: window must be an int >= 1 with causal=True (query i sees keys i - window < j <= i), got window=4 with causal=False",
+    "negative softcap": "ValueError: softcap must be a finite float >= 0",
+    "halo without a window": "ValueError: halo: only for sliding-window layers (window=W)",
 }
 MULTI_ONLY = {k for k in EXPECTED if "per rank" in k or k.startswith(("ulysses ", "allgather "))}
 

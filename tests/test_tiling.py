@@ -171,3 +171,23 @@ def test_deepspeed_zero_tiled_checkpointed_equals_plain(ranks):
             # 20 local tokens / 3 per tile = 7 tiles, forward and recompute; uneven: 15 on DP rank 1, still 7 (the world's max)
             assert got["counts"] == [[7, 7], [7, 7]], (run, got["counts"])
             assert (got["offload"] is not None) == run.startswith("3/offload"), got
+
+
+def test_offload_cuda_path_under_fake_tensors():
+    """The CUDA branch of the offload hooks, run with FakeTensorMode CUDA tensors (no GPU here):
+    a saved activation goes to a host tensor of the same shape and dtype and comes back to its
+    device; parameters stay where they are. Pinning and the copies' overlap need a GPU."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from ulysses_sp.tiling import OffloadStore
+
+    with FakeTensorMode():
+        store = OffloadStore()
+        act = torch.empty(2, 16, 8, dtype=torch.bfloat16, device="cuda")
+        device, host = store.pack(act)
+        assert (device, host.device, host.shape, host.dtype) == (act.device, torch.device("cpu"), act.shape, act.dtype)
+        back = store.unpack((device, host))
+        assert (back.device, back.shape, back.dtype) == (act.device, act.shape, act.dtype)
+        weight = torch.nn.Parameter(torch.empty(4, 4, device="cuda"))
+        assert store.unpack(store.pack(weight)) is weight
+    assert store.stats() == {"packed": 2, "packed_bytes": 2 * 16 * 8 * 2 + 16 * 4, "unpacked": 2, "offloaded_bytes": 2 * 16 * 8 * 2}

@@ -21,8 +21,7 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from .kernels import Varlen, get_kernel
-from .kernels.common import merge_into
+from .kernels import Varlen, get_kernel, merge_into
 
 __all__ = ["BlockCall", "chunk_segments", "plan_blocks", "sees_any", "cached_plan", "first_writes", "blocks_forward", "blocks_backward"]
 

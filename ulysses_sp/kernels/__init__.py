@@ -28,7 +28,7 @@ a score s = scale * q.k by ``softcap * tanh(s / softcap)`` before the mask and s
 (flash-attn's and Gemma 2's soft-capping); 0 is off.
 
 Inputs reach the kernel in their own dtype (never upcast); only the backends' merges
-accumulate in fp32 (:func:`merge_partials`). Kernels:
+accumulate in fp32 (:func:`merge_into`, in place; :func:`merge_partials`). Kernels:
 
 * ``flash_attn``: flash-attn 2.x (2.6 and 2.7+ private signatures), native varlen,
   bottom-right masks, windows and soft-capping; imported at use, so a fake in
@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import Varlen, accumulator_dtype, check_options, merge_partials
+from .common import Varlen, accumulator_dtype, check_options, merge_into, merge_partials, sliding_band
 from .flash_attn_kernel import FlashAttnKernel
 from .math_kernel import MathKernel
 from .torch_kernel import TorchKernel
@@ -59,6 +59,8 @@ __all__ = [
     "attend",
     "local_attention",
     "merge_partials",
+    "merge_into",
+    "sliding_band",
     "accumulator_dtype",
 ]
 
@@ -117,8 +119,7 @@ def local_attention(q_bshd, k_bshd, v_bshd, *, causal: bool, scale: float | None
     """:func:`attend` with the default scale 1/sqrt(D) and ``auto`` resolved for these tensors.
     ``window``: Hugging Face's sliding window W (query i sees key j iff i - W < j <= i; causal
     only), the contract's ``(W - 1, 0)``."""
-    if window is not None and not (isinstance(window, int) and window >= 1 and causal):
-        raise ValueError(f"window must be an int >= 1 with causal=True (query i sees keys i - window < j <= i), got {window!r} with causal={causal}")
+    band = sliding_band(window, causal)
     name = resolve_kernel(kernel, q_bshd.dtype, q_bshd.device, q_bshd.shape[-1])
     return attend(q_bshd, k_bshd, v_bshd, kernel=name, causal=causal, scale=scale if scale is not None else q_bshd.shape[-1] ** -0.5,
-                  window=None if window is None else (window - 1, 0), softcap=softcap)
+                  window=band, softcap=softcap)

@@ -11,7 +11,7 @@ from itertools import accumulate
 
 import torch
 
-__all__ = ["Varlen", "accumulator_dtype", "merge_partials", "merge_into", "check_options", "visible", "tiled_forward", "tiled_backward"]
+__all__ = ["Varlen", "accumulator_dtype", "merge_partials", "merge_into", "repeat_kv", "sliding_band", "check_options", "visible", "tiled_forward", "tiled_backward"]
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -59,31 +59,45 @@ def merge_partials(out, lse, block_out, block_lse):
     """Merge attention over two disjoint key sets given each one's ``(out, lse)``.
 
     ``out`` is ``[B, S, H, D]``, ``lse`` is ``[B, H, S]``; ``out``/``lse`` may be None for
-    the first block. Accumulates in fp32 (fp64 for fp64) and returns the accumulators;
-    cast the final ``out`` back to the input dtype once. A row with ``lse = -inf`` (no
-    visible key) contributes nothing.
+    the first block. Accumulates in fp32 (fp64 for fp64) and returns new accumulators
+    (:func:`merge_into` updates them in place); cast the final ``out`` back to the input
+    dtype once. A row with ``lse = -inf`` (no visible key) contributes nothing.
     """
     acc = accumulator_dtype(block_out.dtype)
-    block_out, block_lse = block_out.to(acc), block_lse.to(acc)
     if out is None:
-        return block_out, block_lse
-    new_lse = torch.logaddexp(lse, block_lse)
-    ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
-    w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
-    w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
-    return out * w_old + block_out * w_new, new_lse
+        return block_out.to(acc), block_lse.to(acc)
+    out, lse = out.clone(), lse.clone()
+    merge_into(out, lse, block_out, block_lse)
+    return out, lse
 
 
 def merge_into(out, lse, block_out, block_lse) -> None:
-    """:func:`merge_partials` into the accumulators ``out`` ``[B, S, H, D]`` / ``lse``
-    ``[B, H, S]`` (fp32 views) in place: one fused scale-and-add over ``out``, no
+    """:func:`merge_partials` into the fp32 accumulators ``out`` ``[B, S, H, D]`` / ``lse``
+    ``[B, H, S]`` (views allowed) in place: one fused scale-and-add over ``out``, no
     out-sized temporary beyond ``block_out``'s fp32 copy."""
-    new_lse = torch.logaddexp(lse, block_lse)
+    new_lse = torch.logaddexp(lse, block_lse.to(lse.dtype))
     ref = torch.where(torch.isneginf(new_lse), torch.zeros_like(new_lse), new_lse)
     w_old = torch.exp(lse - ref).transpose(1, 2).unsqueeze(-1)
     w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
     out.mul_(w_old).addcmul_(block_out.to(out.dtype), w_new)
     lse.copy_(new_lse)
+
+
+def repeat_kv(t: torch.Tensor, q_heads: int) -> torch.Tensor:
+    """``[B, S, Hkv, D]`` K or V repeated to the q heads (GQA) for ops that take one head count."""
+    return t if t.shape[2] == q_heads else t.repeat_interleave(q_heads // t.shape[2], dim=2)
+
+
+def sliding_band(window, causal: bool) -> tuple[int, int] | None:
+    """Hugging Face's sliding window W (query i sees keys i - W < j <= i) as the kernels'
+    band ``(W - 1, 0)``; None for None. ValueError unless W is an int >= 1 on a causal mask."""
+    if window is None:
+        return None
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1 or not causal:
+        raise ValueError(
+            f"window must be an int >= 1 with causal=True (query i sees keys i - window < j <= i), got window={window!r} with causal={causal}"
+        )
+    return (window - 1, 0)
 
 
 def check_options(window, softcap) -> None:
@@ -92,7 +106,7 @@ def check_options(window, softcap) -> None:
         isinstance(window, (tuple, list)) and len(window) == 2 and all(isinstance(w, int) and w >= -1 for w in window)
     ):
         raise ValueError(f"window must be None or (left, right), ints >= -1 (-1: unbounded), got {window!r}")
-    if not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap >= 0):
+    if isinstance(softcap, bool) or not (isinstance(softcap, (int, float)) and math.isfinite(softcap) and softcap >= 0):
         raise ValueError(f"softcap must be a finite float >= 0 (0: off), got {softcap!r}")
 
 

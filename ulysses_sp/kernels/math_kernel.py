@@ -11,19 +11,15 @@ from __future__ import annotations
 
 import torch
 
-from .common import accumulator_dtype, tiled_backward, tiled_forward, visible
+from .common import accumulator_dtype, repeat_kv, tiled_backward, tiled_forward, visible
 
 __all__ = ["MathKernel", "square_forward", "square_backward"]
-
-
-def _repeat_kv(t: torch.Tensor, q_heads: int) -> torch.Tensor:
-    return t if t.shape[2] == q_heads else t.repeat_interleave(q_heads // t.shape[2], dim=2)
 
 
 def _scores(q, k, window, scale, softcap):
     """Capped, masked scores and tanh(scores / softcap) (None without a cap) for the backward."""
     acc = accumulator_dtype(q.dtype)
-    q_, k_ = (t.to(acc).transpose(1, 2) for t in (q, _repeat_kv(k, q.shape[2])))
+    q_, k_ = (t.to(acc).transpose(1, 2) for t in (q, repeat_kv(k, q.shape[2])))
     scores = (q_ @ k_.transpose(-1, -2)) * scale
     capped = None
     if softcap:
@@ -38,7 +34,7 @@ def _scores(q, k, window, scale, softcap):
 def square_forward(q, k, v, window, scale, softcap):
     scores, _ = _scores(q, k, window, scale, softcap)
     lse = torch.logsumexp(scores, dim=-1)
-    v_ = _repeat_kv(v, q.shape[2]).to(scores.dtype).transpose(1, 2)
+    v_ = repeat_kv(v, q.shape[2]).to(scores.dtype).transpose(1, 2)
     out = torch.exp(scores - lse.unsqueeze(-1)) @ v_
     return out.transpose(1, 2).to(q.dtype), lse
 
@@ -48,7 +44,7 @@ def square_backward(dout, q, k, v, out, lse, window, scale, softcap):
     scores, capped = _scores(q, k, window, scale, softcap)
     probs = torch.exp(scores - lse.to(scores.dtype).unsqueeze(-1))
     acc = probs.dtype
-    q_, k_, v_ = (t.to(acc).transpose(1, 2) for t in (q, _repeat_kv(k, hq), _repeat_kv(v, hq)))
+    q_, k_, v_ = (t.to(acc).transpose(1, 2) for t in (q, repeat_kv(k, hq), repeat_kv(v, hq)))
     do_, o_ = (t.to(acc).transpose(1, 2) for t in (dout, out))
     dv_ = probs.transpose(-1, -2) @ do_
     ds = probs * (do_ @ v_.transpose(-1, -2) - (do_ * o_).sum(-1, keepdim=True)) * scale

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from . import math_kernel
-from .common import accumulator_dtype, merge_partials, tiled_backward, tiled_forward, visible
+from .common import accumulator_dtype, merge_partials, repeat_kv, tiled_backward, tiled_forward, visible
 
 __all__ = ["TorchKernel"]
 
@@ -53,10 +53,6 @@ def _bhsd(*tensors):
 
 def _finite(q, k) -> bool:
     return bool(torch.isfinite(q).all()) and bool(torch.isfinite(k).all())
-
-
-def _repeat_kv(t, q_heads):
-    return t if t.shape[2] == q_heads else t.repeat_interleave(q_heads // t.shape[2], dim=2)
 
 
 def _fold(g, kv_heads):  # [B, S, Hq, D] gradient of repeated K/V -> [B, S, Hkv, D]
@@ -83,7 +79,7 @@ def _op_forward(q, k, v, causal, scale, bias=None):
         return out.transpose(1, 2), lse
     if q.dtype == torch.float32:
         hq = q.shape[2]
-        out, lse = aten._scaled_dot_product_efficient_attention(*_bhsd(q, _repeat_kv(k, hq), _repeat_kv(v, hq)), bias, True, 0.0, causal, scale=scale)[:2]
+        out, lse = aten._scaled_dot_product_efficient_attention(*_bhsd(q, repeat_kv(k, hq), repeat_kv(v, hq)), bias, True, 0.0, causal, scale=scale)[:2]
         return out.transpose(1, 2), lse[..., : q.shape[1]]
     out, lse = aten._scaled_dot_product_flash_attention(*_bhsd(q, k, v), 0.0, causal, False, scale=scale)[:2]
     return out.transpose(1, 2), torch.where(torch.isposinf(lse), float("-inf"), lse)
@@ -101,7 +97,7 @@ def _op_backward(dout, q, k, v, out, lse, causal, scale, bias=None):
         hq, hkv = q.shape[2], k.shape[2]
         lse_padded = F.pad(lse, (0, -sq % 32))
         dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-            *_bhsd(dout, q, _repeat_kv(k, hq), _repeat_kv(v, hq)), bias, out.transpose(1, 2), lse_padded, no_rng, no_rng, 0.0,
+            *_bhsd(dout, q, repeat_kv(k, hq), repeat_kv(v, hq)), bias, out.transpose(1, 2), lse_padded, no_rng, no_rng, 0.0,
             [True, True, True, False], causal, scale=scale,
         )
         return dq.transpose(1, 2), _fold(dk.transpose(1, 2), hkv), _fold(dv.transpose(1, 2), hkv)
