@@ -4,18 +4,22 @@ from setuptools import setup
 
 EXTRAS = {
     "deepspeed": ["deepspeed>=0.14"],
-    "hf": ["transformers>=4.56"],
+    # transformers; datasets reads the job's JSON-lines, Parquet and text files; accelerate is what transformers.Trainer needs
+    "hf": ["transformers>=4.56", "datasets>=2.14", "accelerate>=1.0"],
+    # LoRA adapters through the Trainer integration
+    "peft": ["peft>=0.10"],
     # sp-bench's tables, progress bars and plots
     "bench": ["rich>=13", "tqdm>=4.60", "matplotlib>=3.7"],
     # what the tests need: they check the transformers and DeepSpeed integrations and sp-bench's outputs too
     # ring-flash-attn and yunchang are pure Python (flash-attn is only their optional extra): the tests run them
     # as sp-bench peers on the CPU fake of flash-attn
-    "dev": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "transformers>=4.56", "deepspeed>=0.17", "rich>=13", "tqdm>=4.60",
+    "dev": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "transformers>=4.56", "datasets>=2.14", "accelerate>=1.0", "peft>=0.10",
+            "deepspeed>=0.17", "rich>=13", "tqdm>=4.60",
             "matplotlib>=3.7", "ring-flash-attn>=0.1.8", "yunchang>=0.6.4"],
     # flash-attn builds only against CUDA; kept apart from `all`.
     "cuda": ["flash-attn>=2.5", "ring-flash-attn>=0.1"],
 }
-EXTRAS["all"] = sorted({req for name in ("deepspeed", "hf", "bench", "dev") for req in EXTRAS[name]})
+EXTRAS["all"] = sorted({req for name in ("deepspeed", "hf", "peft", "bench", "dev") for req in EXTRAS[name]})
 
 setup(
     name="ulysses-sp",
@@ -27,7 +31,7 @@ setup(
     python_requires=">=3.10",
     # `backends/` and `cli/` sit at the top of the repository but install inside the package,
     # so nothing named plainly `backends` or `cli` lands in site-packages.
-    packages=["ulysses_sp", "ulysses_sp.integrations", "ulysses_sp.kernels", "ulysses_sp.testing", "ulysses_sp.backends", "ulysses_sp.cli"],
+    packages=["ulysses_sp", "ulysses_sp.integrations", "ulysses_sp.job", "ulysses_sp.kernels", "ulysses_sp.testing", "ulysses_sp.backends", "ulysses_sp.cli"],
     package_dir={"ulysses_sp.backends": "backends", "ulysses_sp.cli": "cli"},
     # A range, not a pin: on a CPU machine install the CPU build first
     # (`pip install torch==2.13.0` here); this requirement is then already met.

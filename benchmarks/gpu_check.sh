@@ -100,7 +100,8 @@ R_TRAIN2=0
 if ((NGPU >= 2)); then R_TRAIN2=130; fi
 R_PAR=0
 if ((NGPU >= 2)); then R_PAR=150; fi
-R_TRAIN1=$((100 + R_TRAIN2 + R_PAR))
+R_REAL=90  # the real-data job on 1 GPU
+R_TRAIN1=$((100 + R_REAL + R_TRAIN2 + R_PAR))
 R_PY=$((150 + R_TRAIN1))
 PIP=("$PYTHON" -m pip install --disable-pip-version-check --retries 1 --timeout 15)  # fail fast when offline
 
@@ -175,7 +176,7 @@ train() {
     first=$(grep -Eo 'step +1 +loss [0-9.naif-]+' "$log" | head -n 1 | awk '{print $NF}')
     lastl=$(grep -Eo 'step +20 +loss [0-9.naif-]+' "$log" | tail -n 1 | awk '{print $NF}')
     local rate layers
-    rate=$(grep -E 'step +20 +loss' "$log" | tail -n 1 | grep -Eo '[0-9]+ tokens/s')
+    rate=$(grep -E 'step +20 +loss' "$log" | tail -n 1 | grep -Eo '[0-9]+ tokens/s( +MFU [0-9.]+%)?')
     layers=$(grep -Eo 'backend per layer: .*' "$log" | head -n 1)
     if timed_out; then
         fail "$name $(out_of_time) ($(last_line "$log"))"
@@ -192,7 +193,13 @@ train() {
     fi
 }
 
-train train_1gpu_bf16 1 240 "$((R_TRAIN2 + R_PAR))" --sp-size 1 --steps 20 --dtype bf16
+train train_1gpu_bf16 1 240 "$((R_REAL + R_TRAIN2 + R_PAR))" --sp-size 1 --steps 20 --dtype bf16
+# a model directory with a tokenizer, JSON lines, the example DeepSpeed config (bf16 "auto": bf16 on CUDA),
+# eval and the Hugging Face export, which must load with the engine's logits (checked on CPU by the tests)
+"$PYTHON" -m ulysses_sp.testing.tiny_checkpoint "$LOGS/tiny" >/dev/null 2>&1 || fail "tiny_checkpoint could not write $LOGS/tiny"
+train train_1gpu_real_data 1 150 "$((R_TRAIN2 + R_PAR))" --sp-size 1 --model "$LOGS/tiny/model" --data "$LOGS/tiny/train.jsonl" \
+    --eval-data "$LOGS/tiny/eval.jsonl" --deepspeed examples/ds_config.json --seq-len 1024 --steps 20 --lr 1e-2 \
+    --metrics-file "$LOGS/tiny/metrics.jsonl" --export-hf "$LOGS/tiny/export"
 if ((NGPU >= 2)); then
     # SP=2 with the memory stack on: tiled loss, tiled MLP, checkpoints offloaded to pinned host memory
     train train_2gpu_sp2_bf16_memory_stack 2 240 "$R_PAR" --sp-size 2 --steps 20 --dtype bf16 --tiled-loss --tiled-mlp --checkpoint offload

@@ -6,7 +6,7 @@ pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
 pytest.importorskip("transformers", reason="the hf extra is not installed")
 
 from ulysses_sp.launch import run_ranks  # noqa: E402
-from ulysses_sp.trainer import TrainConfig, memory_options, parse_args, precision_config, resolve_dtype, train  # noqa: E402
+from ulysses_sp.job import Job, TrainConfig, memory_options, parse_args, precision_config, resolve_dtype, train  # noqa: E402
 
 STEPS, SEQ = 8, 512
 
@@ -16,7 +16,7 @@ def _train(rank, world, cfg):
 
 
 def _run(world, **overrides):
-    cfg = TrainConfig(sp_size=world, **{"seq_len": SEQ, "steps": STEPS, **overrides})
+    cfg = TrainConfig(sp_size=world, **{"seq_len": SEQ, "steps": STEPS, "eval_samples": 4, **overrides})
     return run_ranks(_train, world, cfg, timeout=600)
 
 
@@ -38,8 +38,18 @@ def test_sp2_loss_curve_equals_one_process(sp2_losses):
         assert abs(a - b) < 1e-4, f"step {step + 1}: {a} with SP=2, {b} without"
 
 
+def _preempted(rank, world, cfg, stop):
+    job = Job(cfg)
+    for step in range(stop):
+        job.step(step)
+    job.save(stop)
+    job.close()
+
+
 def test_resume_continues_with_the_identical_loss(sp2_losses, tmp_path):
-    _run(2, steps=STEPS - 2, save=str(tmp_path / "ckpt"))
+    """A job stopped after a checkpoint, resumed from the directory: same data, schedule and losses."""
+    cfg = TrainConfig(sp_size=2, seq_len=SEQ, steps=STEPS, eval_samples=4, save=str(tmp_path / "ckpt"))
+    run_ranks(_preempted, 2, cfg, STEPS - 2, timeout=600)
     resumed = _run(2, resume=str(tmp_path / "ckpt"))
     assert resumed[0] == sp2_losses[0][STEPS - 2 :]
 
@@ -73,6 +83,20 @@ def test_memory_options_follow_the_length():
     cfg = parse_args(["--tiled-loss", "--no-tiled-mlp", "--checkpoint", "offload"])
     assert (cfg.tiled_loss, cfg.tiled_mlp, cfg.checkpoint) == (True, False, "offload")
     assert parse_args([]).tiled_loss is None and parse_args([]).checkpoint == "auto"
+
+
+def test_a_bad_flag_fails_on_every_rank_in_one_line_without_hanging():
+    """Under torchrun, each rank reports the mistake itself (no rank waits in a collective)."""
+    import os
+    import subprocess
+    import sys
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "train.py", "--seq-len", "1002"],
+                          cwd=root, capture_output=True, text=True, timeout=300, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    assert done.returncode != 0
+    line = "train.py: error: --seq-len 1002 is not a multiple of 2 x sp = 4 (each rank holds two chunks of every sequence); use 1004"
+    assert done.stderr.count(line) == 2, done.stderr[-3000:]
 
 
 def test_parse_args_takes_dtype_and_kernel():
@@ -110,9 +134,9 @@ def test_cpu_mixed_precision_bf16_always_fp16_only_with_onednn_support(monkeypat
     """DeepSpeed's CPU accelerator accepts bf16 everywhere (the job trains in it: ZeRO 0-3 checked
     by hand), fp16 only where oneDNN has fp16: else a clear error before any process group."""
     assert resolve_dtype("bf16", on_gpu=False) == "bf16"
-    monkeypatch.setattr("ulysses_sp.trainer._cpu_fp16_supported", lambda: True)
+    monkeypatch.setattr("ulysses_sp.job.ds_config._cpu_fp16_supported", lambda: True)
     assert resolve_dtype("fp16", on_gpu=False) == "fp16"
-    monkeypatch.setattr("ulysses_sp.trainer._cpu_fp16_supported", lambda: False)
+    monkeypatch.setattr("ulysses_sp.job.ds_config._cpu_fp16_supported", lambda: False)
     with pytest.raises(ValueError, match="--dtype fp16: DeepSpeed's CPU accelerator needs oneDNN fp16"):
         resolve_dtype("fp16", on_gpu=False)
 

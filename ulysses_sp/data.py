@@ -96,7 +96,8 @@ def shard_batch(batch: dict, topo: Topology, *, pad_token_id: int = 0) -> dict:
     ``input_ids`` and ``position_ids`` (global positions, so rotary embeddings are
     right on every rank), ``attention_mask`` if given, ``shift_labels`` if labels
     are given (labels shifted by one **before** sharding, so the last token of
-    each shard keeps its target; padding and the last token get -100), and
+    each shard keeps its target; padding, the last token and, in packed input, the
+    last token of each document get -100), and
     ``cu_seqlens`` (global, the same on every rank) when the input is packed.
 
     The sequence is padded at the end to what the layout needs (ids with
@@ -118,13 +119,15 @@ def shard_batch(batch: dict, topo: Topology, *, pad_token_id: int = 0) -> dict:
     if mask is not None:
         _check_right_padding(mask)
         out["attention_mask"] = pad(mask, 0)
+    position_ids = batch.get("position_ids")
+    packed = position_ids is not None and bool((position_ids[..., 1:] == 0).any())
     if batch.get("labels") is not None:
         shifted = F.pad(batch["labels"][:, 1:], (0, 1), value=IGNORE_INDEX)
         if mask is not None:  # a padding token is nobody's target
             shifted = shifted.masked_fill(F.pad(mask[:, 1:], (0, 1), value=0) == 0, IGNORE_INDEX)
+        if packed:  # nor is a document's first token the previous document's
+            shifted = shifted.masked_fill(F.pad(position_ids[..., 1:] == 0, (0, 1), value=False).expand_as(shifted), IGNORE_INDEX)
         out["shift_labels"] = pad(shifted, IGNORE_INDEX)
-    position_ids = batch.get("position_ids")
-    packed = position_ids is not None and bool((position_ids[..., 1:] == 0).any())
     if position_ids is None:
         position_ids = torch.arange(s, device=input_ids.device).expand(b, s)
     position_ids = position_ids.expand(b, s)

@@ -11,11 +11,14 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["VOCAB_SIZE", "PAD_ID", "passkey_sample", "passkey_batch"]
+__all__ = ["VOCAB_SIZE", "PAD_ID", "EOS_ID", "passkey_sample", "passkey_batch", "passkey_eval_batch"]
 
 VOCAB_SIZE = 257
 """256 byte values and a padding id."""
 PAD_ID = 256
+EOS_ID = PAD_ID
+"""Byte-level documents (``--data`` for the embedded model) end with this id, as models whose
+pad token is their EOS do."""
 
 _FILLER = b"The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again. "
 _QUESTION = b" What is the pass key? The pass key is "
@@ -41,3 +44,15 @@ def passkey_batch(seq_len: int, *, seed: int, step: int, dp_rank: int, batch_siz
     generator = torch.Generator().manual_seed(hash((seed, step, dp_rank)) & 0x7FFF_FFFF_FFFF_FFFF)
     ids = torch.stack([passkey_sample(seq_len, generator)[0] for _ in range(batch_size)])
     return {"input_ids": ids, "labels": ids.clone()}
+
+
+def passkey_eval_batch(seq_len: int, *, seed: int, index: int) -> dict:
+    """Held-out prompt ``index`` (drawn from negative step numbers, which training never uses):
+    ``input_ids``, ``labels``, and ``answer_labels`` (the labels with all but the key ignored).
+    The model retrieves the key exactly when its argmax at every key position is the key's
+    digit, which is exactly when greedy decoding after the question generates the key."""
+    generator = torch.Generator().manual_seed(hash((seed, -1 - index, 0)) & 0x7FFF_FFFF_FFFF_FFFF)
+    ids, answer = passkey_sample(seq_len, generator)
+    answer_labels = torch.full_like(ids, -100)
+    answer_labels[answer:] = ids[answer:]
+    return {"input_ids": ids[None], "labels": ids[None].clone(), "answer_labels": answer_labels[None]}

@@ -1,0 +1,148 @@
+"""The main job's inputs without a process group: DeepSpeed config resolution, packing, the
+passkey eval, and the errors users meet first (one clear line, before any collective)."""
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+pytest.importorskip("transformers", reason="the hf extra is not installed")
+
+from ulysses_sp.data import IGNORE_INDEX, shard_batch  # noqa: E402
+from ulysses_sp.job import Job, JobError, TrainConfig, parse_args  # noqa: E402
+from ulysses_sp.job.corpus import pack, pad_each  # noqa: E402
+from ulysses_sp.job.ds_config import resolve_ds_config  # noqa: E402
+from ulysses_sp.tasks import passkey_batch, passkey_eval_batch  # noqa: E402
+
+
+def _resolve(user=None, dp=1, sp=2, **flags):
+    cfg = TrainConfig(sp_size=sp, **flags)
+    return resolve_ds_config(cfg, user or {}, dp_size=dp, sp_size=sp, on_gpu=False, pretrained=False)
+
+
+def test_defaults_fill_an_empty_config_and_say_so():
+    r = _resolve()
+    assert (r.micro_batch, r.grad_accum, r.zero_stage, r.dtype, r.lr) == (1, 1, 2, "fp32", 3e-3)
+    assert not r.ds_optimizer and not r.ds_scheduler
+    assert r.config["zero_optimization"]["stage"] == 2 and r.config["gradient_clipping"] == 1.0
+    assert "train_batch_size" not in r.config
+    assert r.sources["micro batch"] == "1 (default)" and r.sources["precision"] == "fp32 (default on CPU)"
+    assert r.warmup_steps == 10  # 5% of 200
+
+
+def test_config_values_win_and_flags_fill_auto():
+    user = {"train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": 4, "bf16": {"enabled": True},
+            "zero_optimization": {"stage": 3}, "optimizer": {"type": "AdamW", "params": {"lr": "auto", "betas": [0.9, 0.95]}},
+            "scheduler": {"type": "WarmupCosineLR", "params": {"total_num_steps": "auto", "warmup_num_steps": "auto"}}}
+    r = _resolve(user, micro_batch=2, lr=1e-4, steps=100, warmup_steps=7, packing=False)
+    assert (r.micro_batch, r.grad_accum, r.zero_stage, r.dtype) == (2, 4, 3, "bf16")
+    assert r.config["optimizer"]["params"] == {"lr": 1e-4, "betas": [0.9, 0.95]}
+    assert r.config["scheduler"]["params"] == {"total_num_steps": 100, "warmup_num_steps": 7}
+    assert r.ds_optimizer and r.ds_scheduler
+    assert r.sources["gradient accumulation"] == "4 (config)" and r.sources["micro batch"] == "2 (flag)"
+    assert user["train_micro_batch_size_per_gpu"] == "auto"  # the user's dict is not changed
+
+
+def test_train_batch_size_counts_sequences_over_dp_groups():
+    """4 ranks at SP 2 are 2 DP groups: 8 sequences per step are micro 1 x accumulation 4 x 2."""
+    r = _resolve({"train_batch_size": 8}, dp=2)
+    assert r.grad_accum == 4 and "train_batch_size" not in r.config
+    with pytest.raises(JobError, match=r"train_batch_size 8 is not micro batch x accumulation x DP groups = 1 x 3 x 2"):
+        _resolve({"train_batch_size": 8, "gradient_accumulation_steps": 3}, dp=2)
+
+
+@pytest.mark.parametrize("user, flags, message", [
+    ({"zero_optimization": {"stage": 3}}, {"zero_stage": 2}, "--zero-stage 2 contradicts the DeepSpeed config's zero_optimization.stage 3"),
+    ({"bf16": {"enabled": True}}, {"dtype": "fp32"}, "--dtype fp32 contradicts the DeepSpeed config's precision bf16"),
+    ({"bf16": {"enabled": True}, "fp16": {"enabled": True}}, {}, "enables both bf16 and fp16"),
+    ({"optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}, {"lr": 1e-4}, "--lr 0.0001 contradicts"),
+    ({"train_micro_batch_size_per_gpu": 2}, {"data": "x.jsonl"}, "micro batch 2 with packing"),
+    ({"scheduler": {"type": "WarmupLR", "params": {"warmup_type": "auto"}}}, {}, r"sets scheduler.params.warmup_type to \"auto\""),
+])
+def test_contradictions_are_errors(user, flags, message):
+    with pytest.raises(JobError, match=message):
+        _resolve(user, **flags)
+
+
+def test_offloaded_optimizer_gets_deepspeeds_adam():
+    r = _resolve({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, lr=1e-4)
+    assert r.config["optimizer"] == {"type": "AdamW", "params": {"weight_decay": 0.0, "lr": 1e-4}} and r.ds_optimizer
+
+
+def test_parse_args_takes_both_deepspeed_spellings_and_the_hf_names():
+    assert parse_args(["--deepspeed", "a.json"]).deepspeed == "a.json"
+    assert parse_args(["--deepspeed", "--deepspeed_config", "a.json"]).deepspeed == "a.json"
+    cfg = parse_args(["--gradient-checkpointing", "--gradient-accumulation-steps", "2", "--micro-batch-size", "3", "--no-packing"])
+    assert (cfg.checkpoint, cfg.grad_accum, cfg.micro_batch, cfg.packing) == ("layers", 2, 3, False)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--deepspeed", "a.json", "--deepspeed_config", "b.json"], "name different files"),
+    (["--resume", "latest"], "--resume latest looks in the --save directory"),
+    (["--gradient-checkpointing", "--checkpoint", "none"], "contradicts --checkpoint none"),
+    (["--seq-len", "0"], "must be at least 1"),
+])
+def test_parse_args_errors(argv, message, capsys):
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert message in capsys.readouterr().err
+
+
+def test_packing_restarts_positions_per_document_and_row():
+    docs = [[1, 2, 3, 9], [4, 5, 9], [6, 7, 8, 1, 2, 9]]  # 13 tokens, rows of 6
+    rows = pack(docs, 6, pad_id=0)
+    assert rows.input_ids.tolist() == [[1, 2, 3, 9, 4, 5], [9, 6, 7, 8, 1, 2], [9, 0, 0, 0, 0, 0]]
+    assert rows.position_ids.tolist() == [[0, 1, 2, 3, 0, 1], [0, 0, 1, 2, 3, 4], [0, 0, 1, 2, 3, 4]]
+    assert rows.labels[2].tolist() == [9] + [IGNORE_INDEX] * 5
+    padded = pad_each(docs, 4, pad_id=0)
+    assert padded.input_ids.tolist() == [[1, 2, 3, 9], [4, 5, 9, 0], [6, 7, 8, 1], [2, 9, 0, 0]]
+    assert padded.labels[1].tolist() == [4, 5, 9, IGNORE_INDEX]
+
+
+def test_a_documents_first_token_is_not_the_previous_ones_target():
+    rows = pack([[1, 2, 3, 9], [4, 5, 9], [6, 7, 9]], 10, pad_id=0)
+    topo = SimpleNamespace(layout="contiguous", sp_size=1, sp_rank=0)
+    local = shard_batch(rows.batch([0]), topo)
+    # targets: 2 3 9 | - (not 4) | 5 9 | - (not 6) | 7 9 | - (end)
+    assert local["shift_labels"][0].tolist() == [2, 3, 9, IGNORE_INDEX, 5, 9, IGNORE_INDEX, 7, 9, IGNORE_INDEX]
+    assert local["cu_seqlens"].tolist() == [0, 4, 7, 10]
+
+
+def test_passkey_eval_prompts_are_held_out_and_mark_the_key():
+    b = passkey_eval_batch(256, seed=0, index=3)
+    key = b["answer_labels"][0][b["answer_labels"][0] != IGNORE_INDEX]
+    assert len(key) == 5 and bytes(key.tolist()).isdigit()
+    assert torch.equal(b["input_ids"][0, -5:], key)
+    training = {tuple(passkey_batch(256, seed=0, step=s, dp_rank=0)["input_ids"][0].tolist()) for s in range(50)}
+    assert tuple(b["input_ids"][0].tolist()) not in training
+
+
+def _job_error(monkeypatch, world=2, **fields):
+    monkeypatch.setenv("WORLD_SIZE", str(world))
+    with pytest.raises(JobError) as e:
+        Job(TrainConfig(**fields))
+    return str(e.value)
+
+
+def test_launch_errors_come_before_any_process_group(monkeypatch, tmp_path):
+    """Every rank raises the same JobError from its own arguments: no collective is reached."""
+    assert "--sp-size 3 does not divide the 2 ranks" in _job_error(monkeypatch, sp_size=3)
+    assert "--seq-len 1001 is not a multiple of 2 x sp = 4" in _job_error(monkeypatch, seq_len=1001)
+    assert "--seq-len: seq_len 128 is too short for the passkey task (need at least 194)" in _job_error(monkeypatch, seq_len=128)
+    bad = tmp_path / "ds.json"
+    bad.write_text("{not json")
+    assert "cannot read it as JSON" in _job_error(monkeypatch, deepspeed=str(bad))
+    assert "--data nowhere.jsonl: no such file" in _job_error(monkeypatch, data="nowhere.jsonl")
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text(json.dumps({"text": ""}) + "\n")
+    assert "no non-empty 'text' records" in _job_error(monkeypatch, data=str(empty))
+    wrong = tmp_path / "wrong.jsonl"
+    wrong.write_text(json.dumps({"content": "abc"}) + "\n")
+    assert "no 'text' column (columns: content)" in _job_error(monkeypatch, data=str(wrong))
+    (tmp_path / "model").mkdir()
+    (tmp_path / "model" / "config.json").write_text(json.dumps({"model_type": "llama"}))
+    assert "no tokenizer could be loaded from" in _job_error(monkeypatch, model=str(tmp_path / "model"), data=str(wrong))
+    assert "is a config file, without a tokenizer for --data" in _job_error(
+        monkeypatch, model=str(tmp_path / "model" / "config.json"), data=str(wrong))

@@ -1,0 +1,170 @@
+"""The main job on a real model directory and real files, on 2 ranks against one process:
+a DeepSpeed config with accumulation (exact), packing, bf16, eval, save-every then resume,
+and the Hugging Face export. A tiny Llama and a word-level tokenizer trained here stand in
+for a downloaded model; each group of ranks runs several jobs in one spawn."""
+
+import json
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
+pytest.importorskip("transformers", reason="the hf extra is not installed")
+pytest.importorskip("datasets", reason="the hf extra is not installed")
+
+from ulysses_sp.launch import run_ranks  # noqa: E402
+from ulysses_sp.testing.tiny_checkpoint import write_corpus, write_tiny_llama  # noqa: E402
+
+SEQ, STEPS = 128, 6
+def _make_files(root: str) -> dict:
+    """A model directory (config, weights, tokenizer), train/eval JSON lines and DeepSpeed configs."""
+    files = {"model": os.path.join(root, "model"), "train": os.path.join(root, "train.jsonl"), "eval": os.path.join(root, "eval.jsonl")}
+    write_tiny_llama(files["model"])
+    write_corpus(files["train"], 40, seed=0)
+    write_corpus(files["eval"], 7, seed=1)
+    for name, extra in (("fp32", {}), ("bf16", {"bf16": {"enabled": True}}), ("zero3", {"zero_optimization": {"stage": 3}})):
+        files[name] = os.path.join(root, f"ds_{name}.json")
+        with open(files[name], "w") as f:
+            json.dump({"gradient_accumulation_steps": 2, "zero_optimization": {"stage": 2}, **extra,
+                       "optimizer": {"type": "AdamW", "params": {"lr": "auto", "weight_decay": 0.0, "torch_adam": True}}}, f)
+    return files
+
+
+def _cfg(files, **overrides):
+    from ulysses_sp.job import TrainConfig
+
+    base = dict(model=files["model"], data=files["train"], eval_data=files["eval"], seq_len=SEQ, steps=STEPS, lr=1e-2,
+                deepspeed=files["fp32"], warmup_steps=2)
+    return TrainConfig(**{**base, **overrides})
+
+
+def _run_job(cfg, *, steps_then_stop=None):
+    """Fit (or run only ``steps_then_stop`` steps and save, as a preempted job would) and
+    return the losses and the final eval; keeps the process group for the next job."""
+    from ulysses_sp.job import Job
+
+    job = Job(cfg)
+    if steps_then_stop is None:
+        losses = job.fit()
+    else:
+        losses = [job.step(s) for s in range(steps_then_stop)]
+        job.save(steps_then_stop)
+    result = {"losses": losses, "eval": job.evaluate() if job.has_eval else None}
+    return job, result
+
+
+def _jobs(rank, world, files, out):
+    import torch.distributed as dist
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sp = world
+    results = {}
+    job, results["packed"] = _run_job(_cfg(files, sp_size=sp, metrics_file=os.path.join(out, f"metrics{world}.jsonl")))
+    job.close(destroy_process_group=False)
+    # the same update as one big batch: accumulation 2 x micro 1 (padded) vs micro 2 in one step
+    accum = {"deepspeed": None, "packing": False, "eval_data": None}
+    job, results["padded-accum"] = _run_job(_cfg(files, sp_size=sp, grad_accum=2, **accum))
+    job.close(destroy_process_group=False)
+    if world == 1:
+        job, results["padded-micro2"] = _run_job(_cfg(files, sp_size=1, micro_batch=2, **accum))
+        job.close(destroy_process_group=False)
+        return results
+    job, results["bf16"] = _run_job(_cfg(files, sp_size=sp, deepspeed=files["bf16"]))
+    job.close(destroy_process_group=False)
+    # save every 2 steps keeping 2; a preempted run saved at step 3 and resumed
+    save = os.path.join(out, "ckpt-every")
+    job, results["save-every"] = _run_job(_cfg(files, sp_size=sp, save=save, save_every=2, keep_last=2))
+    results["kept"] = sorted(name for name in os.listdir(save) if name.startswith("step"))
+    results["latest"] = open(os.path.join(save, "latest")).read().strip()
+    job.close(destroy_process_group=False)
+    preempted = os.path.join(out, "ckpt-preempted")
+    job, _ = _run_job(_cfg(files, sp_size=sp, save=preempted), steps_then_stop=3)
+    job.close(destroy_process_group=False)
+    job, results["resumed"] = _run_job(_cfg(files, sp_size=sp, save=preempted, resume="latest"))
+    job.close(destroy_process_group=False)
+    # ZeRO-3 export: from_pretrained gives the engine's logits
+    job, results["zero3"] = _run_job(_cfg(files, sp_size=sp, deepspeed=files["zero3"]))
+    probe = torch.randint(3, 43, (1, 100), generator=torch.Generator().manual_seed(1))
+    engine_logits = job.full_logits(probe)
+    export = os.path.join(out, "export")
+    job.export(export)
+    job.close(destroy_process_group=False)
+    model = AutoModelForCausalLM.from_pretrained(export)
+    with torch.no_grad():
+        exported = model(input_ids=probe).logits
+    results["export"] = {"max_diff": float((exported - engine_logits).abs().max()), "dtype": str(model.dtype),
+                         "tokenizer": AutoTokenizer.from_pretrained(export)("w1 w2")["input_ids"]}
+    dist.barrier()
+    return results
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    root = str(tmp_path_factory.mktemp("job"))
+    files = _make_files(root)
+    out = {world: run_ranks(_jobs, world, files, os.path.join(root, f"out{world}"), timeout=900) for world in (2, 1)}
+    return files, root, out
+
+
+def _close(a, b, tol):
+    assert len(a) == len(b)
+    for step, (x, y) in enumerate(zip(a, b)):
+        assert abs(x - y) <= tol, f"step {step + 1}: {x} vs {y}"
+
+
+def test_packed_run_with_accumulation_equals_one_process(runs):
+    """A DeepSpeed config (accumulation 2, lr "auto" from --lr, DeepSpeed's AdamW), packed
+    documents, SP=2 against one rank: loss per step within 1e-4, falling; eval loss within 1e-5."""
+    _, _, out = runs
+    sp2, single = out[2][0]["packed"], out[1][0]["packed"]
+    assert out[2][0]["packed"] == out[2][1]["packed"]
+    _close(sp2["losses"], single["losses"], 1e-4)
+    assert sp2["losses"][-1] < 0.9 * sp2["losses"][0], sp2["losses"]
+    assert abs(sp2["eval"]["eval_loss"] - single["eval"]["eval_loss"]) < 1e-5
+    assert sp2["eval"]["eval_tokens"] == single["eval"]["eval_tokens"] > 0
+
+
+def test_accumulation_is_the_same_update_as_one_big_batch(runs):
+    """Micro 1 x accumulation 2 on SP=2 equals micro 2 in one step on one rank: the loss is
+    token-weighted over the whole step, not averaged per micro-step (padded rows hold
+    different numbers of tokens, so an average per micro-step would differ)."""
+    _, _, out = runs
+    _close(out[2][0]["padded-accum"]["losses"], out[1][0]["padded-micro2"]["losses"], 1e-4)
+    _close(out[1][0]["padded-accum"]["losses"], out[1][0]["padded-micro2"]["losses"], 1e-5)
+
+
+def test_bf16_config_trains_close_to_fp32(runs):
+    _, _, out = runs
+    bf16, fp32 = out[2][0]["bf16"]["losses"], out[2][0]["packed"]["losses"]
+    assert bf16 != fp32
+    _close(bf16, fp32, 0.03 * max(fp32))
+
+
+def test_save_every_keeps_the_last_and_resume_latest_continues_identically(runs):
+    _, _, out = runs
+    r = out[2][0]
+    assert (r["kept"], r["latest"]) == (["step4", "step6"], "step6")
+    assert r["save-every"]["losses"] == r["packed"]["losses"]
+    assert r["resumed"]["losses"] == r["packed"]["losses"][3:]
+    assert r["resumed"]["eval"] == r["packed"]["eval"]
+
+
+def test_zero3_export_loads_with_the_engines_logits(runs):
+    _, _, out = runs
+    r = out[2][0]
+    _close(r["zero3"]["losses"], r["packed"]["losses"], 1e-4)
+    assert r["export"]["max_diff"] < 1e-5, r["export"]
+    assert r["export"]["dtype"] == "torch.float32" and r["export"]["tokenizer"] == [4, 5]
+
+
+def test_metrics_file_has_a_line_per_step_and_the_eval(runs):
+    _, root, _ = runs
+    with open(os.path.join(root, "out2", "metrics2.jsonl")) as f:
+        lines = [json.loads(line) for line in f]
+    steps = [line for line in lines if "loss" in line]
+    assert [line["step"] for line in steps] == list(range(1, STEPS + 1))
+    assert all(len(line["peak_memory_mib"]) == 2 and line["tokens_per_s"] > 0 and line["lr"] >= 0 for line in steps)
+    assert steps[0]["lr"] == 0.0 and steps[2]["lr"] == pytest.approx(1e-2)  # linear warmup over 2 steps, then the peak
+    assert steps[0]["mfu"] is None and steps[0]["tflops_per_rank"] > 0  # no known peak on CPU
+    assert lines[-1]["step"] == STEPS and "eval_loss" in lines[-1]

@@ -1,0 +1,349 @@
+"""The main job: train a Hugging Face causal LM with sequence parallelism under DeepSpeed.
+
+``train.py`` at the repository root calls :func:`main`. Runs under the ``deepspeed``
+launcher or ``torchrun``; on a machine without CUDA it uses DeepSpeed's CPU accelerator and
+gloo. With no ``--model`` / ``--data`` it trains the embedded default: a small Llama-style
+model (random init, config below) on byte-level passkey retrieval (``ulysses_sp.tasks``),
+and reports how many held-out keys it retrieves. On GPUs each rank binds
+``cuda:LOCAL_RANK`` and trains in bf16 by default (DeepSpeed's mixed precision, fp32 master
+weights); on CPU in fp32.
+
+One optimizer step is ``accumulation`` micro-steps. The loss of micro-step j is
+``sp_cross_entropy(..., count_group=WORLD)`` (its tokens' sum over its global count n_j)
+weighted by ``n_j / N``, N the step's global count (one all-reduce before the micro-steps),
+so the summed gradient is that of the token-weighted mean over the whole step: the same
+update as one big batch. ``gradient_scale`` undoes the engine's averaging.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import shutil
+import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+from .. import comm
+from ..data import IGNORE_INDEX, gather_sequence, shard_batch, sp_cross_entropy
+from ..devices import bind_device, check_one_rank_per_device, local_world_size, move_batch
+from ..integrations.deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
+from ..loss import causal_lm_loss
+from ..tasks import PAD_ID, VOCAB_SIZE
+from ..topology import init_sequence_parallel
+from . import corpus
+from .config import JobError, TrainConfig, check_launch, memory_options, parse_args
+from .ds_config import load_ds_config, resolve_ds_config
+from .export import export_hf
+from .metrics import MetricsFile, count_params, flops_per_token, peak_tflops
+
+__all__ = ["Job", "train", "main", "default_model_config"]
+
+
+def default_model_config():
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, max_position_embeddings=1 << 16, pad_token_id=PAD_ID,
+        bos_token_id=None, eos_token_id=None, tie_word_embeddings=False, use_cache=False,
+    )
+
+
+def _has_weights(path: str | None) -> bool:
+    return bool(path) and os.path.isdir(path) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
+
+
+def build_model(cfg: TrainConfig):
+    import transformers
+
+    if _has_weights(cfg.model):
+        return transformers.AutoModelForCausalLM.from_pretrained(cfg.model, local_files_only=True, dtype=torch.float32)
+    config = default_model_config() if cfg.model is None else transformers.AutoConfig.from_pretrained(cfg.model, local_files_only=True)
+    torch.manual_seed(cfg.seed)
+    return transformers.AutoModelForCausalLM.from_config(config).float()
+
+
+def _peak_memory_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set (Linux: KiB)
+
+
+def _chosen_backends(model) -> dict[int, str]:
+    return {
+        m.layer_idx: ",".join(sorted({b.name for b in m.__dict__["_ulysses_sp_attention"]._chosen.values()}))
+        for m in model.modules()
+        if "_ulysses_sp_attention" in m.__dict__
+    }
+
+
+def _checkpoint_to_load(cfg: TrainConfig) -> tuple[str, str | None] | None:
+    """(directory, tag) for ``engine.load_checkpoint``, or None to start fresh."""
+    if cfg.resume is None:
+        return None
+    if cfg.resume == "latest":
+        return (cfg.save, None) if os.path.exists(os.path.join(cfg.save, "latest")) else None
+    if os.path.exists(os.path.join(cfg.resume, "latest")):
+        return cfg.resume, None
+    if os.path.isdir(cfg.resume) and any(f.endswith("model_states.pt") for f in os.listdir(cfg.resume)):
+        return os.path.dirname(os.path.abspath(cfg.resume)), os.path.basename(os.path.abspath(cfg.resume))
+    raise JobError(f"--resume {cfg.resume}: not a DeepSpeed checkpoint directory (no 'latest' file, no *model_states.pt)")
+
+
+def keys_retrieved(logits_local: torch.Tensor, answers_local: torch.Tensor, topo) -> torch.Tensor:
+    """Per sequence of the batch, whether the argmax is right at every answer position (targets in
+    ``answers_local``, the rest ignored) across the SP group, for sequences with an answer.
+    Collective over the SP group; the same on every rank of it."""
+    answer = answers_local != IGNORE_INDEX
+    counts = torch.stack([answer.sum(dim=1), ((logits_local.argmax(-1) != answers_local) & answer).sum(dim=1)]).double()
+    has_answer, misses = comm.all_reduce_sum(counts, topo.sp_group)
+    return (misses == 0) & (has_answer > 0)
+
+
+class Job:
+    """One training run: set up in the constructor (checks first, then process groups, model,
+    engine), then :meth:`fit`, :meth:`evaluate`, :meth:`export`, :meth:`close`."""
+
+    def __init__(self, cfg: TrainConfig):
+        use_cpu_accelerator_if_needed()
+        import deepspeed
+
+        from ..integrations.transformers import apply_sequence_parallel
+
+        self.cfg = cfg
+        on_gpu = torch.cuda.is_available()
+        # every check that needs no process group, so a mistake fails at once, the same on every rank
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        sp_size = check_launch(cfg, world)
+        self.ds = resolve_ds_config(cfg, load_ds_config(cfg.deepspeed), dp_size=world // sp_size, sp_size=sp_size, on_gpu=on_gpu,
+                                    pretrained=_has_weights(cfg.model))
+        resume = _checkpoint_to_load(cfg)
+        self.tokenizer = corpus.load_tokenizer(cfg)
+        first = int(os.environ.get("RANK", "0")) == 0
+        self.train_rows = corpus.build_rows(cfg.data, self.tokenizer, cfg, progress=first) if cfg.data else None
+        self.eval_rows = corpus.build_rows(cfg.eval_data, self.tokenizer, cfg, progress=first) if cfg.eval_data else None
+
+        self.device = bind_device()  # cuda:LOCAL_RANK before NCCL starts; CPU without CUDA
+        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+        check_one_rank_per_device(dist.group.WORLD, self.device)
+        if not on_gpu:  # ranks share the cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size(default=dist.get_world_size())))
+        self.topo = topo = init_sequence_parallel(sp_size, ulysses_degree=cfg.ulysses_degree, layout="zigzag", profile=cfg.profile)
+        self.rank0 = topo.rank == 0
+        self.batches = (corpus.TrainBatches(self.train_rows, topo, self.ds.micro_batch, cfg.seed) if self.train_rows is not None
+                        else corpus.passkey_train_batches(cfg, topo, self.ds.micro_batch))
+
+        model = build_model(cfg)
+        if self.tokenizer is not None and len(self.tokenizer) > model.config.vocab_size:
+            raise JobError(f"the tokenizer has {len(self.tokenizer)} tokens, the model's vocabulary {model.config.vocab_size}; use the model's own tokenizer")
+        self.pad_id = PAD_ID if self.tokenizer is None else (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
+                                                             else self.tokenizer.eos_token_id)
+        self.flops_per_token = flops_per_token(model.config, count_params(model), cfg.seq_len)
+        self.memory, self.memory_why = memory_options(cfg, model.config, topo.sp_size, on_gpu)
+        backend = cfg.sp_backend.split(",") if "," in cfg.sp_backend else cfg.sp_backend
+        model = apply_sequence_parallel(model, topo, backend=backend, kernel=cfg.sp_kernel, tiled_mlp=self.memory["tiled_mlp"],
+                                        checkpoint=self.memory["checkpoint"])
+        model.train()
+        extra = {}
+        if not self.ds.ds_optimizer:
+            extra["optimizer"] = torch.optim.AdamW(model.parameters(), lr=self.ds.lr, weight_decay=cfg.weight_decay)
+        if not self.ds.ds_scheduler:
+            from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+            extra["lr_scheduler"] = lambda optimizer: get_cosine_with_min_lr_schedule_with_warmup(
+                optimizer, self.ds.warmup_steps, cfg.steps, min_lr_rate=cfg.min_lr_ratio)
+        self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters() if self.ds.ds_optimizer else None,
+                                               config=self.ds.config, mpu=SequenceParallelMPU(topo), **extra)
+        self.scale = gradient_scale(self.engine, topo)  # undoes the averaging of this ZeRO stage
+        self.start = 0
+        if resume is not None:
+            path, client = self.engine.load_checkpoint(*resume)
+            if path is None:
+                raise JobError(f"--resume: DeepSpeed found no checkpoint in {resume[0]}")
+            self.start = int(client["step"])
+        elif cfg.resume == "latest" and self.rank0:
+            print(f"--resume latest: no checkpoint in {cfg.save} yet; starting at step 0", flush=True)
+        self.metrics = MetricsFile(cfg.metrics_file, self.rank0)
+        self.peak = peak_tflops(self.device, self.ds.dtype, cfg.peak_tflops)
+
+    # -- losses ------------------------------------------------------------------------------
+
+    def _local(self, batch: dict) -> dict:
+        return move_batch(shard_batch(batch, self.topo, pad_token_id=self.pad_id), self.topo.device)  # shard on CPU, move this rank's part
+
+    def _logits(self, local: dict) -> torch.Tensor:
+        return self.engine(input_ids=local["input_ids"], position_ids=local["position_ids"], cu_seq_lens_q=local.get("cu_seqlens")).logits
+
+    def _loss(self, local: dict) -> torch.Tensor:
+        """Its tokens' loss sum over their count in the whole world (the same on every rank)."""
+        if self.memory["tiled_loss"]:
+            return causal_lm_loss(self.engine, local, self.topo, count_group=dist.group.WORLD)
+        return sp_cross_entropy(self._logits(local), local["shift_labels"], self.topo, count_group=dist.group.WORLD)
+
+    def _weights(self, locals_: list[dict]) -> tuple[torch.Tensor, int]:
+        """``n_j / N`` per micro-batch (global valid targets), and N."""
+        counts = torch.stack([(local["shift_labels"] != IGNORE_INDEX).sum() for local in locals_]).double().to(self.topo.device)
+        counts = comm.all_reduce_sum(counts, dist.group.WORLD).cpu()
+        total = float(counts.sum())
+        return counts / max(total, 1.0), int(total)
+
+    # -- training ----------------------------------------------------------------------------
+
+    def step(self, step: int) -> float:
+        """One optimizer step (``step`` counts from 0); returns its loss, the same on every rank."""
+        accum = self.ds.grad_accum
+        locals_ = [self._local(self.batches(step * accum + j)) for j in range(accum)]
+        weights, _ = self._weights(locals_)
+        value = 0.0
+        for local, weight in zip(locals_, weights.tolist()):
+            loss = self._loss(local)
+            self.engine.backward(loss * (weight * self.scale), scale_wrt_gas=False)
+            self.engine.step()
+            value += loss.item() * weight
+        return value
+
+    def fit(self) -> list[float]:
+        """Train from ``self.start`` to ``cfg.steps``, evaluating and checkpointing on the way;
+        returns the loss of every step run."""
+        cfg, topo = self.cfg, self.topo
+        if self.rank0:
+            data = "passkey task (byte-level)" if cfg.data is None else f"{cfg.data} ({len(self.train_rows)} rows, {'packed' if cfg.packing else 'padded'})"
+            print(f"ulysses-sp: world {topo.world_size} = dp {topo.dp_size} x sp {topo.sp_size}, backend {cfg.sp_backend}, "
+                  f"kernel {cfg.sp_kernel}, on {topo.device}, seq {cfg.seq_len}, steps {self.start}..{cfg.steps}, data {data}", flush=True)
+            print("deepspeed: " + self.ds.describe(), flush=True)
+            print("memory: " + ", ".join(f"{name} {value} ({self.memory_why[name]})" for name, value in self.memory.items()), flush=True)
+        from tqdm import tqdm
+
+        # the bar only on a terminal; logs get the per-step lines alone
+        progress = tqdm(total=cfg.steps - self.start, desc="train", unit="step", file=sys.stdout, dynamic_ncols=True,
+                        disable=not (self.rank0 and sys.stdout.isatty()))
+        say = progress.write if self.rank0 else (lambda line: None)
+        tokens_per_step = cfg.seq_len * self.ds.micro_batch * self.ds.grad_accum * topo.dp_size
+        losses = []
+        for step in range(self.start, cfg.steps):
+            t0 = time.perf_counter()
+            lr = self.engine.get_lr()[0]
+            losses.append(self.step(step))
+            seconds = time.perf_counter() - t0
+            peaks = [m[0] for m in comm.all_gather_ints((_peak_memory_bytes(topo.device) // 2**20,), dist.group.WORLD, topo.device)]
+            if step == self.start:
+                say("backend per layer: " + ", ".join(f"{i}: {b}" for i, b in sorted(_chosen_backends(self.engine.module).items())))
+            tflops = tokens_per_step * self.flops_per_token / seconds / topo.world_size / 1e12
+            mfu = tflops / self.peak if self.peak else None
+            say(f"step {step + 1:4d}  loss {losses[-1]:.4f}  lr {lr:.2e}  {tokens_per_step / seconds:8.0f} tokens/s  "
+                + (f"MFU {mfu:.1%}  " if mfu is not None else "") + f"peak memory per rank {', '.join(f'{m} MiB' for m in peaks)}")
+            self.metrics.write(step=step + 1, loss=losses[-1], lr=lr, tokens_per_s=tokens_per_step / seconds, tflops_per_rank=tflops,
+                               mfu=mfu, peak_memory_mib=peaks, tokens=tokens_per_step * (step + 1))
+            progress.update(1)
+            done = step + 1
+            if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
+                self.report_eval(done, say)
+            if cfg.save_every and done % cfg.save_every == 0 and done < cfg.steps:
+                self.save(done)
+        progress.close()
+        if self.has_eval:
+            self.report_eval(cfg.steps, print if self.rank0 else (lambda line: None))
+        if cfg.save:
+            self.save(cfg.steps)
+        return losses
+
+    def save(self, step: int) -> None:
+        """A DeepSpeed checkpoint tagged ``step{N}`` in ``--save``; keeps the newest ``--keep-last``."""
+        self.engine.save_checkpoint(self.cfg.save, tag=f"step{step}", client_state={"step": step})
+        if self.rank0:
+            tags = sorted((int(name[4:]), name) for name in os.listdir(self.cfg.save) if name.startswith("step") and name[4:].isdigit())
+            for _, name in tags[: -self.cfg.keep_last]:
+                shutil.rmtree(os.path.join(self.cfg.save, name), ignore_errors=True)
+            print(f"checkpoint step{step} written to {self.cfg.save}", flush=True)
+
+    # -- eval --------------------------------------------------------------------------------
+
+    @property
+    def has_eval(self) -> bool:
+        return self.eval_rows is not None or self.cfg.data is None
+
+    @torch.no_grad()
+    def evaluate(self) -> dict:
+        """The exact eval loss over the held-out data (token-weighted over every DP group, the
+        same as one process on the same tokens) and, for the passkey task, the share of prompts
+        whose key the model retrieves. The same on every rank."""
+        if not self.has_eval:
+            raise JobError("evaluate: no held-out data; pass --eval-data")
+        passkey = self.eval_rows is None
+        batches = (corpus.passkey_eval_batches(self.cfg, self.topo) if passkey
+                   else corpus.eval_batches(self.eval_rows, self.topo, 1 if self.cfg.packing else self.ds.micro_batch))
+        self.engine.eval()
+        locals_ = [self._local(b) for b in batches]
+        weights, tokens = self._weights(locals_)
+        loss, retrieved = 0.0, torch.zeros(1, dtype=torch.float64)
+        for batch, local, weight in zip(batches, locals_, weights.tolist()):
+            if passkey:
+                logits = self._logits(local)
+                loss += sp_cross_entropy(logits, local["shift_labels"], self.topo, count_group=dist.group.WORLD).item() * weight
+                answers = self._local({"input_ids": batch["input_ids"], "labels": batch["answer_labels"]})["shift_labels"]
+                hits = keys_retrieved(logits, answers, self.topo)
+                if self.topo.sp_rank == 0:  # one rank per SP group counts its prompts
+                    retrieved += hits.sum().double().cpu()
+            else:
+                loss += self._loss(local).item() * weight
+        self.engine.train()
+        # rank 0's loss everywhere (each rank's differs in the last bits), and the prompts retrieved
+        loss, retrieved = comm.all_reduce_sum(torch.cat([torch.tensor([loss if self.rank0 else 0.0], dtype=torch.float64), retrieved])
+                                              .to(self.topo.device), dist.group.WORLD).tolist()
+        result = {"eval_loss": loss, "eval_tokens": tokens}
+        if passkey:
+            result["passkey_accuracy"] = retrieved / self.cfg.eval_samples
+        return result
+
+    def report_eval(self, step: int, say) -> dict:
+        result = self.evaluate()
+        line = f"eval after step {step}: loss {result['eval_loss']:.4f} over {result['eval_tokens']} tokens"
+        if "passkey_accuracy" in result:
+            line += f", passkey retrieved {result['passkey_accuracy']:.1%} of {self.cfg.eval_samples} held-out prompts"
+        say(line)
+        self.metrics.write(step=step, **result)
+        return result
+
+    # -- output ------------------------------------------------------------------------------
+
+    @torch.no_grad()
+    def full_logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The engine's logits for whole sequences ``[B, S]``, gathered into global order on every rank."""
+        self.engine.eval()
+        local = self._local({"input_ids": input_ids})
+        logits = gather_sequence(self._logits(local), self.topo)[:, : input_ids.shape[1]]
+        self.engine.train()
+        return logits
+
+    def export(self, path: str) -> None:
+        export_hf(self.engine, path, self.tokenizer)
+        if self.rank0:
+            print(f"Hugging Face model written to {path}", flush=True)
+
+    def close(self, destroy_process_group: bool = True) -> None:
+        self.engine.destroy()
+        dist.barrier()  # gloo aborts at exit when a rank tears down while another still talks
+        if destroy_process_group:
+            dist.destroy_process_group()
+
+
+def train(cfg: TrainConfig) -> list[float]:
+    """Run the job; returns the loss of every step run (on every rank)."""
+    job = Job(cfg)
+    losses = job.fit()
+    if cfg.export_hf:
+        job.export(cfg.export_hf)
+    job.close()
+    return losses
+
+
+def main(argv=None) -> None:
+    cfg = parse_args(argv)
+    try:
+        train(cfg)
+    except JobError as e:
+        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        sys.exit(2)
