@@ -58,12 +58,16 @@ def _jobs(rank, world, files, out):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    sp = world
     results = {}
+    accum = {"deepspeed": None, "packing": False}
+    if world == 4:  # DP 2 x SP 2, micro 1: the rows of one micro-2 step of one process, one per DP group
+        job, results["padded-dp"] = _run_job(_cfg(files, sp_size=2, **accum))
+        job.close(destroy_process_group=False)
+        return results
+    sp = world
     job, results["packed"] = _run_job(_cfg(files, sp_size=sp, metrics_file=os.path.join(out, f"metrics{world}.jsonl")))
     job.close(destroy_process_group=False)
     # the same update as one big batch: accumulation 2 x micro 1 (padded) vs micro 2 in one step
-    accum = {"deepspeed": None, "packing": False, "eval_data": None}
     job, results["padded-accum"] = _run_job(_cfg(files, sp_size=sp, grad_accum=2, **accum))
     job.close(destroy_process_group=False)
     if world == 1:
@@ -103,7 +107,7 @@ def _jobs(rank, world, files, out):
 def runs(tmp_path_factory):
     root = str(tmp_path_factory.mktemp("job"))
     files = _make_files(root)
-    out = {world: run_ranks(_jobs, world, files, os.path.join(root, f"out{world}"), timeout=900) for world in (2, 1)}
+    out = {world: run_ranks(_jobs, world, files, os.path.join(root, f"out{world}"), timeout=900) for world in (2, 4, 1)}
     return files, root, out
 
 
@@ -132,6 +136,18 @@ def test_accumulation_is_the_same_update_as_one_big_batch(runs):
     _, _, out = runs
     _close(out[2][0]["padded-accum"]["losses"], out[1][0]["padded-micro2"]["losses"], 1e-4)
     _close(out[1][0]["padded-accum"]["losses"], out[1][0]["padded-micro2"]["losses"], 1e-5)
+
+
+def test_data_parallel_groups_share_the_step_exactly(runs):
+    """DP 2 x SP 2 on 4 ranks, micro 1 each, equals one process with micro 2: the DP groups'
+    rows together are the one process's batch, and the loss is weighted by tokens across
+    groups. The 7 eval documents split 4 + 3 (the short group runs a batch without targets)."""
+    _, _, out = runs
+    dp, single = out[4][0]["padded-dp"], out[1][0]["padded-micro2"]
+    assert all(r["padded-dp"] == dp for r in out[4])
+    _close(dp["losses"], single["losses"], 1e-4)
+    assert abs(dp["eval"]["eval_loss"] - single["eval"]["eval_loss"]) < 1e-5
+    assert dp["eval"]["eval_tokens"] == single["eval"]["eval_tokens"]
 
 
 def test_bf16_config_trains_close_to_fp32(runs):

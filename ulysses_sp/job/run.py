@@ -203,7 +203,12 @@ class Job:
             self.engine.backward(loss * (weight * self.scale), scale_wrt_gas=False)
             self.engine.step()
             value += loss.item() * weight
-        return value
+        return self._rank0s(value)[0]
+
+    def _rank0s(self, *values: float) -> list[float]:
+        """Rank 0's values on every rank: each rank's copy of a global loss differs in the last bits."""
+        mine = torch.tensor(values if self.rank0 else [0.0] * len(values), dtype=torch.float64, device=self.topo.device)
+        return comm.all_reduce_sum(mine, dist.group.WORLD).tolist()
 
     def fit(self) -> list[float]:
         """Train from ``self.start`` to ``cfg.steps``, evaluating and checkpointing on the way;
@@ -290,12 +295,10 @@ class Job:
             else:
                 loss += self._loss(local).item() * weight
         self.engine.train()
-        # rank 0's loss everywhere (each rank's differs in the last bits), and the prompts retrieved
-        loss, retrieved = comm.all_reduce_sum(torch.cat([torch.tensor([loss if self.rank0 else 0.0], dtype=torch.float64), retrieved])
-                                              .to(self.topo.device), dist.group.WORLD).tolist()
+        loss = self._rank0s(loss)[0]
         result = {"eval_loss": loss, "eval_tokens": tokens}
         if passkey:
-            result["passkey_accuracy"] = retrieved / self.cfg.eval_samples
+            result["passkey_accuracy"] = float(comm.all_reduce_sum(retrieved.to(self.topo.device), dist.group.WORLD)) / self.cfg.eval_samples
         return result
 
     def report_eval(self, step: int, say) -> dict:
