@@ -4,6 +4,7 @@ and the Hugging Face export. A tiny Llama and a word-level tokenizer trained her
 for a downloaded model; each group of ranks runs several jobs in one spawn."""
 
 import json
+import math
 import os
 
 import pytest
@@ -54,6 +55,23 @@ def _run_job(cfg, *, steps_then_stop=None):
     return job, result
 
 
+def _key_scores_case():
+    """Two held-out passkey prompts with logits right at every key position, except the last
+    key digit of prompt 1 (its position is in the last chunk: rank 0's under zigzag)."""
+    from ulysses_sp import init_sequence_parallel, shard_batch
+    from ulysses_sp.job.run import key_scores
+    from ulysses_sp.tasks import VOCAB_SIZE, passkey_eval_batch
+
+    topo = init_sequence_parallel(2, layout="zigzag")
+    prompt = passkey_eval_batch(256, seed=0, index=0)
+    answers = shard_batch({"input_ids": prompt["input_ids"].repeat(2, 1), "labels": prompt["answer_labels"].repeat(2, 1)}, topo)["shift_labels"]
+    logits = 10 * torch.nn.functional.one_hot(answers.clamp(min=0), VOCAB_SIZE).double()
+    if topo.sp_rank == 0:
+        last = int(torch.nonzero(answers[1] >= 0).max())
+        logits[1, last] = logits[1, last].roll(1)
+    return key_scores(logits, answers, topo).tolist()
+
+
 def _jobs(rank, world, files, out):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -64,6 +82,8 @@ def _jobs(rank, world, files, out):
         job, results["padded-dp"] = _run_job(_cfg(files, sp_size=2, **accum))
         job.close(destroy_process_group=False)
         return results
+    if world == 2:
+        results["key_scores"] = _key_scores_case()
     sp = world
     job, results["packed"] = _run_job(_cfg(files, sp_size=sp, metrics_file=os.path.join(out, f"metrics{world}.jsonl")))
     job.close(destroy_process_group=False)
@@ -148,6 +168,16 @@ def test_data_parallel_groups_share_the_step_exactly(runs):
     _close(dp["losses"], single["losses"], 1e-4)
     assert abs(dp["eval"]["eval_loss"] - single["eval"]["eval_loss"]) < 1e-5
     assert dp["eval"]["eval_tokens"] == single["eval"]["eval_tokens"]
+
+
+def test_passkey_scores_count_each_prompt_and_digit_once(runs):
+    """Summed over the 2 ranks: prompt 0 retrieved, prompt 1 not (one wrong digit on rank 0),
+    9 of 10 key digits right, and the key loss of nine right digits and a wrong one."""
+    _, _, out = runs
+    retrieved, right, digits, loss = (sum(v) for v in zip(*(r["key_scores"] for r in out[2])))
+    assert (retrieved, right, digits) == (1, 9, 10)
+    lse = math.log(math.exp(10) + 256)  # one logit at 10, 256 at 0
+    assert loss == pytest.approx(lse + 9 * (lse - 10), rel=1e-6)
 
 
 def test_bf16_config_trains_close_to_fp32(runs):

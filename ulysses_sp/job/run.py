@@ -17,6 +17,7 @@ update as one big batch. ``gradient_scale`` undoes the engine's averaging.
 
 from __future__ import annotations
 
+import math
 import os
 import resource
 import shutil
@@ -25,6 +26,7 @@ import time
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from .. import comm
 from ..data import IGNORE_INDEX, gather_sequence, shard_batch, sp_cross_entropy
@@ -93,14 +95,17 @@ def _checkpoint_to_load(cfg: TrainConfig) -> tuple[str, str | None] | None:
     raise JobError(f"--resume {cfg.resume}: not a DeepSpeed checkpoint directory (no 'latest' file, no *model_states.pt)")
 
 
-def keys_retrieved(logits_local: torch.Tensor, answers_local: torch.Tensor, topo) -> torch.Tensor:
-    """Per sequence of the batch, whether the argmax is right at every answer position (targets in
-    ``answers_local``, the rest ignored) across the SP group, for sequences with an answer.
-    Collective over the SP group; the same on every rank of it."""
+def key_scores(logits_local: torch.Tensor, answers_local: torch.Tensor, topo) -> torch.Tensor:
+    """This rank's share of (prompts retrieved, key digits right, key digits, key loss sum) for a
+    batch whose ``answers_local`` holds the key's targets (the rest ignored); summed over the world
+    they are the totals. A prompt is retrieved when the argmax is right at every key position
+    across its SP group. Collective over the SP group."""
     answer = answers_local != IGNORE_INDEX
-    counts = torch.stack([answer.sum(dim=1), ((logits_local.argmax(-1) != answers_local) & answer).sum(dim=1)]).double()
-    has_answer, misses = comm.all_reduce_sum(counts, topo.sp_group)
-    return (misses == 0) & (has_answer > 0)
+    right = (logits_local.argmax(-1) == answers_local) & answer
+    has_key, misses = comm.all_reduce_sum(torch.stack([answer.sum(dim=1), (answer & ~right).sum(dim=1)]).double(), topo.sp_group)
+    retrieved = ((misses == 0) & (has_key > 0)).sum() if topo.sp_rank == 0 else torch.zeros((), device=answer.device)  # once per group
+    loss = F.cross_entropy(logits_local[answer].float(), answers_local[answer], reduction="sum")
+    return torch.stack([retrieved.double(), right.sum().double(), answer.sum().double(), loss.double()]).cpu()
 
 
 class Job:
@@ -283,29 +288,29 @@ class Job:
         self.engine.eval()
         locals_ = [self._local(b) for b in batches]
         weights, tokens = self._weights(locals_)
-        loss, retrieved = 0.0, torch.zeros(1, dtype=torch.float64)
+        loss, scores = 0.0, torch.zeros(4, dtype=torch.float64)
         for batch, local, weight in zip(batches, locals_, weights.tolist()):
             if passkey:
                 logits = self._logits(local)
                 loss += sp_cross_entropy(logits, local["shift_labels"], self.topo, count_group=dist.group.WORLD).item() * weight
                 answers = self._local({"input_ids": batch["input_ids"], "labels": batch["answer_labels"]})["shift_labels"]
-                hits = keys_retrieved(logits, answers, self.topo)
-                if self.topo.sp_rank == 0:  # one rank per SP group counts its prompts
-                    retrieved += hits.sum().double().cpu()
+                scores += key_scores(logits, answers, self.topo)
             else:
                 loss += self._loss(local).item() * weight
         self.engine.train()
         loss = self._rank0s(loss)[0]
         result = {"eval_loss": loss, "eval_tokens": tokens}
         if passkey:
-            result["passkey_accuracy"] = float(comm.all_reduce_sum(retrieved.to(self.topo.device), dist.group.WORLD)) / self.cfg.eval_samples
+            retrieved, right, digits, key_loss = comm.all_reduce_sum(scores.to(self.topo.device), dist.group.WORLD).tolist()
+            result.update(passkey_accuracy=retrieved / self.cfg.eval_samples, key_digit_accuracy=right / digits, key_loss=key_loss / digits)
         return result
 
     def report_eval(self, step: int, say) -> dict:
         result = self.evaluate()
         line = f"eval after step {step}: loss {result['eval_loss']:.4f} over {result['eval_tokens']} tokens"
         if "passkey_accuracy" in result:
-            line += f", passkey retrieved {result['passkey_accuracy']:.1%} of {self.cfg.eval_samples} held-out prompts"
+            line += (f"; passkey retrieved in {result['passkey_accuracy']:.1%} of {self.cfg.eval_samples} held-out prompts, key digits "
+                     f"right {result['key_digit_accuracy']:.1%} and key loss {result['key_loss']:.2f} (chance: 10%, {math.log(10):.2f})")
         say(line)
         self.metrics.write(step=step, **result)
         return result
