@@ -208,12 +208,12 @@ class Job:
             self.engine.backward(loss * (weight * self.scale), scale_wrt_gas=False)
             self.engine.step()
             value += loss.item() * weight
-        return self._rank0s(value)[0]
+        return self._from_rank0(value)
 
-    def _rank0s(self, *values: float) -> list[float]:
-        """Rank 0's values on every rank: each rank's copy of a global loss differs in the last bits."""
-        mine = torch.tensor(values if self.rank0 else [0.0] * len(values), dtype=torch.float64, device=self.topo.device)
-        return comm.all_reduce_sum(mine, dist.group.WORLD).tolist()
+    def _from_rank0(self, value: float) -> float:
+        """Rank 0's value on every rank: each rank's copy of a global loss differs in the last bits."""
+        mine = torch.tensor([value if self.rank0 else 0.0], dtype=torch.float64, device=self.topo.device)
+        return float(comm.all_reduce_sum(mine, dist.group.WORLD))
 
     def fit(self) -> list[float]:
         """Train from ``self.start`` to ``cfg.steps``, evaluating and checkpointing on the way;
@@ -298,7 +298,7 @@ class Job:
             else:
                 loss += self._loss(local).item() * weight
         self.engine.train()
-        loss = self._rank0s(loss)[0]
+        loss = self._from_rank0(loss)
         result = {"eval_loss": loss, "eval_tokens": tokens}
         if passkey:
             retrieved, right, digits, key_loss = comm.all_reduce_sum(scores.to(self.topo.device), dist.group.WORLD).tolist()
