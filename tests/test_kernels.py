@@ -171,12 +171,15 @@ def test_reference_catches_a_wrong_mask_and_scale():
     assert (reference_attention(q, k, v, causal=True, cu_seqlens=(0, 31, 32)) - right).abs().max() > 1e-2
 
 
-@pytest.mark.parametrize("what", ["inf in q", "nan in q", "inf in k"])
+@pytest.mark.parametrize("what", ["inf in q", "nan in q", "inf in k", "inf and -inf in q"])
 def test_non_finite_input_gives_nan_like_the_reference(what):
-    """The CPU flash op returns 0 for a query row holding an inf; the kernels must not."""
+    """The CPU flash op returns 0 for a query row holding an inf; the kernels must not (the
+    torch kernel finds non-finite blocks by their sum: +inf and -inf together sum to NaN)."""
     q, k, v = qkv(s=4, hq=2, hkv=1, d=8)
     t, row = (k, 1) if what.endswith("k") else (q, 2)
     t[0, row, 0] = float("inf" if what.startswith("inf") else "nan")
+    if what == "inf and -inf in q":
+        t[0, row, 1] = float("-inf")
     ref = reference_attention(q, k, v, causal=True).isnan()
     assert ref.any()
     assert torch.equal(kernels.local_attention(q, k, v, causal=True).isnan(), ref)
