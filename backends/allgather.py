@@ -2,9 +2,10 @@
 
 Queries stay local. For each chunk of ``heads_k_stride`` KV heads, K and V
 are all-gathered over the SP group (the next chunk's gather posted before the
-current one is computed), put in global token order, and each local query
-chunk attends to the key prefix it may see: full blocks before it, the
-causal diagonal, nothing after. Under the zigzag layout every rank has the
+current one is computed) and left in the order gathered (rank-major); each
+local query chunk attends to the key runs it may see, found from the chunk
+table's global positions: full blocks before it, the causal diagonal,
+nothing after. Under the zigzag layout every rank has the
 same work. The backward recomputes from the saved ``(q, k, v, out, lse)``,
 re-gathers each K/V chunk and reduce-scatters dK/dV. Only one or two head
 chunks of full-length K/V are alive at once.
@@ -38,22 +39,6 @@ def _head_chunks(kv_heads: int, stride: int) -> list[tuple[int, int]]:
     return [(h, min(h + stride, kv_heads)) for h in range(0, kv_heads, stride)]
 
 
-def _token_orders(table: list[list[int]], tail: int, device):
-    """Token index tensors on ``device`` over the gathered tails (``tail`` tokens per chunk):
-    rank-major (as gathered) -> global order, and back; (None, None) when rank-major is
-    already global order (the contiguous layout), so nothing is reordered."""
-    gathered = [n for chunks in table for n in chunks]
-    if gathered == sorted(gathered):
-        return None, None
-    to_global = torch.tensor(sorted(range(len(gathered)), key=gathered.__getitem__))
-    to_gathered = torch.tensor(gathered)
-
-    def expand(chunks: torch.Tensor) -> torch.Tensor:
-        return (chunks[:, None] * tail + torch.arange(tail)).flatten().to(device)
-
-    return expand(to_global), expand(to_gathered)
-
-
 def tail_tokens(spec: AttnSpec, chunk: int) -> int:
     """Tokens of each chunk that other ranks need: the last W - 1 under a window W shorter
     than a chunk, else all of them."""
@@ -62,42 +47,41 @@ def tail_tokens(spec: AttnSpec, chunk: int) -> int:
 
 @dataclass(frozen=True, eq=False)
 class _Plan:
-    to_global: torch.Tensor | None
-    to_gathered: torch.Tensor | None
-    """Rank-major <-> global token order of the gathered K/V; None when they are the same."""
     tails: torch.Tensor | None
     """Local positions of this rank's tails (None: every token is gathered)."""
     own_calls: tuple
     """Calls against this rank's own K/V (only when tails are gathered)."""
     calls: tuple
-    """Calls against the gathered K/V, in global order."""
+    """Calls against the gathered K/V, in the order gathered (rank-major)."""
     first: tuple
     """``blocks.first_writes`` of (own_calls, calls)."""
 
 
 def _plan(q, spec: AttnSpec, topo) -> _Plan:
-    """The index tensors and kernel calls, kept in ``topo.cache`` per (table, tail, device)
-    and per mask and packing."""
+    """The tail positions and kernel calls, kept in ``topo.cache`` per mask and packing. The
+    gathered K/V stay in the order the all-gather delivers (rank r's chunks, in its local
+    order, then rank r+1's); the plan reads each chunk's global position from the chunk
+    table, so nothing is reordered (under zigzag a query chunk may need one more call where
+    its visible keys are not adjacent in that order)."""
     table = layout.chunk_table(spec.layout, topo.sp_size)
     mine = table[topo.sp_rank]
     c = q.shape[1] // len(mine)
     tail = tail_tokens(spec, c)
-    orders = topo.cached(("allgather-orders", spec.layout, topo.sp_size, tail, str(q.device)), lambda: _token_orders(table, tail, q.device))
     own = chunk_segments(mine, c)
-    n = sum(map(len, table))
+    gathered_order = [n for chunks in table for n in chunks]
     if tail == c:
-        calls = cached_plan(topo, own, chunk_segments(range(n), c), spec, q.device)
-        return _Plan(*orders, None, (), calls, tuple(first_writes([(), calls])))
+        calls = cached_plan(topo, own, chunk_segments(gathered_order, c), spec, q.device)
+        return _Plan(None, (), calls, tuple(first_writes([(), calls])))
     tails = topo.cached(("allgather-tails", len(mine), c, tail, str(q.device)), lambda: torch.tensor(
         [i * c + c - tail + j for i in range(len(mine)) for j in range(tail)], dtype=torch.long, device=q.device))
-    gathered = [((x + 1) * c - tail, tail) if x not in mine else (None, tail) for x in range(n)]  # own tails: attended locally
+    gathered = [((x + 1) * c - tail, tail) if x not in mine else (None, tail) for x in gathered_order]  # own tails: attended locally
     own_calls, calls = cached_plan(topo, own, own, spec, q.device), cached_plan(topo, own, gathered, spec, q.device)
-    return _Plan(*orders, tails, own_calls, calls, tuple(first_writes([own_calls, calls])))
+    return _Plan(tails, own_calls, calls, tuple(first_writes([own_calls, calls])))
 
 
 def _gathered_head_chunks(k, v, group, stride: int, plan: _Plan):
     """Yield ``(h0, h1, k_full, v_full)``: KV heads h0..h1-1 of every rank's gathered tokens
-    in global order; the next chunk's all-gather is posted before this one is used."""
+    (rank-major); the next chunk's all-gather is posted before this one is used."""
     chunks = _head_chunks(k.shape[2], stride)
     if plan.tails is not None and not len(plan.tails):  # a window of 1: nothing to gather
         yield from ((h0, h1, None, None) for h0, h1 in chunks)
@@ -105,17 +89,13 @@ def _gathered_head_chunks(k, v, group, stride: int, plan: _Plan):
     pending = _gather(k, v, chunks[0], group, plan.tails)
     try:
         for n, (h0, h1) in enumerate(chunks):
-            k_full, v_full = (_reorder(wait(), plan.to_global) for wait in pending)
+            k_full, v_full = (wait() for wait in pending)
             if n + 1 < len(chunks):
                 pending = _gather(k, v, chunks[n + 1], group, plan.tails)
             yield h0, h1, k_full, v_full
     except BaseException:  # the consumer raised (GeneratorExit here): no prefetch may stay in flight
         comm.drain(pending)
         raise
-
-
-def _reorder(t, index):
-    return t if index is None else t.index_select(1, index)
 
 
 def _gather(k, v, heads: tuple[int, int], group, tails):
@@ -164,8 +144,8 @@ class _AllGatherAttention(torch.autograd.Function):
             for mine, grad_full, dest in zip(own, gathered, (dk, dv)):
                 if dest is None:
                     continue
-                if grad_full is not None:  # back to rank-major order; each rank keeps the sum for its own tokens
-                    summed = comm.reduce_scatter_sum(_reorder(grad_full, plan.to_gathered), group, dim=1)
+                if grad_full is not None:  # rank-major, as gathered: each rank keeps the sum for its own tokens
+                    summed = comm.reduce_scatter_sum(grad_full, group, dim=1)
                     if mine is None:
                         mine = summed
                     else:
