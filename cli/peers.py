@@ -89,6 +89,8 @@ class DeepSpeedUlysses(Peer):
         return "contiguous"
 
     def problem(self, cell, topo):
+        if cell.kv_heads < topo.sp_size:  # it asserts this in the first call (deepspeed 0.19): it does not replicate KV heads
+            return f"DeepSpeed's DistributedAttention needs at least sp_size ({topo.sp_size}) KV heads, got {cell.kv_heads}"
         return _missing("deepspeed", "deepspeed") or head_scatter_problem(cell.heads, cell.kv_heads, topo.sp_size)
 
     def make(self, cell, topo, kernel: str = "auto"):

@@ -57,6 +57,17 @@ def test_peers_run_or_say_why(bench):
             assert f"skipped {r['entry']} at S={r['seq']}" in output
 
 
+def test_deepspeed_peer_says_why_not_for_fewer_kv_heads_than_ranks():
+    """DeepSpeed's DistributedAttention asserts kv heads >= sp size in its first call (a crash of
+    the whole run, seen at H16/KV1 on 2 ranks); the peer now says so before running."""
+    from types import SimpleNamespace
+
+    from ulysses_sp.cli.peers import PEERS as PEER_CLASSES
+
+    cell, topo = SimpleNamespace(heads=16, kv_heads=1), SimpleNamespace(sp_size=2)
+    assert PEER_CLASSES["deepspeed"].problem(cell, topo) == "DeepSpeed's DistributedAttention needs at least sp_size (2) KV heads, got 1"
+
+
 def test_peers_on_the_fake_flash_attn(tmp_path):
     """--fake-flash-attn: ring-flash-attn and yunchang run on CPU on the same kernel as our
     backends (--kernel flash_attn), with their parity checked against fp64 attention."""
