@@ -57,7 +57,7 @@ class HybridBackend:
 
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
         split = self.groups(topo)
-        u, r = split.ulysses_degree, split.ring_degree
+        u = split.ulysses_degree
         hkv = comm.kv_heads_sent(spec.kv_heads, u)
         a2a = comm.head_scatter_bytes(spec, u)
         kv_bytes = 2 * spec.head_bytes * hkv  # K/V of u ranks' tokens and hkv/u heads

@@ -178,7 +178,7 @@ def main(argv=None) -> None:
             r["max_loss_deviation"] = max(abs(x - y) for x, y in zip(r["losses"], results[ref]["losses"]))
         rows.append((way, ranks, ref, r))
     print(f"\n{a.steps} steps x 2 micro-batches of 2 x {a.seq} tokens, tiny Llama (2 layers, 4 or 3 heads), fp32, AdamW, CPU")
-    print(f"| run | ranks | reference | max loss deviation | train s | backends / why not |\n|---|---|---|---|---|---|")
+    print("| run | ranks | reference | max loss deviation | train s | backends / why not |\n|---|---|---|---|---|---|")
     for way, ranks, ref, r in rows:
         if r["ok"]:
             dev = f"{r['max_loss_deviation']:.2e}" if way != ref else "-"
