@@ -15,6 +15,8 @@ from .data import (
     shard_batch,
     shard_sequence,
     sp_cross_entropy,
+    model_inputs,
+    target_counts,
 )
 from .layout import pad_to_multiple
 from .loss import causal_lm_loss, sp_linear_cross_entropy
@@ -53,6 +55,8 @@ __all__ = [
     "shard_batch",
     "cu_seqlens_from_position_ids",
     "sp_cross_entropy",
+    "model_inputs",
+    "target_counts",
     "sp_linear_cross_entropy",
     "causal_lm_loss",
     "SequenceParallelSampler",

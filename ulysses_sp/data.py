@@ -25,6 +25,8 @@ __all__ = [
     "cu_seqlens_from_position_ids",
     "shard_batch",
     "sp_cross_entropy",
+    "model_inputs",
+    "target_counts",
     "SequenceParallelSampler",
     "IGNORE_INDEX",
 ]
@@ -170,6 +172,24 @@ def sp_cross_entropy(
     n = totals[1].clamp(min=1).to(acc)
     local = summed / n
     return local + (totals[0].to(acc) / n - local.detach())
+
+
+def model_inputs(local_batch: dict) -> dict:
+    """The keyword arguments of a Hugging Face model switched with ``apply_sequence_parallel``
+    for a :func:`shard_batch` result: ids, global position ids and, for packed input, the
+    document boundaries as ``cu_seq_lens_q``."""
+    inputs = {"input_ids": local_batch["input_ids"], "position_ids": local_batch.get("position_ids")}
+    if local_batch.get("cu_seqlens") is not None:
+        inputs["cu_seq_lens_q"] = local_batch["cu_seqlens"]
+    return inputs
+
+
+def target_counts(local_batches, group, device) -> torch.Tensor:
+    """Valid targets of each :func:`shard_batch` result, summed over ``group`` (float64, one
+    all-reduce): with WORLD, each micro-batch's count over the global batch, the weights of an
+    exact token-weighted loss over accumulation steps and DP groups."""
+    counts = torch.stack([(b["shift_labels"] != IGNORE_INDEX).sum() for b in local_batches]).to(device=device, dtype=torch.float64)
+    return comm.all_reduce_sum(counts, group)
 
 
 class SequenceParallelSampler(DistributedSampler):

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from . import comm
-from .data import IGNORE_INDEX
+from .data import IGNORE_INDEX, model_inputs
 from .kernels.common import accumulator_dtype
 from .topology import Topology
 
@@ -272,9 +272,7 @@ def causal_lm_loss(model, local_batch: dict, topo: Topology, *, chunk_tokens: in
     if "shift_labels" not in local_batch:
         raise ValueError("causal_lm_loss: local_batch has no 'shift_labels' (give shard_batch a batch with 'labels')")
     base = _decoder(model)
-    inputs = {"input_ids": local_batch["input_ids"], "position_ids": local_batch.get("position_ids")}
-    if local_batch.get("cu_seqlens") is not None:
-        inputs["cu_seq_lens_q"] = local_batch["cu_seqlens"]
+    inputs = model_inputs(local_batch)
 
     def forward(**kwargs):
         out = base(**kwargs)

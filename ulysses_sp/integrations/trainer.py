@@ -49,7 +49,7 @@ from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
 from .. import comm
-from ..data import IGNORE_INDEX, SequenceParallelSampler, gather_sequence, shard_batch, sp_cross_entropy
+from ..data import SequenceParallelSampler, gather_sequence, model_inputs, shard_batch, sp_cross_entropy, target_counts
 from ..kernels import KERNEL_NAMES
 from ..loss import causal_lm_loss
 from ..registry import get_backend, list_backends
@@ -366,16 +366,12 @@ class SequenceParallelTrainer(Trainer):
         local = [self._shard(b) for b in batches]
         if any("shift_labels" not in b for b in local):
             raise ValueError("SequenceParallelTrainer trains causal LMs: every training batch needs labels")
-        counts = torch.stack([(b["shift_labels"] != IGNORE_INDEX).sum() for b in local]).to(device=device, dtype=torch.float64)
-        counts = comm.all_reduce_sum(counts, dist.group.WORLD)
+        counts = target_counts(local, dist.group.WORLD, device)
         for b, n in zip(local, counts):
             b[_TARGETS] = n
         return local, counts.sum()
 
     # ---- loss and backward ----
-
-    def _forward_logits(self, model, local):
-        return model(input_ids=local["input_ids"], position_ids=local["position_ids"], cu_seq_lens_q=local.get("cu_seqlens")).logits
 
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
         """The token-weighted loss of the window: this micro-batch's targets over every rank,
@@ -386,13 +382,12 @@ class SequenceParallelTrainer(Trainer):
             local = inputs
         else:
             local = self._shard(inputs)
-            n = (local["shift_labels"] != IGNORE_INDEX).sum().to(self.args.device, torch.float64)
-            local[_TARGETS] = comm.all_reduce_sum(n, dist.group.WORLD)
+            local[_TARGETS] = target_counts([local], dist.group.WORLD, self.args.device)[0]
         outputs = None
         if self.args.tiled_loss and not return_outputs:
             loss = causal_lm_loss(model, local, self.topo, count_group=dist.group.WORLD)
         else:
-            outputs = model(input_ids=local["input_ids"], position_ids=local["position_ids"], cu_seq_lens_q=local.get("cu_seqlens"))
+            outputs = model(**model_inputs(local))
             loss = sp_cross_entropy(outputs.logits, local["shift_labels"], self.topo, count_group=dist.group.WORLD)
         if num_items_in_batch is not None:
             loss = loss * (local[_TARGETS].clamp(min=1) / torch.as_tensor(num_items_in_batch).clamp(min=1)).to(loss.dtype)
@@ -477,7 +472,7 @@ class SequenceParallelTrainer(Trainer):
                 if prediction_loss_only and has_labels and args.tiled_loss:
                     loss = causal_lm_loss(model, local, self.topo)
                 else:
-                    logits = self._forward_logits(model, local)
+                    logits = model(**model_inputs(local)).logits
                     if has_labels:
                         loss = sp_cross_entropy(logits, local["shift_labels"], self.topo)
                 if loss is not None and g is not None:

@@ -22,7 +22,7 @@ from ..tasks import EOS_ID, PAD_ID, passkey_batch, passkey_eval_batch
 from ..topology import Topology
 from .config import JobError, TrainConfig
 
-__all__ = ["Rows", "load_tokenizer", "load_texts", "tokenize", "pack", "pad_each", "TrainBatches", "eval_batches", "passkey_eval_batches"]
+__all__ = ["Rows", "load_tokenizer", "load_texts", "tokenize", "pack", "pad_each", "pad_id", "build_rows", "TrainBatches", "eval_batches", "passkey_eval_batches"]
 
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
 
@@ -129,10 +129,16 @@ def pad_each(docs: list[list[int]], seq_len: int, pad_id: int) -> Rows:
     return Rows(ids, labels, torch.arange(seq_len).expand(len(pieces), seq_len).clone())
 
 
+def pad_id(tokenizer) -> int:
+    """The tokenizer's pad id, else its EOS; the byte-level padding id without one."""
+    if tokenizer is None:
+        return PAD_ID
+    return tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+
+
 def build_rows(path: str, tokenizer, cfg: TrainConfig, *, progress: bool) -> Rows:
-    pad_id = PAD_ID if tokenizer is None else (tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id)
     docs = tokenize(load_texts(path), tokenizer, progress=progress)
-    return (pack if cfg.packing else pad_each)(docs, cfg.seq_len, pad_id)
+    return (pack if cfg.packing else pad_each)(docs, cfg.seq_len, pad_id(tokenizer))
 
 
 class TrainBatches:

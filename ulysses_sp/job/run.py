@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import comm
-from ..data import IGNORE_INDEX, gather_sequence, shard_batch, sp_cross_entropy
+from ..data import IGNORE_INDEX, gather_sequence, model_inputs, shard_batch, sp_cross_entropy, target_counts
 from ..devices import bind_device, check_one_rank_per_device, local_world_size, move_batch
 from ..integrations.deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
 from ..loss import causal_lm_loss
@@ -144,8 +144,7 @@ class Job:
         model = build_model(cfg)
         if self.tokenizer is not None and len(self.tokenizer) > model.config.vocab_size:
             raise JobError(f"the tokenizer has {len(self.tokenizer)} tokens, the model's vocabulary {model.config.vocab_size}; use the model's own tokenizer")
-        self.pad_id = PAD_ID if self.tokenizer is None else (self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None
-                                                             else self.tokenizer.eos_token_id)
+        self.pad_id = corpus.pad_id(self.tokenizer)
         self.flops_per_token = flops_per_token(model.config, count_params(model), cfg.seq_len)
         self.memory, self.memory_why = memory_options(cfg, model.config, topo.sp_size, on_gpu)
         backend = cfg.sp_backend.split(",") if "," in cfg.sp_backend else cfg.sp_backend
@@ -180,7 +179,7 @@ class Job:
         return move_batch(shard_batch(batch, self.topo, pad_token_id=self.pad_id), self.topo.device)  # shard on CPU, move this rank's part
 
     def _logits(self, local: dict) -> torch.Tensor:
-        return self.engine(input_ids=local["input_ids"], position_ids=local["position_ids"], cu_seq_lens_q=local.get("cu_seqlens")).logits
+        return self.engine(**model_inputs(local)).logits
 
     def _loss(self, local: dict) -> torch.Tensor:
         """Its tokens' loss sum over their count in the whole world (the same on every rank)."""
@@ -190,8 +189,7 @@ class Job:
 
     def _weights(self, locals_: list[dict]) -> tuple[torch.Tensor, int]:
         """``n_j / N`` per micro-batch (global valid targets), and N."""
-        counts = torch.stack([(local["shift_labels"] != IGNORE_INDEX).sum() for local in locals_]).double().to(self.topo.device)
-        counts = comm.all_reduce_sum(counts, dist.group.WORLD).cpu()
+        counts = target_counts(locals_, dist.group.WORLD, self.topo.device).cpu()
         total = float(counts.sum())
         return counts / max(total, 1.0), int(total)
 
