@@ -100,8 +100,10 @@ R_TRAIN2=0
 if ((NGPU >= 2)); then R_TRAIN2=130; fi
 R_PAR=0
 if ((NGPU >= 2)); then R_PAR=150; fi
+R_HF=0
+if ((NGPU >= 2)); then R_HF=120; fi  # the Trainer example: one GPU and two
 R_REAL=90  # the real-data job on 1 GPU
-R_TRAIN1=$((100 + R_REAL + R_TRAIN2 + R_PAR))
+R_TRAIN1=$((100 + R_REAL + R_TRAIN2 + R_HF + R_PAR))
 R_PY=$((150 + R_TRAIN1))
 PIP=("$PYTHON" -m pip install --disable-pip-version-check --retries 1 --timeout 15)  # fail fast when offline
 
@@ -193,16 +195,33 @@ train() {
     fi
 }
 
-train train_1gpu_bf16 1 240 "$((R_REAL + R_TRAIN2 + R_PAR))" --sp-size 1 --steps 20 --dtype bf16
+train train_1gpu_bf16 1 240 "$((R_REAL + R_TRAIN2 + R_HF + R_PAR))" --sp-size 1 --steps 20 --dtype bf16
 # a model directory with a tokenizer, JSON lines, the example DeepSpeed config (bf16 "auto": bf16 on CUDA),
 # eval and the Hugging Face export, which must load with the engine's logits (checked on CPU by the tests)
 "$PYTHON" -m ulysses_sp.testing.tiny_checkpoint "$LOGS/tiny" >/dev/null 2>&1 || fail "tiny_checkpoint could not write $LOGS/tiny"
-train train_1gpu_real_data 1 150 "$((R_TRAIN2 + R_PAR))" --sp-size 1 --model "$LOGS/tiny/model" --data "$LOGS/tiny/train.jsonl" \
+train train_1gpu_real_data 1 150 "$((R_TRAIN2 + R_HF + R_PAR))" --sp-size 1 --model "$LOGS/tiny/model" --data "$LOGS/tiny/train.jsonl" \
     --eval-data "$LOGS/tiny/eval.jsonl" --deepspeed examples/ds_config.json --seq-len 1024 --steps 20 --lr 1e-2 \
     --metrics-file "$LOGS/tiny/metrics.jsonl" --export-hf "$LOGS/tiny/export"
 if ((NGPU >= 2)); then
     # SP=2 with the memory stack on: tiled loss, tiled MLP, checkpoints offloaded to pinned host memory
-    train train_2gpu_sp2_bf16_memory_stack 2 240 "$R_PAR" --sp-size 2 --steps 20 --dtype bf16 --tiled-loss --tiled-mlp --checkpoint offload
+    train train_2gpu_sp2_bf16_memory_stack 2 240 "$((R_HF + R_PAR))" --sp-size 2 --steps 20 --dtype bf16 --tiled-loss --tiled-mlp --checkpoint offload
+    # SequenceParallelTrainer (DDP over NCCL, fp32) on 2 GPUs against the same script on one: losses and eval_loss
+    hf_args=(examples/train_with_trainer.py --output_dir "$LOGS/hf" --max_steps 8 --learning_rate 1e-2 --logging_steps 1
+             --report_to none --save_strategy no --disable_tqdm true --seq_len 256)
+    run_logged trainer_1gpu 60 "$((60 + R_PAR))" "$PYTHON" "${hf_args[@]}" --sp_size 1 --results "$LOGS/hf1.json"
+    report trainer_1gpu fail "the one-GPU reference ran"
+    run_logged trainer_2gpu_sp2 60 "$R_PAR" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 "${hf_args[@]}" \
+        --sp_size 2 --results "$LOGS/hf2.json"
+    verdict=""
+    if ((RC == 0)); then
+        verdict=$("$PYTHON" -c 'import json, sys
+one, two = (json.load(open(p)) for p in sys.argv[1:])
+loss = max(abs(a - b) for a, b in zip(one["losses"], two["losses"]))
+ev, steps = abs(one["eval_loss"] - two["eval_loss"]), len(two["losses"])
+print(f"max loss deviation {loss:.2e}, eval_loss deviation {ev:.2e} over {steps} steps against one GPU")
+sys.exit(0 if loss < 1e-3 and ev < 1e-3 and two["world"] == 2 else 1)' "$LOGS/hf1.json" "$LOGS/hf2.json" 2>&1) || RC=1
+    fi
+    report trainer_2gpu_sp2 fail "$verdict" "$verdict"
     # every backend x layout x kernel on up to 4 GPUs with NCCL against one-process fp64 attention
     run_logged parity_nccl 150 0 "$PYTHON" benchmarks/gpu_check.py --ranks 4
     grep -E '^(PASS|FAIL) ' "$LOGS/parity_nccl.log" | sed 's/^/  /'

@@ -146,3 +146,20 @@ def test_launch_errors_come_before_any_process_group(monkeypatch, tmp_path):
     assert "no tokenizer could be loaded from" in _job_error(monkeypatch, model=str(tmp_path / "model"), data=str(wrong))
     assert "is a config file, without a tokenizer for --data" in _job_error(
         monkeypatch, model=str(tmp_path / "model" / "config.json"), data=str(wrong))
+
+
+def test_utilisation_peak_by_device_and_flops_per_token(monkeypatch):
+    """The CUDA branch of the MFU estimate without a GPU: a known device's bf16 peak, none for fp32,
+    an unknown device or the CPU (unless given), and the FLOPs formula on a Llama shape."""
+    from transformers import LlamaConfig
+
+    from ulysses_sp.job.metrics import flops_per_token, peak_tflops
+
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda *a, **k: "NVIDIA H100 80GB HBM3")
+    cuda = torch.device("cuda", 0)
+    assert peak_tflops(cuda, "bf16", None) == 989.0 and peak_tflops(cuda, "fp32", None) is None
+    assert peak_tflops(torch.device("cpu"), "bf16", None) is None and peak_tflops(torch.device("cpu"), "fp32", 1.5) == 1.5
+    monkeypatch.setattr("torch.cuda.get_device_name", lambda *a, **k: "Some Future GPU")
+    assert peak_tflops(cuda, "bf16", None) is None
+    config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, head_dim=16)
+    assert flops_per_token(config, 1000, 512) == 6 * 1000 + 6 * 2 * 4 * 16 * 512
