@@ -99,8 +99,12 @@ def _gathered_head_chunks(k, v, group, stride: int, plan: _Plan):
 
 
 def _gather(k, v, heads: tuple[int, int], group, tails):
+    """Posted all-gathers of K and V heads h0..h1-1 (``group`` None: one rank, which holds them all)."""
     h0, h1 = heads
-    return [comm.all_gather_start(t[:, :, h0:h1] if tails is None else t[:, tails, h0:h1], group, dim=1) for t in (k, v)]
+    parts = [t[:, :, h0:h1] if tails is None else t[:, tails, h0:h1] for t in (k, v)]
+    if group is None:
+        return [lambda t=t: t for t in parts]
+    return [comm.all_gather_start(t, group, dim=1) for t in parts]
 
 
 class _AllGatherAttention(torch.autograd.Function):
@@ -145,7 +149,7 @@ class _AllGatherAttention(torch.autograd.Function):
                 if dest is None:
                     continue
                 if grad_full is not None:  # rank-major, as gathered: each rank keeps the sum for its own tokens
-                    summed = comm.reduce_scatter_sum(grad_full, group, dim=1)
+                    summed = grad_full if group is None else comm.reduce_scatter_sum(grad_full, group, dim=1)
                     if mine is None:
                         mine = summed
                     else:
@@ -200,4 +204,5 @@ class AllGatherBackend:
                         bwd_comm_bytes=int(comm_bytes * (1 + acc)))  # re-gather K/V, reduce-scatter dK/dV
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
-        return _AllGatherAttention.apply(q, k, v, topo.sp_group, _plan(q, spec, topo), spec.kernel, spec, self.stride(spec))
+        group = topo.sp_group if topo.sp_size > 1 else None  # one rank: no collectives
+        return _AllGatherAttention.apply(q, k, v, group, _plan(q, spec, topo), spec.kernel, spec, self.stride(spec))

@@ -171,9 +171,10 @@ def _reference(full, causal, cu, window, softcap):
 
 
 def parity_rank(rank: int, world: int, port: int) -> None:
-    """Every backend (and hybrid-u2 on 8 GPUs, where it is not the topology's degree) x layout x
-    kernel x case (windows and soft-capping included) on ``world`` GPUs with NCCL, bf16, against fp64
-    one-process attention; rank 0 prints one line per combination (the worst rank's error)."""
+    """Every backend (and ulysses-g2, the all-to-alls pipelined over 2 head groups on a side stream,
+    and hybrid-u2 on 8 GPUs, where it is not the topology's degree) x layout x kernel x case (windows
+    and soft-capping included) on ``world`` GPUs with NCCL, bf16, against fp64 one-process attention;
+    rank 0 prints one line per combination (the worst rank's error), then the pipeline's timing."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", rank=rank, world_size=world)
@@ -184,7 +185,7 @@ def parity_rank(rank: int, world: int, port: int) -> None:
             g = torch.Generator(device="cuda").manual_seed(7)
             full = [torch.randn(1, 4096, h, 128, device="cuda", generator=g).bfloat16() for h in (hq, hkv, hkv, hq)]
             want = _reference(full, causal, cu, window, softcap)
-            for backend in usp.list_backends() + (["hybrid-u2"] if world == 8 else []):
+            for backend in usp.list_backends() + ["ulysses-g2"] + (["hybrid-u2"] if world == 8 else []):
                 if backend == "halo" and window is None:  # halo runs windowed layers only
                     continue
                 for kernel in ("auto", "torch"):
@@ -207,11 +208,59 @@ def parity_rank(rank: int, world: int, port: int) -> None:
                         ok = bool(errs.max() < TOL[torch.bfloat16])
                         RESULTS.append(ok)
                         print(f"{'PASS' if ok else 'FAIL'} {name}: errors out/dq/dk/dv " + " ".join(f"{e:.1e}" for e in errs.tolist()), flush=True)
+    pipeline_timing(rank, world)
     dist.destroy_process_group()
     if rank == 0:
         print(f"gpu_check nccl: {sum(RESULTS)} passed, {len(RESULTS) - sum(RESULTS)} failed", flush=True)
         if not all(RESULTS):
             sys.exit(1)
+
+
+def pipeline_timing(rank: int, world: int) -> None:
+    """Ulysses over 1, 2 and 4 head groups, bf16 H32/KV8 D128 causal, 32k tokens per GPU: the
+    median of 5 fwd+bwd (slowest rank, CUDA-synchronised), and each against one group. A figure
+    (INFO), not a check: whether the side stream hides the all-to-alls on this machine."""
+    topo = usp.init_sequence_parallel(world)
+    g = torch.Generator(device="cuda").manual_seed(3)
+    seq = 32768 * world
+    q, k, v, dout = (usp.shard_sequence(torch.randn(1, seq, h, 128, device="cuda", generator=g).bfloat16(), topo) for h in (32, 8, 8, 32))
+    times = {}
+    for groups in (1, 2, 4, 1, 2, 4):  # the first pass warms up
+        leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+        runs = []
+        for _ in range(5):
+            dist.barrier()
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            usp.sp_attention(*leaves, topo, backend=f"ulysses-g{groups}").backward(dout)
+            torch.cuda.synchronize()
+            took = torch.tensor(time.perf_counter() - t0, device="cuda")
+            dist.all_reduce(took, op=dist.ReduceOp.MAX)
+            runs.append(took.item())
+        times[groups] = sorted(runs)[2]
+    if rank == 0:
+        print(f"INFO ulysses head groups, {seq} tokens on {world} GPUs: " + ", ".join(
+            f"G={g} {1e3 * t:.1f} ms ({t / times[1]:.3f} of G=1)" for g, t in times.items()), flush=True)
+
+
+def stream_checks() -> None:
+    """The side stream of pipelined backends (``ulysses_sp.streams.CommStream``) on one GPU: work
+    queued there after large compute-stream work sees its result, and compute-stream work after
+    ``join`` sees the side stream's; a missing wait would read stale values."""
+    from ulysses_sp.streams import CommStream
+
+    @check("comm stream: side work ordered after compute, compute after join")
+    def _():
+        stream = CommStream(torch.device("cuda"))
+        x = torch.zeros(64 << 20, device="cuda")
+        for i in range(1, 6):
+            x.add_(1).mul_(1)  # queued on the compute stream; long enough to race a side-stream read
+            with stream.side():
+                y = x * 2  # must see x == i
+            stream.join(y)
+            got = (y.sum() / y.numel()).item()
+            assert got == 2 * i, f"round {i}: side stream read {got / 2}, not {i}"
+        return "5 rounds"
 
 
 def main() -> int:
@@ -228,6 +277,7 @@ def main() -> int:
     dist.init_process_group("nccl", rank=0, world_size=1)
     kernel_checks()
     backend_checks()
+    stream_checks()
     memory_checks()
     dist.destroy_process_group()
     print(f"gpu_check: {sum(RESULTS)} passed, {len(RESULTS) - sum(RESULTS)} failed", flush=True)

@@ -224,7 +224,7 @@ sys.exit(0 if loss < 1e-3 and ev < 1e-3 and two["world"] == 2 else 1)' "$LOGS/hf
     report trainer_2gpu_sp2 fail "$verdict" "$verdict"
     # every backend x layout x kernel on up to 4 GPUs with NCCL against one-process fp64 attention
     run_logged parity_nccl 150 0 "$PYTHON" benchmarks/gpu_check.py --ranks 4
-    grep -E '^(PASS|FAIL) ' "$LOGS/parity_nccl.log" | sed 's/^/  /'
+    grep -E '^(PASS|FAIL|INFO) ' "$LOGS/parity_nccl.log" | sed 's/^/  /'
     report parity_nccl fail "$(last_line "$LOGS/parity_nccl.log")"
 else
     skip "train_2gpu_sp2_bf16_memory_stack and parity_nccl need 2 GPUs, found $NGPU"

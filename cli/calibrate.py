@@ -12,7 +12,9 @@ profile so far predicts, per byte of the rank's shards and less the leanest
 backend's figure, is its ``backend_overhead``; a backend that runs only sliding-window
 layers (halo) is measured against the leanest one on the same attention with a window. The backends take turns (one run
 each, ``repeat`` rounds) so that a drift of the machine's speed during
-calibration does not favour one of them.
+calibration does not favour one of them. The same way, Ulysses runs over 1, 2 and
+4 head groups (4 q heads per rank) and the fastest count becomes the profile's
+``ulysses_head_groups``.
 """
 
 from __future__ import annotations
@@ -124,6 +126,23 @@ def _backend_overhead(profile: Profile, seq: int, ulysses_degree, repeat: int, d
     return overhead, {"seq": seq, "ulysses_degree": topo.ulysses_degree, **raw}
 
 
+PIPELINE_GROUPS = (1, 2, 4)
+
+
+def _head_groups(seq: int, repeat: int, device, profile: Profile) -> tuple[int, dict]:
+    """(the fastest Ulysses head-group count of ``PIPELINE_GROUPS``, the measured seconds) on a
+    causal attention of ``seq`` tokens with 4 q heads per rank (so that 4 groups fit), D64."""
+    import ulysses_sp as usp
+
+    topo = usp.init_sequence_parallel(dist.get_world_size(), timeout=3600)
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    heads = 4 * topo.sp_size
+    q, k, v, dout = (torch.randn(1, seq // topo.sp_size, heads, 64, generator=gen).to(device) for _ in range(4))
+    spec = usp.attention.make_spec(q, k, v, topo)
+    raw = _backend_times({g: usp.get_backend(f"ulysses-g{g}") for g in PIPELINE_GROUPS}, spec, topo, q, k, v, dout, profile, repeat, device)
+    return min(raw, key=lambda g: raw[g]["measured_s"]), {"seq": seq, "heads": heads, **{f"ulysses-g{g}": r for g, r in raw.items()}}
+
+
 def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), progress=None, backend_seq: int = 4096,
             ulysses_degree=None, device: torch.device | None = None) -> Profile:
     """Run on every rank of the default group; every rank returns the same profile. ``device``:
@@ -176,4 +195,6 @@ def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), pr
     )
     overhead, measured["backends"] = _backend_overhead(profile, backend_seq, ulysses_degree, repeat, device)
     step(1)
-    return dataclasses.replace(profile, backend_overhead=overhead)
+    groups, measured["ulysses_head_groups"] = _head_groups(backend_seq, repeat, device, profile) if p > 1 else (1, {})
+    step(1)
+    return dataclasses.replace(profile, backend_overhead=overhead, ulysses_head_groups=groups)

@@ -191,6 +191,22 @@ for _backend in WINDOW_BACKENDS:  # sliding windows: every backend, both layouts
     _parity(f"{_backend}/zigzag-window13-packed-softcap-flash_attn", Parity(
         hq=_hq, hkv=_hkv, cu_seqlens=PACKINGS["packed"], window=13, softcap=2.0, dtype=torch.bfloat16, kernel="flash_attn", backend=_backend))
 _parity("auto/zigzag-window5", Parity(window=5, backend="auto"))
+PIPELINED = ("ulysses-g2", "ulysses-g3")
+"""Ulysses over head groups. 24 q heads leave every rank 2 or more groups at P = 1..4; a rank's
+KV heads travel with the groups where they divide into them (GQA 24/8 at P=2, G=2) and whole with
+the first group elsewhere (MQA, GQA at P=4)."""
+for _backend in PIPELINED:
+    for _kind, _hkv in (("mha", 24), ("gqa", 8), ("mqa", 1)):
+        for _layout in layout.LAYOUTS:
+            _parity(f"{_backend}/{_layout}-causal-{_kind}", Parity(_layout, hq=24, hkv=_hkv, backend=_backend), (1, 2, 4))
+    for _grads in ("kv", "q", "v"):
+        _parity(f"{_backend}/zigzag-causal-gqa-grad-{_grads}-only", Parity(hq=24, hkv=8, grads=_grads, backend=_backend), (1, 2, 4))
+    _parity(f"{_backend}/contiguous-full-mha-packed", Parity("contiguous", False, hq=24, hkv=24, cu_seqlens=PACKINGS["packed-short-docs"],
+                                                             backend=_backend))
+    _parity(f"{_backend}/zigzag-causal-strided-views", Parity(hq=24, hkv=1, strided=True, backend=_backend))
+    _parity(f"{_backend}/zigzag-causal-bf16", Parity(hq=24, hkv=8, dtype=torch.bfloat16, backend=_backend), (1, 2, 4))
+    _parity(f"{_backend}/zigzag-window13-packed-softcap-flash_attn", Parity(
+        hq=24, hkv=24, cu_seqlens=PACKINGS["packed"], window=13, softcap=2.0, dtype=torch.bfloat16, kernel="flash_attn", backend=_backend))
 
 
 def _topo_for(env: Env, cfg: Parity, layout_: str):
@@ -292,7 +308,7 @@ def _counted(topo, backend: str, shards, **options):
     return fwd, bwd, dataclasses.astuple(usp.get_backend(backend).estimate(spec, topo, usp.CPU_GLOO_PROFILE))[2:]
 
 
-for _backend in BACKENDS:
+for _backend in (*BACKENDS, "ulysses-g2"):
     for _name, _args in BYTES.items():
         case(f"bytes/{_backend}/{_name}", WORLDS)(lambda env, be=_backend, a=_args: backend_bytes(env, be, *a))
 
@@ -789,7 +805,7 @@ case("errors/attention")(_bad_attention)
 @case("errors/raise-mid-exchange", (2, 3, 4))
 def raise_mid_exchange(env: Env) -> dict:
     """A kernel that raises on every rank between posting an exchange and waiting for it
-    (ring hops, all-gather prefetch): the error propagates, nothing stays in flight, and the
+    (ring hops, all-gather prefetch, the next head group's all-to-all): the error propagates, nothing stays in flight, and the
     next calls of every backend are exact."""
     from ulysses_sp import kernels
 
@@ -801,7 +817,8 @@ def raise_mid_exchange(env: Env) -> dict:
     ref.sum().backward()
     result = {}
     kernel = kernels.get_kernel("torch")  # what auto runs here; the failure is injected into its instance
-    for backend in ("ring", "hybrid", "allgather_stride1"):
+    pipelined = ("ulysses-g2",) if env.world == 2 else ()  # 6 q heads a rank: 2 groups (at P=3 ulysses refuses 2 kv heads)
+    for backend in ("ring", "hybrid", "allgather_stride1", *pipelined):
         for where in ("block_forward", "block_backward"):
             original, calls = getattr(kernel, where), []
 

@@ -18,6 +18,8 @@ owner); accumulators are fp32, here the same width as the float32 inputs.
 
 import pytest
 
+from ulysses_sp.backends.ulysses import head_groups_for
+
 from .cases import BACKENDS, BYTES, BYTES_SHAPE
 from .conftest import WORLDS, values
 
@@ -40,7 +42,7 @@ def expected_bytes(backend, world, hq, hkv, grads):
         fwd = 2 * per * heads * (r - 1)
         return fwd, fwd + (2 * per * heads * r if need_kv and r > 1 else 0)
 
-    if backend == "ulysses":
+    if backend.startswith("ulysses"):
         if hkv % world and world % hkv:
             return None
         return a2a(world, hkv if hkv % world == 0 else world)
@@ -57,7 +59,7 @@ def expected_bytes(backend, world, hq, hkv, grads):
 
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", list(BYTES))
-@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("backend", (*BACKENDS, "ulysses-g2"))
 def test_bytes_match_formula(ranks, world, name, backend):
     expected = expected_bytes(backend, world, *BYTES[name])
     for r in values(ranks(world), f"bytes/{backend}/{name}"):
@@ -70,8 +72,10 @@ def test_bytes_match_formula(ranks, world, name, backend):
         if name in ("mha", "gqa", "mqa"):  # every input trainable
             assert r["estimate"][1] == bwd, "estimate() must predict the backward bytes"
         assert r["bwd"][:2] == (bwd, bwd), f"backward sent/received, formula {bwd}"
-        if backend == "ulysses" and world > 1:  # one fused all-to-all in, one out
-            assert r["fwd"][2] == {"all_to_all": (fwd, fwd, 2)}
+        if backend.startswith("ulysses") and world > 1:  # one fused all-to-all in, one out, per head group
+            hq, hkv = BYTES[name][0] // world, max(1, BYTES[name][1] // world)
+            groups = head_groups_for(2, hq, hkv) if backend == "ulysses-g2" else 1
+            assert r["fwd"][2] == {"all_to_all": (fwd, fwd, 2 * groups)}
 
 
 @pytest.mark.parametrize("world", WORLDS)

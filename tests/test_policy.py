@@ -137,14 +137,15 @@ def test_backend_overhead_adds_per_shard_byte():
     the sequence, so it decides short sequences and fades against the kernel at long ones."""
     topo = Topology.for_planning(4)
     short, long = spec(8, 2, 4096, 4), spec(8, 2, 65536, 4)
-    chosen, before = choose_backend(short, topo, CPU_GLOO_PROFILE)
+    plain = Profile(**{**CPU_GLOO_PROFILE.__dict__, "backend_overhead": {}})
+    chosen, before = choose_backend(short, topo, plain)
     per_byte = before[chosen.name].seconds / short.shard_bytes  # doubles its estimate at 4k
     slower = Profile(**{**CPU_GLOO_PROFILE.__dict__, "backend_overhead": {chosen.name: per_byte}})
     again, after = choose_backend(short, topo, slower)
     assert again.name != chosen.name
     assert after[chosen.name].seconds == pytest.approx(2 * before[chosen.name].seconds)
     assert short.shard_bytes == 4096 // 4 * 64 * 2 * (2 * 8 + 2 * 2)  # bf16
-    _, long_before = choose_backend(long, topo, CPU_GLOO_PROFILE)
+    _, long_before = choose_backend(long, topo, plain)
     _, long_after = choose_backend(long, topo, slower)
     added = long_after[chosen.name].seconds - long_before[chosen.name].seconds
     assert added == pytest.approx(16 * (after[chosen.name].seconds - before[chosen.name].seconds))

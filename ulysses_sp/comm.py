@@ -28,6 +28,9 @@ __all__ = [
     "all_to_all",
     "seq_to_heads",
     "heads_to_seq",
+    "seq_to_heads_start",
+    "heads_to_seq_start",
+    "heads_view",
     "all_gather",
     "reduce_scatter",
     "ring_send_recv",
@@ -172,65 +175,116 @@ def _natural_order(table: list[list[int]]) -> list[tuple[int, int]]:
     return [where[n] for n in sorted(where)]
 
 
-def _fused_all_to_all(tensors, group, pack, unpack):
-    """One all-to-all for several tensors. Each tensor owns a ``[P, numel/P]`` column
-    slice of the send and receive buffers: ``pack(t, rows)`` fills its send slice
-    (row j goes to rank j), ``unpack(t, rows)`` turns its received slice into the result."""
+def _fused_all_to_all_start(views, group, pack):
+    """Post one all-to-all for several tensors. Each owns a ``[P, numel/P]`` column slice
+    of the send and receive buffers, which ``pack(view, rows)`` fills (row j goes to rank j).
+    Returns ``wait() -> [received slice per tensor]`` (row i came from rank i); the send
+    buffer is freed at the wait, before the caller's unpack copies allocate."""
     p = group_size(group)
     bounds = [0]
-    for t in tensors:
+    for t in views:
         bounds.append(bounds[-1] + t.numel() // p)
-    buf = tensors[0].new_empty(p, bounds[-1])
-    for t, start, end in zip(tensors, bounds, bounds[1:]):
+    buf = views[0].new_empty(p, bounds[-1])
+    for t, start, end in zip(views, bounds, bounds[1:]):
         pack(t, buf[:, start:end])
-    recv = _all_to_all_rows(buf, group)
-    del buf  # sent: free it before the unpack copies allocate the results
-    return [unpack(t, recv[:, start:end]) for t, start, end in zip(tensors, bounds, bounds[1:])]
+    recv = torch.empty_like(buf)
+    with _failing_clearly("all_to_all", group):
+        work = dist.all_to_all_single(recv, buf, group=group, async_op=True)
+    moved = (p - 1) * bounds[-1] * buf.element_size()
+    _record("all_to_all", moved, moved)
+
+    def wait():  # idempotent, so drain() may call it again
+        nonlocal buf, work
+        if work is not None:
+            with _failing_clearly("all_to_all", group):
+                work.wait()
+            buf = work = None
+        return [recv[:, start:end] for start, end in zip(bounds, bounds[1:])]
+
+    return wait
+
+
+def _pack_to_heads(t_bsphd, rows):
+    """A ``[B, s, P, h, D]`` view of sequence-shard heads (head slot j goes to rank j) into its rows."""
+    b, s, p, h, d = t_bsphd.shape
+    rows.view(p, b, s, h, d).copy_(t_bsphd.permute(2, 0, 1, 3, 4))
+
+
+def _unpack_heads(rows, shape_bsphd, order):
+    """Received rows -> ``[B, S, h, D]`` head shard, the chunks (``order``: source rank and
+    slot of each chunk in increasing id) in global order: one block copy per chunk, 10x
+    faster on CPU than one advanced-index copy."""
+    b, s, p, h, d = shape_bsphd
+    k = len(order) // p
+    blocks = rows.view(p, b, k, s // k, h, d)
+    out = rows.new_empty(b, p * k, s // k, h, d)
+    for n, (src, slot) in enumerate(order):
+        out[:, n].copy_(blocks[src, :, slot])
+    return out.view(b, s * p, h, d)
+
+
+def _pack_to_seq(t_bshd, rows, table):
+    """A ``[B, S, h, D]`` head shard (chunks in increasing id) into rows: rank r's row gets
+    its chunks ``table[r]``, wire block ``[k, B, c, h, D]``."""
+    p, k = len(table), len(table[0])
+    b, s_full, h, d = t_bshd.shape
+    c = s_full // (k * p)
+    position = {n: i for i, n in enumerate(sorted(n for chunks in table for n in chunks))}
+    chunks, blocks = t_bshd.unflatten(1, (k * p, c)), rows.view(p, k, b, c, h, d)
+    for dest, mine in enumerate(table):
+        for i, chunk in enumerate(mine):
+            blocks[dest, i].copy_(chunks[:, position[chunk]])
+
+
+def _unpack_seq(rows, dest_bsphd, k: int):
+    """Received rows (wire blocks ``[k, B, c, h, D]``) into ``dest_bsphd``, a ``[B, s, P, h, D]``
+    view of sequence-shard heads."""
+    b, s, p, h, d = dest_bsphd.shape
+    dest_bsphd.unflatten(1, (k, s // k)).copy_(rows.view(p, k, b, s // k, h, d).permute(2, 1, 3, 0, 4, 5))
+
+
+def seq_to_heads_start(views_bsphd, group, table):
+    """Post :func:`seq_to_heads` of ``[B, s, P, h, D]`` views (head slot j goes to rank j: a
+    pipeline stage sends a head group); returns ``wait() -> [B, S, h, D]`` head shards.
+    Not differentiable: for backends' own autograd Functions."""
+    order = _natural_order(table)
+    wait = _fused_all_to_all_start(views_bsphd, group, _pack_to_heads)
+    return lambda: [_unpack_heads(r, v.shape, order) for v, r in zip(views_bsphd, wait())]
+
+
+def heads_to_seq_start(tensors_bshd, group, table, dests_bsphd=None):
+    """Post :func:`heads_to_seq` of ``[B, S, h, D]`` head shards; ``wait()`` writes each result
+    into its ``[B, s, P, h, D]`` view of ``dests_bsphd`` (None: new ``[B, s, P*h, D]`` tensors,
+    allocated once the send buffer is freed) and returns them. Not differentiable."""
+    p, k = group_size(group), len(table[0])
+    wait = _fused_all_to_all_start(tensors_bshd, group, lambda t, rows: _pack_to_seq(t, rows, table))
+
+    def finish() -> list:
+        received = wait()
+        dests = dests_bsphd or [heads_view(t.new_empty(t.shape[0], t.shape[1] // p, p * t.shape[2], t.shape[3]), p) for t in tensors_bshd]
+        for dest, rows in zip(dests, received):
+            _unpack_seq(rows, dest, k)
+        return dests
+
+    return finish
+
+
+def heads_view(t_bshd, p: int, groups: int = 1, g: int = 0):
+    """``[B, s, P, h, D]`` view of head group ``g`` of ``groups`` of a sequence shard: what
+    each of P ranks gets of it (rank j's heads are ``[j*H/P, (j+1)*H/P)``, split in groups)."""
+    return t_bshd.unflatten(2, (p, groups, -1))[:, :, :, g]
 
 
 def _seq_to_heads_raw(tensors, group, table):
     """[B, S/P, H, D] sequence shards -> [B, S, H/P, D] head shards, the group's
     chunks in increasing id. Wire block for one destination: [B, S/P, H/P, D]."""
-    p, k = group_size(group), len(table[0])
-    order = _natural_order(table)
-
-    def pack(t, rows):
-        b, s, h, d = t.shape
-        rows.view(p, b, s, h // p, d).copy_(t.unflatten(2, (p, h // p)).permute(2, 0, 1, 3, 4))
-
-    def unpack(t, rows):
-        # one block copy per chunk into global order: 10x faster on CPU than one advanced-index copy
-        b, s, h, d = t.shape
-        blocks = rows.view(p, b, k, s // k, h // p, d)
-        out = rows.new_empty(b, p * k, s // k, h // p, d)
-        for n, (src, slot) in enumerate(order):
-            out[:, n].copy_(blocks[src, :, slot])
-        return out.view(b, s * p, h // p, d)
-
-    return _fused_all_to_all(tensors, group, pack, unpack)
+    return seq_to_heads_start([heads_view(t, group_size(group)) for t in tensors], group, table)()
 
 
 def _heads_to_seq_raw(tensors, group, table):
     """[B, S, H/P, D] head shards (chunks in increasing id) -> [B, S/P, H, D] sequence shards.
     Wire block for one destination: [k, B, c, H/P, D] (its k chunks of c tokens)."""
-    p, k = group_size(group), len(table[0])
-
-    position = {n: i for i, n in enumerate(sorted(n for chunks in table for n in chunks))}
-
-    def pack(t, rows):
-        b, s_full, h, d = t.shape
-        c = s_full // (k * p)
-        chunks, blocks = t.unflatten(1, (k * p, c)), rows.view(p, k, b, c, h, d)
-        for dest, mine in enumerate(table):
-            for i, chunk in enumerate(mine):
-                blocks[dest, i].copy_(chunks[:, position[chunk]])
-
-    def unpack(t, rows):
-        b, s_full, h, d = t.shape
-        c = s_full // (k * p)
-        return rows.view(p, k, b, c, h, d).permute(2, 1, 3, 0, 4, 5).reshape(b, k * c, p * h, d)
-
-    return _fused_all_to_all(tensors, group, pack, unpack)
+    return [d.flatten(2, 3) for d in heads_to_seq_start(tensors, group, table)()]
 
 
 # --------------------------------------------------------------------------- autograd wrappers

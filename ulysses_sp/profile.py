@@ -53,6 +53,9 @@ class Profile:
     ring step on oversubscribed cores). It is added to the estimate, so it grows
     linearly with the shards, as those costs do, while the kernel's time grows with the
     square of the sequence. 0 when absent."""
+    ulysses_head_groups: int = 1
+    """Head groups the Ulysses backend pipelines its all-to-alls over (one group's transfer
+    in flight while another's attention computes); 1: one fused all-to-all each way."""
     measured: dict = field(default_factory=dict, compare=False)
     """What calibration measured (sizes, raw timings), for the record."""
 
@@ -106,20 +109,23 @@ def load_profile(path: str) -> Profile:
 CPU_GLOO_PROFILE = Profile(
     name="cpu-gloo (built in)",
     collectives={
-        "all_to_all": LinkCost(latency=3e-4, bandwidth=5e8),
-        "all_gather": LinkCost(latency=4.5e-4, bandwidth=3.5e8),
-        "reduce_scatter": LinkCost(latency=5e-4, bandwidth=3.2e8),
-        "p2p": LinkCost(latency=3.6e-4, bandwidth=1.5e9),
+        "all_to_all": LinkCost(latency=4.5e-4, bandwidth=4.3e8),
+        "all_gather": LinkCost(latency=5e-4, bandwidth=2.8e8),
+        "reduce_scatter": LinkCost(latency=3e-3, bandwidth=3e8),
+        "p2p": LinkCost(latency=6.5e-4, bandwidth=1e9),
     },
-    inter_node=LinkCost(latency=5e-4, bandwidth=3e8),
-    attention_fwd_flops={"float32": 5.5e10, "bfloat16": 5e10, "float64": 2.5e10, "float16": 1e10},
-    attention_bwd_flops={"float32": 2.2e10, "bfloat16": 2.9e10, "float64": 1e10, "float16": 4e9},
+    inter_node=LinkCost(latency=5e-4, bandwidth=2.8e8),
+    attention_fwd_flops={"float32": 5.6e10, "bfloat16": 1.5e11, "float64": 2.5e10, "float16": 1e10},
+    attention_bwd_flops={"float32": 2e10, "bfloat16": 2.75e10, "float64": 1e10, "float16": 4e9},
     overlap=False,
-    backend_overhead={"allgather": 1.1e-9, "ring": 1.8e-9, "hybrid": 1.7e-9},
+    backend_overhead={"ulysses": 3.3e-9, "ring": 2.9e-9, "hybrid": 4.8e-9},
+    ulysses_head_groups=1,
 )
-"""gloo on one CPU machine, one thread per rank: ``sp-bench calibrate --nproc 2`` on the
-2-core development machine (benchmarks/results/cpu-gloo-profile-P2.json), rounded;
-float64 and float16 rates are guesses."""
+"""gloo on one CPU machine, one thread per rank: the mean of two runs of ``sp-bench calibrate
+--nproc 2`` (repeat 5 and 9) on the 2-core development machine
+(benchmarks/results/cpu-gloo-profile-P2.json, cpu-gloo-profile-P2-repeat9.json), rounded; float64
+and float16 rates are guesses. Head groups: the two runs picked 1 and 2, 1.2% apart or less,
+so pipelining is left off here (it holds more memory in the backward; docs/architecture.md)."""
 
 NVLINK_PROFILE = Profile(
     name="nvlink-gpu (built in)",

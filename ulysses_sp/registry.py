@@ -4,7 +4,8 @@ A backend is any object with the :class:`Backend` shape. The built-in ones
 are registered when this module is imported; ``register_backend`` adds more.
 ``hybrid-u{U}`` names the hybrid backend at Ulysses degree U (made on first use,
 any U; its ``check`` says whether U fits the topology and the heads); ``hybrid``
-is the hybrid at the topology's own ``ulysses_degree``.
+is the hybrid at the topology's own ``ulysses_degree``. ``ulysses-g{G}`` is Ulysses
+pipelined over G head groups; ``ulysses`` takes G from the profile.
 """
 
 from __future__ import annotations
@@ -41,14 +42,24 @@ class Backend(Protocol):
 
 
 _BACKENDS: dict[str, Backend] = {}
-_HYBRIDS: dict[int, HybridBackend] = {}
 _HYBRID_NAME = re.compile(r"hybrid-u([1-9][0-9]*)")
+_FAMILIES = {_HYBRID_NAME: HybridBackend, re.compile(r"ulysses-g([1-9][0-9]*)"): UlyssesBackend}
+"""Backends named with a parameter, made on first use: name pattern -> class of that parameter."""
+_MADE: dict[str, Backend] = {}
+
+
+def _family_member(name: str) -> Backend | None:
+    for pattern, make in _FAMILIES.items():
+        match = pattern.fullmatch(name)
+        if match:
+            if name not in _MADE:
+                _MADE[name] = make(int(match.group(1)))
+            return _MADE[name]
+    return None
 
 
 def _hybrid(ulysses_degree: int) -> HybridBackend:
-    if ulysses_degree not in _HYBRIDS:
-        _HYBRIDS[ulysses_degree] = HybridBackend(ulysses_degree)
-    return _HYBRIDS[ulysses_degree]
+    return _family_member(f"hybrid-u{ulysses_degree}")
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
@@ -57,8 +68,8 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
         raise TypeError(f"a backend needs name, check, estimate and forward; got {backend!r}")
     if backend.name == "auto":
         raise ValueError("'auto' is reserved for the automatic choice")
-    if _HYBRID_NAME.fullmatch(backend.name):
-        raise ValueError(f"{backend.name!r} is reserved for the hybrid backend at that Ulysses degree")
+    if any(pattern.fullmatch(backend.name) for pattern in _FAMILIES):
+        raise ValueError(f"{backend.name!r} is reserved for a built-in backend with that parameter")
     if backend.name in _BACKENDS and not replace:
         raise ValueError(f"backend {backend.name!r} is already registered; pass replace=True to override it")
     _BACKENDS[backend.name] = backend
@@ -70,13 +81,15 @@ def list_backends() -> list[str]:
 
 
 def get_backend(name: str) -> Backend:
-    """The registered backend ``name``, or the hybrid at Ulysses degree U for ``hybrid-u{U}``."""
+    """The registered backend ``name``, the hybrid at Ulysses degree U for ``hybrid-u{U}``, or
+    Ulysses over G head groups for ``ulysses-g{G}``."""
     if name in _BACKENDS:
         return _BACKENDS[name]
-    match = _HYBRID_NAME.fullmatch(name) if isinstance(name, str) else None
-    if match:
-        return _hybrid(int(match.group(1)))
-    raise ValueError(f"unknown SP backend {name!r}; known: {', '.join(['auto', *_BACKENDS])}, hybrid-u{{U}} (U: a Ulysses degree)")
+    member = _family_member(name) if isinstance(name, str) else None
+    if member is not None:
+        return member
+    raise ValueError(f"unknown SP backend {name!r}; known: {', '.join(['auto', *_BACKENDS])}, hybrid-u{{U}} (U: a Ulysses degree), "
+                     "ulysses-g{G} (G: head groups)")
 
 
 def candidates(topo) -> dict[str, Backend]:
