@@ -4,7 +4,7 @@ local kernel (``kernels.local_attention``), fwd+bwd of one causal attention call
 ``--ways ring,torch-ring``, our zigzag ring beside torch's ring (sp-bench's peer).
 
     python benchmarks/profile_ulysses.py [--seq 4096] [--heads 8] [--kv-heads 8] [--head-dim 64] [--repeat 3]
-                                         [--ways ours-zigzag,ours-contiguous,deepspeed] [--json FILE]
+                                         [--ways ours-zigzag,ours-contiguous,deepspeed] [--dtype float32] [--json FILE]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from ulysses_sp.launch import run_ranks
 WAYS = ("ours-zigzag", "ours-contiguous", "deepspeed", "ring", "torch-ring")
 
 
-def _rank(rank, world, seq, heads, kv_heads, head_dim, repeat, top, ways):
+def _rank(rank, world, seq, heads, kv_heads, head_dim, repeat, top, ways, dtype):
     import ulysses_sp as usp
     from ulysses_sp import kernels
     from ulysses_sp.integrations.deepspeed import use_cpu_accelerator_if_needed
@@ -35,12 +35,13 @@ def _rank(rank, world, seq, heads, kv_heads, head_dim, repeat, top, ways):
     for way in ways:
         topo = usp.init_sequence_parallel(world, layout="contiguous" if way in ("ours-contiguous", "deepspeed") else "zigzag")
         torch.manual_seed(0)
-        q_l, k_l, v_l = (usp.shard_sequence(torch.randn(1, seq, h, head_dim), topo).requires_grad_() for h in (heads, kv_heads, kv_heads))
+        q_l, k_l, v_l = (usp.shard_sequence(torch.randn(1, seq, h, head_dim).to(getattr(torch, dtype)), topo).requires_grad_()
+                         for h in (heads, kv_heads, kv_heads))
         if way == "torch-ring":
             from ulysses_sp.cli.bench import Cell
             from ulysses_sp.cli.peers import PEERS
 
-            attn = PEERS["torch-ring"].make(Cell(seq, heads, kv_heads, head_dim, 1, "float32", True, "zigzag"), topo)
+            attn = PEERS["torch-ring"].make(Cell(seq, heads, kv_heads, head_dim, 1, dtype, True, "zigzag"), topo)
             step = lambda: attn(q_l, k_l, v_l)  # noqa: E731
         elif way == "ring":
             ours = usp.SequenceParallelAttention(topo, backend="ring")
@@ -71,6 +72,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=4096)
     p.add_argument("--heads", type=int, default=8)
+    p.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     p.add_argument("--kv-heads", type=int, default=None, help="default: --heads (DeepSpeed's Ulysses needs as many)")
     p.add_argument("--ways", default="ours-zigzag,ours-contiguous,deepspeed", help=f"comma list of {', '.join(WAYS)}")
     p.add_argument("--head-dim", type=int, default=64)
@@ -83,7 +85,7 @@ def main():
     unknown = set(ways) - set(WAYS)
     if unknown:
         p.error(f"unknown ways {sorted(unknown)}; choose from {', '.join(WAYS)}")
-    result = run_ranks(_rank, a.nproc, a.seq, a.heads, a.kv_heads or a.heads, a.head_dim, a.repeat, a.top, ways, timeout=1800)[0]
+    result = run_ranks(_rank, a.nproc, a.seq, a.heads, a.kv_heads or a.heads, a.head_dim, a.repeat, a.top, ways, a.dtype, timeout=1800)[0]
     for way, r in result.items():
         print(f"{way}: fwd+bwd ms {', '.join(f'{t:.0f}' for t in r['fwd_bwd_ms'])}")
         for name, ms, calls in r["top_ops_ms_per_step"]:
