@@ -77,18 +77,21 @@ class _Pipelined(torch.autograd.Function):
     and dq, dk, dv. KV heads travel with their group when a rank's KV heads divide into G
     groups; else every group's q heads share one KV head, and the KV heads travel whole with
     the first group (their gradient with the last one, summed over the groups in fp32).
-    The same bytes as one fused all-to-all each way, in G calls.
+    The same bytes as one fused all-to-all each way, in G calls. ``into`` and ``back`` (see
+    ``streams.CommStream``) carry the transfers to the attention and back from it: on CUDA two
+    side streams, so that group g+1's unpacking does not queue behind group g's output, which
+    waits for group g's kernel.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel, options, group, table, groups, stream):
+    def forward(ctx, q, k, v, kernel, options, group, table, groups, into, back):
         p = comm.group_size(group)
         split_kv = (k.shape[2] // p) % groups == 0
         per_kv = q.shape[2] // k.shape[2]  # q heads per KV head
 
         def stage(g):
             kv = [comm.heads_view(t, p, groups, g) for t in (k, v)] if split_kv else [comm.heads_view(t, p) for t in (k, v) if g == 0]
-            with stream.side():
+            with into.side():
                 return comm.seq_to_heads_start([comm.heads_view(q, p, groups, g), *kv], group, table)
 
         out, posted, sent, saved, kv_all = torch.empty_like(q), [stage(0)], [], [], None
@@ -96,28 +99,28 @@ class _Pipelined(torch.autograd.Function):
             for g in range(groups):
                 if g + 1 < groups:
                     posted.append(stage(g + 1))
-                with stream.side():
+                with into.side():
                     q_h, *kv_h = posted[g]()
-                stream.join(q_h, *kv_h)
+                into.join(q_h, *kv_h)
                 kv_all = kv_h or kv_all
                 if not split_kv:  # the one KV head of this group's q heads
                     j = g * q_h.shape[2] // per_kv
                     kv_h = [t[:, :, j:j + 1] for t in kv_all]
                 out_h, lse = kernel.block_forward(q_h, *kv_h, **options)
-                with stream.side():
+                with back.side():
                     sent.append(comm.heads_to_seq_start([out_h], group, table, [comm.heads_view(out, p, groups, g)]))
                     _finish_all_but_last(sent)
                 saved += [q_h, *kv_h, out_h, lse]
-            with stream.side():
+            with back.side():
                 sent[-1]()
-        stream.join()
+        back.join()
         ctx.save_for_backward(*saved)
-        ctx.args, ctx.kv_shape = (kernel, options, group, table, groups, stream, split_kv, per_kv), k.shape
+        ctx.args, ctx.kv_shape = (kernel, options, group, table, groups, into, back, split_kv, per_kv), k.shape
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        kernel, options, group, table, groups, stream, split_kv, per_kv = ctx.args
+        kernel, options, group, table, groups, into, back, split_kv, per_kv = ctx.args
         p, saved = comm.group_size(group), ctx.saved_tensors
         needs = ctx.needs_input_grad[:3]
         dout = dout.contiguous()  # head group views of it are split from its head dim
@@ -129,7 +132,7 @@ class _Pipelined(torch.autograd.Function):
                                   dtype=kernels.accumulator_dtype(dout.dtype)) for need in needs[1:]]
 
         def stage(g):
-            with stream.side():
+            with into.side():
                 return comm.seq_to_heads_start([comm.heads_view(dout, p, groups, g)], group, table)
 
         posted, sent = [stage(0)], []
@@ -137,9 +140,9 @@ class _Pipelined(torch.autograd.Function):
             for g in range(groups):
                 if g + 1 < groups:
                     posted.append(stage(g + 1))
-                with stream.side():
+                with into.side():
                     (dout_h,) = posted[g]()
-                stream.join(dout_h)
+                into.join(dout_h)
                 d_h = kernel.block_backward(dout_h, *saved[5 * g:5 * g + 5], **options)
                 srcs, dests = [], []
                 for i, need in enumerate(needs):
@@ -152,15 +155,15 @@ class _Pipelined(torch.autograd.Function):
                     dkv_sum[i - 1][:, :, j:j + 1] += d_h[i]
                     if g == groups - 1:
                         srcs.append(dkv_sum[i - 1].to(dout.dtype)), dests.append(comm.heads_view(grads[i], p))
-                with stream.side():
+                with back.side():
                     if srcs:
                         sent.append(comm.heads_to_seq_start(srcs, group, table, dests))
                     _finish_all_but_last(sent)
-            with stream.side():
+            with back.side():
                 if sent:
                     sent[-1]()
-        stream.join()
-        return (*grads, None, None, None, None, None, None)
+        back.join()
+        return (*grads, None, None, None, None, None, None, None)
 
 
 class UlyssesBackend:
@@ -207,9 +210,9 @@ class UlyssesBackend:
         table = layout.chunk_table(spec.layout, p)
         groups = self.groups(spec, topo)
         if groups > 1:
-            stream = topo.cached(("comm-stream", str(q.device)), lambda: CommStream(q.device))
+            into, back = (topo.cached((f"comm-stream-{way}", str(q.device)), lambda: CommStream(q.device)) for way in ("into", "back"))
             return _Pipelined.apply(q, k, v, kernels.get_kernel(spec.kernel), _kernel_options(spec, topo, q.device), topo.sp_group, table,
-                                    groups, stream)
+                                    groups, into, back)
         q_h, k_h, v_h = comm.seq_to_heads([q, k, v], topo.sp_group, table)
         (out,) = comm.heads_to_seq([_attend(q_h, k_h, v_h, spec, topo)], topo.sp_group, table)
         return out

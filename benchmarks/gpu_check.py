@@ -171,7 +171,7 @@ def _reference(full, causal, cu, window, softcap):
 
 
 def parity_rank(rank: int, world: int, port: int) -> None:
-    """Every backend (and ulysses-g2, the all-to-alls pipelined over 2 head groups on a side stream,
+    """Every backend (and ulysses-g2, the all-to-alls pipelined over 2 head groups on side streams,
     and hybrid-u2 on 8 GPUs, where it is not the topology's degree) x layout x kernel x case (windows
     and soft-capping included) on ``world`` GPUs with NCCL, bf16, against fp64 one-process attention;
     rank 0 prints one line per combination (the worst rank's error), then the pipeline's timing."""
@@ -219,7 +219,7 @@ def parity_rank(rank: int, world: int, port: int) -> None:
 def pipeline_timing(rank: int, world: int) -> None:
     """Ulysses over 1, 2 and 4 head groups, bf16 H32/KV8 D128 causal, 32k tokens per GPU: the
     median of 5 fwd+bwd (slowest rank, CUDA-synchronised), and each against one group. A figure
-    (INFO), not a check: whether the side stream hides the all-to-alls on this machine."""
+    (INFO), not a check: whether the side streams hide the all-to-alls on this machine."""
     topo = usp.init_sequence_parallel(world)
     g = torch.Generator(device="cuda").manual_seed(3)
     seq = 32768 * world
