@@ -43,11 +43,12 @@ def _step(backend, q, k, v, dout, topo, window):
     return time.perf_counter() - t0
 
 
-def _rank(rank, world, cells, repeat, profile_path):
+def _rank(rank, world, cells, repeat, profile_path, other_path=None):
     """Per cell, ``repeat`` rounds in which every feasible backend runs once, the order
     rotating between rounds: drift on a shared machine then falls on every backend alike
     instead of on whichever ran last. A run's time is its slowest rank's; a backend's time
-    is the median of its rounds."""
+    is the median of its rounds. ``other_path``: a second profile whose pick is scored on the
+    same measurements."""
     import torch.distributed as dist
 
     profile = usp.load_profile(profile_path)
@@ -60,6 +61,7 @@ def _rank(rank, world, cells, repeat, profile_path):
         k, v = (torch.randn(1, s, hkv, 64, generator=gen) for _ in range(2))
         spec = usp.attention.make_spec(q, k, v, topo, window=window)
         chosen, considered = choose_backend(spec, topo)
+        other = choose_backend(spec, topo, usp.load_profile(other_path))[0].name if other_path else None
         feasible = [name for name, estimate in considered.items() if not isinstance(estimate, str)]
         if index == 0:  # warm up the process (thread pools, allocator) once
             for backend in feasible:
@@ -76,6 +78,8 @@ def _rank(rank, world, cells, repeat, profile_path):
         estimates = {n: e.seconds for n, e in considered.items() if not isinstance(e, str)}
         out.append({"heads": hq, "kv_heads": hkv, "seq": seq, "window": window, "ranks": world, "auto": chosen.name, "measured_s": times,
                     "runs_s": runs, "estimated_s": estimates, "regret": times[chosen.name] / min(times.values())})
+        if other:
+            out[-1].update(other_auto=other, other_regret=times[other] / min(times.values()))
     return out
 
 
@@ -88,21 +92,24 @@ def _rank(rank, world, cells, repeat, profile_path):
 @click.option("--nproc", default="2,4", show_default=True)
 @click.option("--repeat", default=3, show_default=True, help="rounds per cell; every backend runs once a round")
 @click.option("--json", "json_path", default=None)
-def main(profile_path, heads, kv_heads, seq, windows, nproc, repeat, json_path):
+@click.option("--compare-profile", "other_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="also score this profile's pick on the same measurements")
+def main(profile_path, heads, kv_heads, seq, windows, nproc, repeat, json_path, other_path):
     windows = [None if w == "none" else parse_tokens(w) for w in windows.split(",")]
     cells = list(_cells([int(h) for h in heads.split(",")], kv_heads.split(","), [parse_tokens(s) for s in seq.split(",")], windows))
     rows = []
     for world in (int(n) for n in nproc.split(",")):
-        rows += run_ranks(_rank, world, cells, repeat, profile_path, timeout=7200, collective_timeout=3600)[0]
+        rows += run_ranks(_rank, world, cells, repeat, profile_path, other_path, timeout=7200, collective_timeout=3600)[0]
         for r in rows[-len(cells):]:
             best = min(r["measured_s"], key=r["measured_s"].get)
             click.echo(f"P{r['ranks']} H{r['heads']}/{r['kv_heads']} S{r['seq']} W{r['window']}: auto {r['auto']} "
-                       f"{r['measured_s'][r['auto']]:.3f}s, best {best} {r['measured_s'][best]:.3f}s, regret {r['regret']:.3f}")
+                       f"{r['measured_s'][r['auto']]:.3f}s, best {best} {r['measured_s'][best]:.3f}s, regret {r['regret']:.3f}"
+                       + (f"; {other_path}: {r['other_auto']}, regret {r['other_regret']:.3f}" if other_path else ""))
     worst = max(rows, key=lambda r: r["regret"])
     click.echo(f"worst regret {worst['regret']:.3f} at P{worst['ranks']} H{worst['heads']}/{worst['kv_heads']} S{worst['seq']} W{worst['window']}")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump({"profile": profile_path, "repeat": repeat, "torch": torch.__version__, "cells": rows}, f, indent=2)
+            json.dump({"profile": profile_path, "compare_profile": other_path, "repeat": repeat, "torch": torch.__version__, "cells": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -6,11 +6,12 @@ bandwidth (large ones) of all-to-all, all-gather, reduce-scatter and p2p, the
 local attention kernel's forward and backward rate per dtype, and whether a
 p2p exchange overlaps computation. Every rank measures at once, as in training.
 
-Last, every registered backend runs one reference attention (8 q and kv heads,
-dim 64, fp32, causal, ``backend_seq`` tokens); what it takes beyond the time the
-profile so far predicts, per byte of the rank's shards and less the leanest
-backend's figure, is its ``backend_overhead``; a backend that runs only sliding-window
-layers (halo) is measured against the leanest one on the same attention with a window. The backends take turns (one run
+Last, every registered backend runs two reference attentions (8 q and 8 kv heads,
+then 16 and 1; dim 64, fp32, causal, ``backend_seq`` tokens); what it takes beyond the
+time the profile so far predicts, less the leanest backend's figure at that shape, is
+solved for seconds per byte of the rank's q and output shards (``backend_overhead``) and
+of its k and v shards (``backend_overhead_kv``); a backend that runs only sliding-window
+layers (halo) is measured against the leanest one on the MHA attention with a window. The backends take turns (one run
 each, ``repeat`` rounds) so that a drift of the machine's speed during
 calibration does not favour one of them. The same way, Ulysses runs over 1, 2 and
 4 head groups (4 q heads per rank) and the fastest count becomes the profile's
@@ -100,30 +101,64 @@ def _backend_times(backends: dict, spec, topo, q, k, v, dout, profile: Profile, 
             for name, b in backends.items()}
 
 
-def _backend_overhead(profile: Profile, seq: int, ulysses_degree, repeat: int, device) -> tuple[dict, dict]:
-    """(``backend_overhead`` per backend, the raw measured and estimated seconds). Backends that
-    run only sliding-window layers (halo) are measured on the same attention with a window of
-    ``seq / 8``, next to the leanest full-attention backend, and get their overhead relative to it."""
+REFERENCE_HEADS = ((8, 8), (16, 1))
+"""q/kv heads of the reference attentions: MHA, where a rank's shards are half q and output,
+half k and v, and MQA, where they are nearly all q and output."""
+
+
+def _fit(rows) -> tuple[float, float]:
+    """Non-negative ``(a, c)`` with ``a * q_bytes + c * kv_bytes = x`` for both ``rows``
+    ``(q_bytes, kv_bytes, x)``: the exact solution where both are >= 0, else the one-term
+    least-squares fit with the smaller residual (every ``x`` is >= 0)."""
+    (p1, k1, x1), (p2, k2, x2) = rows
+    det = p1 * k2 - k1 * p2
+    a, c = (x1 * k2 - k1 * x2) / det, (p1 * x2 - x1 * p2) / det
+    if a >= 0 and c >= 0:
+        return a, c
+    only_a = (sum(p * x for p, _, x in rows) / sum(p * p for p, _, _ in rows), 0.0)
+    only_c = (0.0, sum(k * x for _, k, x in rows) / sum(k * k for _, k, _ in rows))
+    return min(only_a, only_c, key=lambda ac: sum((ac[0] * p + ac[1] * k - x) ** 2 for p, k, x in rows))
+
+
+def _backend_overhead(profile: Profile, seq: int, ulysses_degree, repeat: int, device, step=lambda *_: None) -> tuple[dict, dict, dict]:
+    """(``backend_overhead``, ``backend_overhead_kv``, the raw measured and estimated seconds).
+    Every backend runs at each of :data:`REFERENCE_HEADS`; what it takes beyond its estimate,
+    less the smallest such excess at that shape, is fitted per byte of q and output shards
+    and per byte of k and v shards (:func:`_fit`). Backends that run only sliding-window
+    layers (halo) are measured on the MHA attention with a window of ``seq / 8``, next to
+    the leanest full-attention backend, and get one figure per shard byte relative to it."""
     import ulysses_sp as usp
 
     topo = usp.init_sequence_parallel(dist.get_world_size(), ulysses_degree=ulysses_degree, timeout=3600)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    q, k, v, dout = (torch.randn(1, seq // topo.sp_size, 8, 64, generator=gen).to(device) for _ in range(4))
-    spec = usp.attention.make_spec(q, k, v, topo)
-    runs = {name: usp.get_backend(name) for name in usp.list_backends() if usp.get_backend(name).check(spec, topo) is None}
-    raw = _backend_times(runs, spec, topo, q, k, v, dout, profile, repeat, device)
-    per_byte = {name: (r["measured_s"] - r["estimated_s"]) / spec.shard_bytes for name, r in raw.items()}
-    leanest = min(per_byte, key=per_byte.get)
-    overhead = {name: x - per_byte[leanest] for name, x in per_byte.items()}
+    rows, raw = {}, {"seq": seq, "ulysses_degree": topo.ulysses_degree}
+    for hq, hkv in REFERENCE_HEADS:
+        q, dout, k, v = (torch.randn(1, seq // topo.sp_size, h, 64, generator=gen).to(device) for h in (hq, hq, hkv, hkv))
+        spec = usp.attention.make_spec(q, k, v, topo)
+        runs = {name: usp.get_backend(name) for name in usp.list_backends() if usp.get_backend(name).check(spec, topo) is None}
+        times = _backend_times(runs, spec, topo, q, k, v, dout, profile, repeat, device)
+        excess = {name: r["measured_s"] - r["estimated_s"] for name, r in times.items()}
+        for name, x in excess.items():
+            rows.setdefault(name, []).append((2 * hq * spec.head_bytes, 2 * hkv * spec.head_bytes, x - min(excess.values())))
+        raw[f"{hq}/{hkv}"] = times
+        if (hq, hkv) == REFERENCE_HEADS[0]:
+            mha = (q, k, v, dout, runs, min(excess, key=excess.get))
+        step(1)
+    # a backend that could not run at one of the shapes: one figure per shard byte
+    fits = {name: _fit(r) if len(r) == 2 else (r[0][2] / (r[0][0] + r[0][1]),) * 2 for name, r in rows.items()}
+    overhead, overhead_kv = ({name: ac[i] for name, ac in fits.items()} for i in (0, 1))
+    q, k, v, dout, runs, leanest = mha
     windowed = usp.attention.make_spec(q, k, v, topo, window=seq // 8)
     only_windowed = {name: usp.get_backend(name) for name in usp.list_backends()
                      if name not in runs and usp.get_backend(name).check(windowed, topo) is None}
     if only_windowed:
         raw_w = _backend_times({leanest: runs[leanest], **only_windowed}, windowed, topo, q, k, v, dout, profile, repeat, device)
         base = raw_w[leanest]["measured_s"] - raw_w[leanest]["estimated_s"]
-        overhead.update((name, (r["measured_s"] - r["estimated_s"] - base) / windowed.shard_bytes) for name, r in raw_w.items() if name != leanest)
+        for name, r in raw_w.items():
+            if name != leanest:
+                overhead[name] = overhead_kv[name] = (r["measured_s"] - r["estimated_s"] - base) / windowed.shard_bytes
         raw["windowed"] = {"window": seq // 8, **raw_w}
-    return overhead, {"seq": seq, "ulysses_degree": topo.ulysses_degree, **raw}
+    return overhead, overhead_kv, raw
 
 
 PIPELINE_GROUPS = (1, 2, 4)
@@ -193,8 +228,7 @@ def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), pr
         overlap=overlap,
         measured=measured,
     )
-    overhead, measured["backends"] = _backend_overhead(profile, backend_seq, ulysses_degree, repeat, device)
-    step(1)
+    overhead, overhead_kv, measured["backends"] = _backend_overhead(profile, backend_seq, ulysses_degree, repeat, device, step)
     groups, measured["ulysses_head_groups"] = _head_groups(backend_seq, repeat, device, profile) if p > 1 else (1, {})
     step(1)
-    return dataclasses.replace(profile, backend_overhead=overhead, ulysses_head_groups=groups)
+    return dataclasses.replace(profile, backend_overhead=overhead, backend_overhead_kv=overhead_kv, ulysses_head_groups=groups)

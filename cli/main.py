@@ -46,7 +46,7 @@ def _calibrate_rank(rank, world, repeat, seq, backend_seq, ulysses_degree, devic
     if rank == 0:
         from tqdm import tqdm
 
-        progress = tqdm(total=9, desc="calibrate", unit="measure")
+        progress = tqdm(total=10, desc="calibrate", unit="measure")
     profile = measure(repeat=repeat, seq=seq, progress=progress, backend_seq=backend_seq, ulysses_degree=ulysses_degree, device=device)
     if progress is not None:
         progress.close()
@@ -83,8 +83,9 @@ def calibrate(nproc, out, repeat, seq, backend_seq, ulysses_degree):
     click.echo("attention fwd/bwd GFLOP/s: " + ", ".join(
         f"{d} {profile.attention_fwd_flops[d] / 1e9:.1f}/{profile.attention_bwd_flops[d] / 1e9:.1f}" for d in profile.attention_fwd_flops
     ) + f"; overlap {profile.overlap}; ulysses head groups {profile.ulysses_head_groups}")
-    click.echo("backend overhead beyond the model, ns per byte of a rank's shards: "
-               + ", ".join(f"{n} {x * 1e9:.2f}" for n, x in profile.backend_overhead.items()))
+    per_kv = profile.backend_overhead_kv or profile.backend_overhead
+    click.echo("backend overhead beyond the model, ns per byte of a rank's q and output / k and v shards: "
+               + ", ".join(f"{n} {x * 1e9:.2f} / {per_kv.get(n, 0.0) * 1e9:.2f}" for n, x in profile.backend_overhead.items()))
 
 
 @main.command("plan")

@@ -8,6 +8,7 @@ from click.testing import CliRunner
 
 from ulysses_sp.cli.main import main as sp_bench
 from ulysses_sp.cli.report import CSV_COLUMNS
+from ulysses_sp.profile import load_profile
 
 BACKENDS = ["ulysses", "allgather", "ring", "hybrid", "halo", "auto"]
 PEERS = ["peer:deepspeed", "peer:torch-ring", "peer:ring-flash-attn", "peer:yunchang"]
@@ -104,3 +105,18 @@ def test_bad_grid_is_a_usage_error():
                           (["--seq", "100", "--nproc", "3"], "every length must divide by 6"), (["--kv-heads", "x"], "integers or q")):
         result = CliRunner().invoke(sp_bench, ["run", *args])
         assert result.exit_code == 2 and message in result.output, result.output
+
+
+def test_calibrate_writes_a_profile_auto_can_use(tmp_path):
+    """``sp-bench calibrate`` at tiny sizes: every figure present and finite, per-byte overheads
+    of both kinds for every backend, >= 0 for those fitted on full attention (halo's is relative
+    to the leanest of them on a window), and the profile loads back."""
+    out = tmp_path / "p.json"
+    args = ["calibrate", "--nproc", "2", "--repeat", "1", "--seq", "256", "--backend-seq", "512", "--out", str(out)]
+    result = CliRunner().invoke(sp_bench, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    profile = load_profile(str(out))
+    assert set(profile.backend_overhead) == set(profile.backend_overhead_kv) == {"ulysses", "allgather", "ring", "hybrid", "halo"}
+    assert all(profile.backend_overhead[n] >= 0 and profile.backend_overhead_kv[n] >= 0 for n in ("ulysses", "allgather", "ring", "hybrid"))
+    assert set(profile.measured["backends"]) >= {"8/8", "16/1", "windowed"}
+    assert profile.ulysses_head_groups in (1, 2, 4) and profile.attention_bwd_flops["bfloat16"] > 0

@@ -87,6 +87,26 @@ def test_zigzag_ring_steps_have_equal_work(p):
         assert all(len(w) == 1 for w in per_step) == balanced, (lay, per_step)
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_unmasked_blocks_are_one_call(p):
+    """A rank's two zigzag chunks are adjacent locally though not globally: every causal ring
+    step but a rank's own block is one unmasked call (as in torch's head-tail ring), and
+    without a mask each pair of ranks is one call under every layout."""
+    table = layout.chunk_table("zigzag", p)
+    segs = [chunk_segments(t, 4) for t in table]
+    for r in range(p):
+        for s in range(1, p):
+            calls = plan_blocks(segs[r], segs[(r - s) % p], causal=True)
+            assert len(calls) == 1 and not calls[0].causal, (r, s, calls)
+    for lay in layout.LAYOUTS:
+        segs = [chunk_segments(t, 4) for t in layout.chunk_table(lay, p)]
+        whole = (0, len(segs[0]) * 4)
+        for r in range(p):
+            for src in range(p):
+                calls = plan_blocks(segs[r], segs[src], causal=False)
+                assert [(c.q0, c.q1, c.k0, c.k1, c.causal) for c in calls] == [whole + whole + (False,)], (lay, r, src, calls)
+
+
 CUS = [None, (0, 16), (0, 1, 2, 7, 8, 9, 16), (0, 3, 11, 16), (0, 15, 16), tuple(range(17))]
 MASKS = [(False, None), (True, None), (True, 1), (True, 3), (True, 5), (True, 9)]
 

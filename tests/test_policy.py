@@ -14,6 +14,7 @@ from ulysses_sp.registry import choose_backend, get_backend
 from ulysses_sp.spec import AttnSpec, Estimate
 from ulysses_sp.topology import HybridGroups, Topology
 
+from ulysses_sp.cli.calibrate import _fit
 from ulysses_sp.cli.main import main as sp_bench
 from ulysses_sp.cli.plan import LayerShape, layers_from_config, plan_rows
 
@@ -137,10 +138,10 @@ def test_backend_overhead_adds_per_shard_byte():
     the sequence, so it decides short sequences and fades against the kernel at long ones."""
     topo = Topology.for_planning(4)
     short, long = spec(8, 2, 4096, 4), spec(8, 2, 65536, 4)
-    plain = Profile(**{**CPU_GLOO_PROFILE.__dict__, "backend_overhead": {}})
+    plain = Profile(**{**CPU_GLOO_PROFILE.__dict__, "backend_overhead": {}, "backend_overhead_kv": None})
     chosen, before = choose_backend(short, topo, plain)
     per_byte = before[chosen.name].seconds / short.shard_bytes  # doubles its estimate at 4k
-    slower = Profile(**{**CPU_GLOO_PROFILE.__dict__, "backend_overhead": {chosen.name: per_byte}})
+    slower = Profile(**{**plain.__dict__, "backend_overhead": {chosen.name: per_byte}})
     again, after = choose_backend(short, topo, slower)
     assert again.name != chosen.name
     assert after[chosen.name].seconds == pytest.approx(2 * before[chosen.name].seconds)
@@ -153,6 +154,29 @@ def test_backend_overhead_adds_per_shard_byte():
     assert Profile.from_dict(json.loads(slower.to_json())).backend_overhead == {chosen.name: per_byte}
     with pytest.raises(ValueError, match="unknown fields.*backend_factors.*calibrate"):
         Profile.from_dict({**json.loads(slower.to_json()), "backend_factors": {}})
+
+
+def test_backend_overhead_kv_counts_only_k_and_v_bytes():
+    """Calibrated at an MHA and an MQA shape, the overhead is one figure per byte of q and
+    output shards and one per byte of k and v shards; a profile measured at one shape (no
+    ``backend_overhead_kv``) counts every shard byte at its one figure."""
+    s = spec(16, 1, 4096, 2)
+    one = Profile(**{**CPU_GLOO_PROFILE.__dict__, "backend_overhead": {"ring": 1e-9}, "backend_overhead_kv": None})
+    assert one.overhead_seconds("ring", s) == pytest.approx(1e-9 * s.shard_bytes)
+    split = Profile(**{**one.__dict__, "backend_overhead_kv": {"ring": 5e-9}})
+    assert split.overhead_seconds("ring", s) == pytest.approx(1e-9 * 32 * s.head_bytes + 5e-9 * 2 * s.head_bytes)
+    assert split.overhead_seconds("ulysses", s) == 0.0
+    assert Profile.from_dict(json.loads(split.to_json())) == split
+
+
+@pytest.mark.parametrize("a,c", [(2e-9, 5e-10), (3e-9, 0.0), (0.0, 4e-9)])
+def test_overhead_fit_recovers_both_figures(a, c):
+    """Calibration's two equations (MHA and MQA shards) give back the per-byte figures that
+    produced them; a negative solution (noise) becomes the better one-term fit, never < 0."""
+    rows = [(q, kv, a * q + c * kv) for q, kv in ((16, 16), (32, 2))]
+    assert _fit(rows) == pytest.approx((a, c))
+    got = _fit([(16, 16, 10.0), (32, 2, 1.0)])  # exact: a < 0
+    assert min(got) == 0.0 and max(got) > 0
 
 
 def test_auto_at_scale_respects_the_budget_and_the_kernel(monkeypatch):
@@ -211,8 +235,9 @@ def test_auto_picks_hybrid_u2_where_it_beats_ring_and_allgather(ranks, seq):
 
 
 def test_auto_picks_hybrid_u2_on_four_ranks(ranks):
-    """2 heads on a topology of Ulysses degree 4: auto takes hybrid-u2 (the cheapest under the
-    built-in CPU profile), which runs on groups the default topology built, and matches the reference."""
+    """2 heads on a topology of Ulysses degree 4: auto takes hybrid-u2 (the cheapest under a
+    profile that makes the ring and the all-gather dear), which runs on groups the default
+    topology built, and matches the reference."""
     for r in values(ranks(4), "parity/auto/zigzag-causal-2-heads-topo-u4"):
         feasible = {n: t for n, t in r["considered"].items() if isinstance(t, float)}
         assert r["chosen"] == ["hybrid-u2"] == [min(feasible, key=feasible.get)]

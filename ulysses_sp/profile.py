@@ -47,12 +47,17 @@ class Profile:
     memory_budget_bytes: int | None = None
     """Backends whose estimated peak exceeds this are not chosen by ``auto``."""
     backend_overhead: dict[str, float] = field(default_factory=dict)
-    """Per backend, seconds per byte of a rank's q, k, v and output shards that it took
-    beyond its estimate on calibration's reference shape, less the smallest such figure
-    of any backend: what the model misses (copies, block merges, ranks waiting at every
-    ring step on oversubscribed cores). It is added to the estimate, so it grows
-    linearly with the shards, as those costs do, while the kernel's time grows with the
-    square of the sequence. 0 when absent."""
+    """Per backend, seconds per byte of a rank's q and output shards that it took beyond
+    its estimate on calibration's reference shapes, less the smallest such figure of any
+    backend: what the model misses (copies, block merges, ranks waiting at every ring step
+    on oversubscribed cores). It is added to the estimate, so it grows linearly with the
+    shards, as those costs do, while the kernel's time grows with the square of the
+    sequence. 0 when absent."""
+    backend_overhead_kv: dict[str, float] | None = None
+    """The same per byte of a rank's k and v shards. Calibration times an MHA and an MQA
+    shape and solves for both figures, so that costs growing with the q heads (merges of
+    the all-gather's GQA blocks) are told from those growing with K/V. None (a profile
+    measured at one shape): ``backend_overhead``'s figures count every shard byte."""
     ulysses_head_groups: int = 1
     """Head groups the Ulysses backend pipelines its all-to-alls over (one group's transfer
     in flight while another's attention computes); 1: one fused all-to-all each way."""
@@ -76,8 +81,10 @@ class Profile:
         return self.attention_seconds(flops, spec.dtype) + self.attention_seconds(flops, spec.dtype, backward=True)
 
     def overhead_seconds(self, backend: str, spec) -> float:
-        """``backend_overhead`` of ``backend`` for one call of ``spec``."""
-        return self.backend_overhead.get(backend, 0.0) * spec.shard_bytes
+        """``backend_overhead`` and ``backend_overhead_kv`` of ``backend`` for one call of ``spec``."""
+        per_kv = self.backend_overhead if self.backend_overhead_kv is None else self.backend_overhead_kv
+        q_bytes, kv_bytes = 2 * spec.q_heads * spec.head_bytes, 2 * spec.kv_heads * spec.head_bytes
+        return self.backend_overhead.get(backend, 0.0) * q_bytes + per_kv.get(backend, 0.0) * kv_bytes
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
@@ -109,23 +116,27 @@ def load_profile(path: str) -> Profile:
 CPU_GLOO_PROFILE = Profile(
     name="cpu-gloo (built in)",
     collectives={
-        "all_to_all": LinkCost(latency=4.5e-4, bandwidth=4.3e8),
-        "all_gather": LinkCost(latency=5e-4, bandwidth=2.8e8),
-        "reduce_scatter": LinkCost(latency=3e-3, bandwidth=3e8),
-        "p2p": LinkCost(latency=6.5e-4, bandwidth=1e9),
+        "all_to_all": LinkCost(latency=6.4e-4, bandwidth=4.2e8),
+        "all_gather": LinkCost(latency=4.8e-4, bandwidth=2.9e8),
+        "reduce_scatter": LinkCost(latency=8.8e-4, bandwidth=3e8),
+        "p2p": LinkCost(latency=3.6e-4, bandwidth=1.4e9),
     },
-    inter_node=LinkCost(latency=5e-4, bandwidth=2.8e8),
-    attention_fwd_flops={"float32": 5.6e10, "bfloat16": 1.5e11, "float64": 2.5e10, "float16": 1e10},
-    attention_bwd_flops={"float32": 2e10, "bfloat16": 2.75e10, "float64": 1e10, "float16": 4e9},
+    inter_node=LinkCost(latency=4.8e-4, bandwidth=2.9e8),
+    attention_fwd_flops={"float32": 6.9e10, "bfloat16": 1.6e11, "float64": 2.5e10, "float16": 1e10},
+    attention_bwd_flops={"float32": 3e10, "bfloat16": 3.2e10, "float64": 1e10, "float16": 4e9},
     overlap=False,
-    backend_overhead={"ulysses": 3.3e-9, "ring": 2.9e-9, "hybrid": 4.8e-9},
+    backend_overhead={"ulysses": 1.56e-9, "allgather": 4.64e-9, "ring": 3.31e-9, "hybrid": 0.0},
+    backend_overhead_kv={"ulysses": 0.07e-9, "allgather": 0.0, "ring": 1.55e-9, "hybrid": 2.7e-9},
     ulysses_head_groups=1,
 )
-"""gloo on one CPU machine, one thread per rank: the mean of two runs of ``sp-bench calibrate
---nproc 2`` (repeat 5 and 9) on the 2-core development machine
-(benchmarks/results/cpu-gloo-profile-P2.json, cpu-gloo-profile-P2-repeat9.json), rounded; float64
-and float16 rates are guesses. Head groups: the two runs picked 1 and 2, 1.2% apart or less,
-so pipelining is left off here (it holds more memory in the backward; docs/architecture.md)."""
+"""gloo on one CPU machine, one thread per rank: per figure, the median of four runs of ``sp-bench
+calibrate --nproc 2`` (three at repeat 9, one at 5) on the 2-core development machine
+(benchmarks/results/cpu-gloo-profile-P2-gqa*.json), rounded; float64 and float16 rates are
+guesses. The overheads were fitted at H8/KV8 and H16/KV1: the all-gather's falls on q bytes
+(merging 16 q heads' blocks on one KV head), so auto no longer takes it for the cheapest
+at one KV head. Head groups: three runs picked 2 (1-14% faster than 1), one picked 1 (5%),
+and the paired benchmark saw no consistent direction, so pipelining stays off here (it holds
+more memory in the backward; docs/architecture.md)."""
 
 NVLINK_PROFILE = Profile(
     name="nvlink-gpu (built in)",
