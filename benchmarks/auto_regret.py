@@ -52,6 +52,7 @@ def _rank(rank, world, cells, repeat, profile_path, other_path=None):
     import torch.distributed as dist
 
     profile = usp.load_profile(profile_path)
+    other_profile = usp.load_profile(other_path) if other_path else None
     topo = usp.init_sequence_parallel(world, ulysses_degree=2 if world % 2 == 0 and world > 2 else None, profile=profile)
     out = []
     for index, (hq, hkv, seq, window) in enumerate(cells):
@@ -61,7 +62,7 @@ def _rank(rank, world, cells, repeat, profile_path, other_path=None):
         k, v = (torch.randn(1, s, hkv, 64, generator=gen) for _ in range(2))
         spec = usp.attention.make_spec(q, k, v, topo, window=window)
         chosen, considered = choose_backend(spec, topo)
-        other = choose_backend(spec, topo, usp.load_profile(other_path))[0].name if other_path else None
+        other = choose_backend(spec, topo, other_profile)[0].name if other_profile else None
         feasible = [name for name, estimate in considered.items() if not isinstance(estimate, str)]
         if index == 0:  # warm up the process (thread pools, allocator) once
             for backend in feasible:

@@ -15,11 +15,11 @@ import contextlib
 import json
 import statistics
 import sys
-import time
 from unittest import mock
 
 import torch
 
+from ulysses_sp.cli.calibrate import slowest_seconds
 from ulysses_sp.launch import run_ranks
 
 VARIANTS = ("merged", "split")
@@ -46,13 +46,9 @@ def _rank(rank, world, seqs, heads, backends, rounds, dtype):
                         topo.cache = caches[variant]
                         leaves = [t.detach().requires_grad_() for t in (q, k, v)]
                         with split if variant == "split" else contextlib.nullcontext():
-                            torch.distributed.barrier()
-                            t0 = time.perf_counter()
-                            attn(*leaves).backward(dout)
-                            took = torch.tensor(time.perf_counter() - t0)
-                        torch.distributed.all_reduce(took, op=torch.distributed.ReduceOp.MAX)  # the slowest rank's time
+                            took = slowest_seconds(lambda: attn(*leaves).backward(dout), 1, q.device)
                         if r:
-                            times[variant].append(took.item())
+                            times[variant].append(took)
                 out[f"{name} S{seq} H{hq}/{hkv}"] = times
     return out if rank == 0 else None
 

@@ -12,10 +12,10 @@ import argparse
 import json
 import statistics
 import sys
-import time
 
 import torch
 
+from ulysses_sp.cli.calibrate import slowest_seconds
 from ulysses_sp.launch import run_ranks
 
 
@@ -34,13 +34,9 @@ def _rank(rank, world, seqs, heads, groups, rounds, dtype):
             for r in range(rounds + 1):  # round 0 warms up (handshake, caches)
                 for g, attn in attns.items():
                     leaves = [t.detach().requires_grad_() for t in (q, k, v)]
-                    torch.distributed.barrier()
-                    t0 = time.perf_counter()
-                    attn(*leaves).backward(dout)
-                    took = torch.tensor(time.perf_counter() - t0)
-                    torch.distributed.all_reduce(took, op=torch.distributed.ReduceOp.MAX)  # the slowest rank's time
+                    took = slowest_seconds(lambda: attn(*leaves).backward(dout), 1, q.device)
                     if r:
-                        times[g].append(took.item())
+                        times[g].append(took)
             out[f"S{seq} H{hq}/{hkv}"] = times
     return out if rank == 0 else None
 

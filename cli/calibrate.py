@@ -30,12 +30,12 @@ import torch.distributed as dist
 from ulysses_sp import comm, kernels
 from ulysses_sp.profile import COLLECTIVES, LinkCost, Profile
 
-__all__ = ["measure"]
+__all__ = ["measure", "slowest_seconds"]
 
 SMALL, LARGE = 1 << 6, 1 << 22  # elements of float32: 256 B and 16 MiB
 
 
-def _timed(fn, repeat: int, device) -> float:
+def slowest_seconds(fn, repeat: int, device) -> float:
     """Median seconds of ``fn`` over ``repeat`` runs, the slowest rank's, ranks in step."""
     times = []
     for _ in range(repeat):
@@ -78,8 +78,8 @@ def _kernel_rates(dtype, seq: int, repeat: int, device) -> tuple[float, float]:
     k, v = (torch.randn(1, seq, 2, 64, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
     flops = 4 * seq * seq * 8 * 64 / 2  # causal
     dout = kernels.local_attention(q, k, v, causal=True).detach()
-    t_fwd = _timed(lambda: kernels.local_attention(q, k, v, causal=True), repeat, device)
-    t_both = _timed(lambda: torch.autograd.grad(kernels.local_attention(q, k, v, causal=True), (q, k, v), dout), repeat, device)
+    t_fwd = slowest_seconds(lambda: kernels.local_attention(q, k, v, causal=True), repeat, device)
+    t_both = slowest_seconds(lambda: torch.autograd.grad(kernels.local_attention(q, k, v, causal=True), (q, k, v), dout), repeat, device)
     return flops / t_fwd, flops / max(t_both - t_fwd, 1e-9)
 
 
@@ -94,7 +94,7 @@ def _backend_times(backends: dict, spec, topo, q, k, v, dout, profile: Profile, 
     times = {name: [] for name in names}
     for round_ in range(repeat + 1):  # the first round warms up; the order rotates
         for name in names[round_ % len(names):] + names[: round_ % len(names)]:
-            seconds = _timed(lambda b=backends[name]: step(b), 1, device)
+            seconds = slowest_seconds(lambda b=backends[name]: step(b), 1, device)
             if round_:
                 times[name].append(seconds)
     return {name: {"measured_s": statistics.median(times[name]), "estimated_s": b.estimate(spec, topo, profile).seconds}
@@ -120,13 +120,29 @@ def _fit(rows) -> tuple[float, float]:
     return min(only_a, only_c, key=lambda ac: sum((ac[0] * p + ac[1] * k - x) ** 2 for p, k, x in rows))
 
 
+def _windowed_overhead(leanest: str, window: int, q, k, v, dout, topo, profile: Profile, repeat: int, device) -> tuple[dict, dict | None]:
+    """Per backend that runs only sliding-window layers (halo): seconds per shard byte beyond
+    its estimate, less the ``leanest`` full-attention backend's, on the same attention with a
+    ``window``; and the raw seconds (None when there is no such backend)."""
+    import ulysses_sp as usp
+
+    full, spec = (usp.attention.make_spec(q, k, v, topo, window=w) for w in (None, window))
+    only_windowed = {name: usp.get_backend(name) for name in usp.list_backends()
+                     if usp.get_backend(name).check(full, topo) is not None and usp.get_backend(name).check(spec, topo) is None}
+    if not only_windowed:
+        return {}, None
+    raw = _backend_times({leanest: usp.get_backend(leanest), **only_windowed}, spec, topo, q, k, v, dout, profile, repeat, device)
+    base = raw[leanest]["measured_s"] - raw[leanest]["estimated_s"]
+    per_byte = {name: (r["measured_s"] - r["estimated_s"] - base) / spec.shard_bytes for name, r in raw.items() if name != leanest}
+    return per_byte, {"window": window, **raw}
+
+
 def _backend_overhead(profile: Profile, seq: int, ulysses_degree, repeat: int, device, step=lambda *_: None) -> tuple[dict, dict, dict]:
     """(``backend_overhead``, ``backend_overhead_kv``, the raw measured and estimated seconds).
     Every backend runs at each of :data:`REFERENCE_HEADS`; what it takes beyond its estimate,
     less the smallest such excess at that shape, is fitted per byte of q and output shards
     and per byte of k and v shards (:func:`_fit`). Backends that run only sliding-window
-    layers (halo) are measured on the MHA attention with a window of ``seq / 8``, next to
-    the leanest full-attention backend, and get one figure per shard byte relative to it."""
+    layers (halo) get one figure per shard byte from the MHA shape (:func:`_windowed_overhead`)."""
     import ulysses_sp as usp
 
     topo = usp.init_sequence_parallel(dist.get_world_size(), ulysses_degree=ulysses_degree, timeout=3600)
@@ -142,23 +158,14 @@ def _backend_overhead(profile: Profile, seq: int, ulysses_degree, repeat: int, d
             rows.setdefault(name, []).append((2 * hq * spec.head_bytes, 2 * hkv * spec.head_bytes, x - min(excess.values())))
         raw[f"{hq}/{hkv}"] = times
         if (hq, hkv) == REFERENCE_HEADS[0]:
-            mha = (q, k, v, dout, runs, min(excess, key=excess.get))
+            windowed, raw_w = _windowed_overhead(min(excess, key=excess.get), seq // 8, q, k, v, dout, topo, profile, repeat, device)
+            if raw_w is not None:
+                raw["windowed"] = raw_w
         step(1)
     # a backend that could not run at one of the shapes: one figure per shard byte
     fits = {name: _fit(r) if len(r) == 2 else (r[0][2] / (r[0][0] + r[0][1]),) * 2 for name, r in rows.items()}
-    overhead, overhead_kv = ({name: ac[i] for name, ac in fits.items()} for i in (0, 1))
-    q, k, v, dout, runs, leanest = mha
-    windowed = usp.attention.make_spec(q, k, v, topo, window=seq // 8)
-    only_windowed = {name: usp.get_backend(name) for name in usp.list_backends()
-                     if name not in runs and usp.get_backend(name).check(windowed, topo) is None}
-    if only_windowed:
-        raw_w = _backend_times({leanest: runs[leanest], **only_windowed}, windowed, topo, q, k, v, dout, profile, repeat, device)
-        base = raw_w[leanest]["measured_s"] - raw_w[leanest]["estimated_s"]
-        for name, r in raw_w.items():
-            if name != leanest:
-                overhead[name] = overhead_kv[name] = (r["measured_s"] - r["estimated_s"] - base) / windowed.shard_bytes
-        raw["windowed"] = {"window": seq // 8, **raw_w}
-    return overhead, overhead_kv, raw
+    fits.update((name, (x, x)) for name, x in windowed.items())
+    return {name: a for name, (a, _) in fits.items()}, {name: c for name, (_, c) in fits.items()}, raw
 
 
 PIPELINE_GROUPS = (1, 2, 4)
@@ -191,8 +198,8 @@ def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), pr
     for kind in COLLECTIVES:
         small, _ = _collective(kind, SMALL, group, device)
         large, sent = _collective(kind, LARGE, group, device)
-        latency = _timed(small, repeat, device)
-        seconds = _timed(large, repeat, device)
+        latency = slowest_seconds(small, repeat, device)
+        seconds = slowest_seconds(large, repeat, device)
         bandwidth = sent / max(seconds - latency, 1e-9)
         collectives[kind] = LinkCost(latency=latency, bandwidth=bandwidth)
         measured[kind] = {"small_s": latency, "large_s": seconds, "large_bytes_sent": sent}
@@ -207,7 +214,7 @@ def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), pr
     exchange, _ = _collective("p2p", LARGE, group, device)
     q = torch.randn(1, seq, 8, 64, device=device)
     compute = lambda: kernels.local_attention(q, q[:, :, :2], q[:, :, :2], causal=True)  # noqa: E731
-    t_comm, t_compute = _timed(exchange, repeat, device), _timed(compute, repeat, device)
+    t_comm, t_compute = slowest_seconds(exchange, repeat, device), slowest_seconds(compute, repeat, device)
     rank, p = dist.get_rank(), dist.get_world_size()
 
     def both():
@@ -215,7 +222,7 @@ def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), pr
         compute()
         wait()
 
-    t_both = _timed(both, repeat, device)
+    t_both = slowest_seconds(both, repeat, device)
     overlap = t_both < 0.8 * (t_comm + t_compute)
     measured["overlap"] = {"comm_s": t_comm, "compute_s": t_compute, "both_s": t_both}
     step(1)
