@@ -43,6 +43,10 @@ def _step(backend, q, k, v, dout, topo, window):
     return time.perf_counter() - t0
 
 
+def _ulysses_degree(world: int) -> int | None:
+    return 2 if world % 2 == 0 and world > 2 else None
+
+
 def _rank(rank, world, cells, repeat, profile_path, other_path=None):
     """Per cell, ``repeat`` rounds in which every feasible backend runs once, the order
     rotating between rounds: drift on a shared machine then falls on every backend alike
@@ -53,7 +57,7 @@ def _rank(rank, world, cells, repeat, profile_path, other_path=None):
 
     profile = usp.load_profile(profile_path)
     other_profile = usp.load_profile(other_path) if other_path else None
-    topo = usp.init_sequence_parallel(world, ulysses_degree=2 if world % 2 == 0 and world > 2 else None, profile=profile)
+    topo = usp.init_sequence_parallel(world, ulysses_degree=_ulysses_degree(world), profile=profile)
     out = []
     for index, (hq, hkv, seq, window) in enumerate(cells):
         gen = torch.Generator().manual_seed(rank)
@@ -84,6 +88,45 @@ def _rank(rank, world, cells, repeat, profile_path, other_path=None):
     return out
 
 
+def _rescore(path: str, profile_path: str, other_path: str | None) -> list[dict]:
+    """The cells of an earlier run (``--json``), auto's pick and regret recomputed with
+    ``profile_path`` (and ``other_path``) on their measured times. The runs were float32 (their
+    inputs are ``torch.randn``'s), head dim 64, causal, zigzag."""
+    from ulysses_sp.spec import AttnSpec
+    from ulysses_sp.topology import Topology
+
+    profiles = [usp.load_profile(p) for p in (profile_path, other_path) if p]
+    rows = []
+    for cell in json.load(open(path))["cells"]:
+        world = cell["ranks"]
+        topo = Topology.for_planning(world, ulysses_degree=_ulysses_degree(world))
+        spec = AttnSpec(batch=1, seq_len=cell["seq"], local_seq_len=cell["seq"] // world, q_heads=cell["heads"], kv_heads=cell["kv_heads"],
+                        head_dim=64, dtype=torch.float32, causal=True, softmax_scale=64**-0.5, layout="zigzag", window=cell["window"])
+        times = cell["measured_s"]
+        picks = [choose_backend(spec, topo, p)[0].name for p in profiles]
+        row = {**cell, "auto": picks[0], "regret": times[picks[0]] / min(times.values())}
+        row.pop("other_auto", None), row.pop("other_regret", None)
+        if other_path:
+            row.update(other_auto=picks[1], other_regret=times[picks[1]] / min(times.values()))
+        rows.append(row)
+    return rows
+
+
+def _summary(rows: list[dict], other_path: str | None) -> None:
+    for r in rows:
+        best = min(r["measured_s"], key=r["measured_s"].get)
+        click.echo(f"P{r['ranks']} H{r['heads']}/{r['kv_heads']} S{r['seq']} W{r['window']}: auto {r['auto']} "
+                   f"{r['measured_s'][r['auto']]:.3f}s, best {best} {r['measured_s'][best]:.3f}s, regret {r['regret']:.3f}"
+                   + (f"; {other_path}: {r['other_auto']}, regret {r['other_regret']:.3f}" if other_path else ""))
+    for world in sorted({r["ranks"] for r in rows}):
+        cells = [r for r in rows if r["ranks"] == world]
+        for key, name in (("regret", "profile"), ("other_regret", other_path)):
+            if key in cells[0]:
+                regrets = [r[key] for r in cells]
+                click.echo(f"P{world} {name}: worst regret {max(regrets):.3f}, mean {statistics.mean(regrets):.3f}, "
+                           f"{sum(x <= 1.05 for x in regrets)}/{len(regrets)} cells within 1.05")
+
+
 @click.command()
 @click.option("--profile", "profile_path", required=True, type=click.Path(exists=True, dir_okay=False))
 @click.option("--heads", default="4,8,16", show_default=True)
@@ -95,17 +138,17 @@ def _rank(rank, world, cells, repeat, profile_path, other_path=None):
 @click.option("--json", "json_path", default=None)
 @click.option("--compare-profile", "other_path", default=None, type=click.Path(exists=True, dir_okay=False),
               help="also score this profile's pick on the same measurements")
-def main(profile_path, heads, kv_heads, seq, windows, nproc, repeat, json_path, other_path):
+@click.option("--rescore", "rescore_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="measure nothing: score the profiles on this earlier run's --json")
+def main(profile_path, heads, kv_heads, seq, windows, nproc, repeat, json_path, other_path, rescore_path):
+    if rescore_path:
+        return _summary(_rescore(rescore_path, profile_path, other_path), other_path)
     windows = [None if w == "none" else parse_tokens(w) for w in windows.split(",")]
     cells = list(_cells([int(h) for h in heads.split(",")], kv_heads.split(","), [parse_tokens(s) for s in seq.split(",")], windows))
     rows = []
     for world in (int(n) for n in nproc.split(",")):
         rows += run_ranks(_rank, world, cells, repeat, profile_path, other_path, timeout=7200, collective_timeout=3600)[0]
-        for r in rows[-len(cells):]:
-            best = min(r["measured_s"], key=r["measured_s"].get)
-            click.echo(f"P{r['ranks']} H{r['heads']}/{r['kv_heads']} S{r['seq']} W{r['window']}: auto {r['auto']} "
-                       f"{r['measured_s'][r['auto']]:.3f}s, best {best} {r['measured_s'][best]:.3f}s, regret {r['regret']:.3f}"
-                       + (f"; {other_path}: {r['other_auto']}, regret {r['other_regret']:.3f}" if other_path else ""))
+        _summary(rows[-len(cells):], other_path)
     worst = max(rows, key=lambda r: r["regret"])
     click.echo(f"worst regret {worst['regret']:.3f} at P{worst['ranks']} H{worst['heads']}/{worst['kv_heads']} S{worst['seq']} W{worst['window']}")
     if json_path:

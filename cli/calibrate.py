@@ -6,12 +6,15 @@ bandwidth (large ones) of all-to-all, all-gather, reduce-scatter and p2p, the
 local attention kernel's forward and backward rate per dtype, and whether a
 p2p exchange overlaps computation. Every rank measures at once, as in training.
 
-Last, every registered backend runs two reference attentions (8 q and 8 kv heads,
+Last, every backend ``auto`` weighs runs two reference attentions (8 q and 8 kv heads,
 then 16 and 1; dim 64, fp32, causal, ``backend_seq`` tokens); what it takes beyond the
 time the profile so far predicts, less the leanest backend's figure at that shape, is
 solved for seconds per byte of the rank's q and output shards (``backend_overhead``) and
 of its k and v shards (``backend_overhead_kv``); a backend that runs only sliding-window
-layers (halo) is measured against the leanest one on the MHA attention with a window. The backends take turns (one run
+layers (halo) is measured against the leanest one on the MHA attention with a window. The hybrid
+runs at every Ulysses degree 1 < U < N, each under auto's name ``hybrid-u{U}`` (none on 2 ranks,
+where U = 1 and U = 2 are the ring and Ulysses). The figures are of N ranks on this machine: a
+profile serves best at the rank count it was measured at. The backends take turns (one run
 each, ``repeat`` rounds) so that a drift of the machine's speed during
 calibration does not favour one of them. The same way, Ulysses runs over 1, 2 and
 4 head groups (4 q heads per rank) and the fastest count becomes the profile's
@@ -29,6 +32,7 @@ import torch.distributed as dist
 
 from ulysses_sp import comm, kernels
 from ulysses_sp.profile import COLLECTIVES, LinkCost, Profile
+from ulysses_sp.registry import candidates
 
 __all__ = ["measure", "slowest_seconds"]
 
@@ -127,17 +131,16 @@ def _windowed_overhead(leanest: str, window: int, q, k, v, dout, topo, profile: 
     import ulysses_sp as usp
 
     full, spec = (usp.attention.make_spec(q, k, v, topo, window=w) for w in (None, window))
-    only_windowed = {name: usp.get_backend(name) for name in usp.list_backends()
-                     if usp.get_backend(name).check(full, topo) is not None and usp.get_backend(name).check(spec, topo) is None}
+    only_windowed = {name: b for name, b in candidates(topo).items() if b.check(full, topo) is not None and b.check(spec, topo) is None}
     if not only_windowed:
         return {}, None
-    raw = _backend_times({leanest: usp.get_backend(leanest), **only_windowed}, spec, topo, q, k, v, dout, profile, repeat, device)
+    raw = _backend_times({leanest: candidates(topo)[leanest], **only_windowed}, spec, topo, q, k, v, dout, profile, repeat, device)
     base = raw[leanest]["measured_s"] - raw[leanest]["estimated_s"]
     per_byte = {name: (r["measured_s"] - r["estimated_s"] - base) / spec.shard_bytes for name, r in raw.items() if name != leanest}
     return per_byte, {"window": window, **raw}
 
 
-def _backend_overhead(profile: Profile, seq: int, ulysses_degree, repeat: int, device, step=lambda *_: None) -> tuple[dict, dict, dict]:
+def _backend_overhead(profile: Profile, seq: int, repeat: int, device, step=lambda *_: None) -> tuple[dict, dict, dict]:
     """(``backend_overhead``, ``backend_overhead_kv``, the raw measured and estimated seconds).
     Every backend runs at each of :data:`REFERENCE_HEADS`; what it takes beyond its estimate,
     less the smallest such excess at that shape, is fitted per byte of q and output shards
@@ -145,13 +148,13 @@ def _backend_overhead(profile: Profile, seq: int, ulysses_degree, repeat: int, d
     layers (halo) get one figure per shard byte from the MHA shape (:func:`_windowed_overhead`)."""
     import ulysses_sp as usp
 
-    topo = usp.init_sequence_parallel(dist.get_world_size(), ulysses_degree=ulysses_degree, timeout=3600)
+    topo = usp.init_sequence_parallel(dist.get_world_size(), timeout=3600)
     gen = torch.Generator().manual_seed(dist.get_rank())
-    rows, raw = {}, {"seq": seq, "ulysses_degree": topo.ulysses_degree}
+    rows, raw = {}, {"seq": seq}
     for hq, hkv in REFERENCE_HEADS:
         q, dout, k, v = (torch.randn(1, seq // topo.sp_size, h, 64, generator=gen).to(device) for h in (hq, hq, hkv, hkv))
         spec = usp.attention.make_spec(q, k, v, topo)
-        runs = {name: usp.get_backend(name) for name in usp.list_backends() if usp.get_backend(name).check(spec, topo) is None}
+        runs = {name: b for name, b in candidates(topo).items() if b.check(spec, topo) is None}
         times = _backend_times(runs, spec, topo, q, k, v, dout, profile, repeat, device)
         excess = {name: r["measured_s"] - r["estimated_s"] for name, r in times.items()}
         for name, x in excess.items():
@@ -186,7 +189,7 @@ def _head_groups(seq: int, repeat: int, device, profile: Profile) -> tuple[int, 
 
 
 def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), progress=None, backend_seq: int = 4096,
-            ulysses_degree=None, device: torch.device | None = None) -> Profile:
+            device: torch.device | None = None) -> Profile:
     """Run on every rank of the default group; every rank returns the same profile. ``device``:
     this rank's (``ulysses_sp.devices.bind_device()``); default: the current CUDA device under
     NCCL, else the CPU."""
@@ -235,7 +238,7 @@ def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), pr
         overlap=overlap,
         measured=measured,
     )
-    overhead, overhead_kv, measured["backends"] = _backend_overhead(profile, backend_seq, ulysses_degree, repeat, device, step)
+    overhead, overhead_kv, measured["backends"] = _backend_overhead(profile, backend_seq, repeat, device, step)
     groups, measured["ulysses_head_groups"] = _head_groups(backend_seq, repeat, device, profile) if p > 1 else (1, {})
     step(1)
     return dataclasses.replace(profile, backend_overhead=overhead, backend_overhead_kv=overhead_kv, ulysses_head_groups=groups)

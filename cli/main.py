@@ -39,7 +39,7 @@ def _join_launch():
     return device
 
 
-def _calibrate_rank(rank, world, repeat, seq, backend_seq, ulysses_degree, device=None):
+def _calibrate_rank(rank, world, repeat, seq, backend_seq, device=None):
     from .calibrate import measure
 
     progress = None
@@ -47,7 +47,7 @@ def _calibrate_rank(rank, world, repeat, seq, backend_seq, ulysses_degree, devic
         from tqdm import tqdm
 
         progress = tqdm(total=10, desc="calibrate", unit="measure")
-    profile = measure(repeat=repeat, seq=seq, progress=progress, backend_seq=backend_seq, ulysses_degree=ulysses_degree, device=device)
+    profile = measure(repeat=repeat, seq=seq, progress=progress, backend_seq=backend_seq, device=device)
     if progress is not None:
         progress.close()
     return profile.to_json()
@@ -59,9 +59,9 @@ def _calibrate_rank(rank, world, repeat, seq, backend_seq, ulysses_degree, devic
 @click.option("--repeat", type=int, default=5, show_default=True)
 @click.option("--seq", type=int, default=2048, show_default=True, help="tokens of the attention kernel measurement")
 @click.option("--backend-seq", type=int, default=4096, show_default=True, help="tokens of the per-backend reference attention")
-@click.option("--ulysses-degree", type=int, default=None, help="the hybrid's Ulysses degree, as it will run (default: all ranks)")
-def calibrate(nproc, out, repeat, seq, backend_seq, ulysses_degree):
-    """Measure collectives and the attention kernel here; write a profile for auto and plan."""
+def calibrate(nproc, out, repeat, seq, backend_seq):
+    """Measure collectives and the attention kernel here; write a profile for auto and plan.
+    Run it on as many ranks as training will use: the figures are of that many."""
     import json
     import os
 
@@ -72,11 +72,11 @@ def calibrate(nproc, out, repeat, seq, backend_seq, ulysses_degree):
 
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # inside a launcher: use its ranks, one GPU each
         device = _join_launch()
-        text = _calibrate_rank(dist.get_rank(), dist.get_world_size(), repeat, seq, backend_seq, ulysses_degree, device)
+        text = _calibrate_rank(dist.get_rank(), dist.get_world_size(), repeat, seq, backend_seq, device)
         if dist.get_rank() != 0:
             return
     else:
-        text = run_ranks(_calibrate_rank, nproc, repeat, seq, backend_seq, ulysses_degree, timeout=1800)[0]
+        text = run_ranks(_calibrate_rank, nproc, repeat, seq, backend_seq, timeout=1800)[0]
     profile = Profile.from_dict(json.loads(text))
     profile.save(out)
     click.echo(f"wrote {out}: " + ", ".join(f"{k} {c.latency * 1e6:.0f} us + {c.bandwidth / 1e9:.2f} GB/s" for k, c in profile.collectives.items()))

@@ -108,15 +108,17 @@ def test_bad_grid_is_a_usage_error():
 
 
 def test_calibrate_writes_a_profile_auto_can_use(tmp_path):
-    """``sp-bench calibrate`` at tiny sizes: every figure present and finite, per-byte overheads
-    of both kinds for every backend, >= 0 for those fitted on full attention (halo's is relative
-    to the leanest of them on a window), and the profile loads back."""
+    """``sp-bench calibrate`` at tiny sizes on 4 ranks: every figure present and finite, per-byte
+    overheads of both kinds for every backend auto weighs there (the hybrid as ``hybrid-u2``), >= 0
+    for those fitted on full attention (halo's is relative to the leanest of them on a window),
+    and the profile loads back."""
     out = tmp_path / "p.json"
-    args = ["calibrate", "--nproc", "2", "--repeat", "1", "--seq", "256", "--backend-seq", "512", "--out", str(out)]
+    args = ["calibrate", "--nproc", "4", "--repeat", "1", "--seq", "256", "--backend-seq", "512", "--out", str(out)]
     result = CliRunner().invoke(sp_bench, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
     profile = load_profile(str(out))
-    assert set(profile.backend_overhead) == set(profile.backend_overhead_kv) == {"ulysses", "allgather", "ring", "hybrid", "halo"}
-    assert all(profile.backend_overhead[n] >= 0 and profile.backend_overhead_kv[n] >= 0 for n in ("ulysses", "allgather", "ring", "hybrid"))
+    full = {"ulysses", "allgather", "ring", "hybrid-u2"}
+    assert set(profile.backend_overhead) == set(profile.backend_overhead_kv) == full | {"halo"}
+    assert all(profile.backend_overhead[n] >= 0 and profile.backend_overhead_kv[n] >= 0 for n in full)
     assert set(profile.measured["backends"]) >= {"8/8", "16/1", "windowed"}
     assert profile.ulysses_head_groups in (1, 2, 4) and profile.attention_bwd_flops["bfloat16"] > 0

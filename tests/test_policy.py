@@ -9,7 +9,7 @@ from click.testing import CliRunner
 
 import ulysses_sp as usp
 from ulysses_sp.integrations.transformers import _backend_per_layer
-from ulysses_sp.profile import COLLECTIVES, CPU_GLOO_PROFILE, NVLINK_PROFILE, LinkCost, Profile
+from ulysses_sp.profile import COLLECTIVES, CPU_GLOO_PROFILE, CPU_GLOO_PROFILE_P4, NVLINK_PROFILE, LinkCost, Profile, default_profile
 from ulysses_sp.registry import choose_backend, get_backend
 from ulysses_sp.spec import AttnSpec, Estimate
 from ulysses_sp.topology import HybridGroups, Topology
@@ -26,7 +26,7 @@ def spec(hq, hkv, seq, p, d=64, dtype=torch.bfloat16):
                     causal=True, softmax_scale=d**-0.5, layout="zigzag")
 
 
-@pytest.mark.parametrize("profile", [CPU_GLOO_PROFILE, NVLINK_PROFILE])
+@pytest.mark.parametrize("profile", [CPU_GLOO_PROFILE, CPU_GLOO_PROFILE_P4, NVLINK_PROFILE])
 def test_infeasible_backends_are_never_chosen(profile):
     for p, ud in [(2, None), (3, None), (4, 2), (8, 8), (64, 8), (64, 1)]:
         topo = Topology.for_planning(p, ulysses_degree=ud, ranks_per_node=8)
@@ -167,6 +167,29 @@ def test_backend_overhead_kv_counts_only_k_and_v_bytes():
     assert split.overhead_seconds("ring", s) == pytest.approx(1e-9 * 32 * s.head_bytes + 5e-9 * 2 * s.head_bytes)
     assert split.overhead_seconds("ulysses", s) == 0.0
     assert Profile.from_dict(json.loads(split.to_json())) == split
+
+
+def test_default_profile_follows_the_rank_count():
+    """On CPU auto estimates with the built-in profile measured at the largest rank count up to
+    the SP size (2 or 4); on CUDA with the NVLink one whatever the size."""
+    assert [default_profile("cpu", p) for p in (1, 2, 3, 4, 8)] == [CPU_GLOO_PROFILE] * 3 + [CPU_GLOO_PROFILE_P4] * 2
+    assert default_profile("cuda", 4) is NVLINK_PROFILE
+    s = spec(16, 1, 8192, 4, dtype=torch.float32)
+    for p, builtin in ((2, CPU_GLOO_PROFILE), (4, CPU_GLOO_PROFILE_P4)):
+        topo = Topology.for_planning(p)
+        assert choose_backend(s, topo)[1] == choose_backend(s, topo, builtin)[1]
+
+
+def test_hybrid_overhead_is_looked_up_by_degree():
+    """Calibration stores the hybrid's overhead under auto's name for it (``hybrid-u2``); a
+    profile from an earlier version has one ``hybrid`` figure, which every degree then takes."""
+    topo, s = Topology.for_planning(8), spec(16, 16, 8192, 8)
+    plain = Profile(**{**CPU_GLOO_PROFILE_P4.__dict__, "backend_overhead": {}, "backend_overhead_kv": None})
+    base = choose_backend(s, topo, plain)[1]
+    for overhead, u2, u4 in (({"hybrid": 1e-9}, 1e-9, 1e-9), ({"hybrid-u2": 2e-9, "hybrid": 1e-9}, 2e-9, 1e-9), ({"hybrid-u4": 3e-9}, 0, 3e-9)):
+        _, considered = choose_backend(s, topo, Profile(**{**plain.__dict__, "backend_overhead": overhead}))
+        for name, per_byte in (("hybrid-u2", u2), ("hybrid-u4", u4)):
+            assert considered[name].seconds - base[name].seconds == pytest.approx(per_byte * s.shard_bytes)
 
 
 @pytest.mark.parametrize("a,c", [(2e-9, 5e-10), (3e-9, 0.0), (0.0, 4e-9)])

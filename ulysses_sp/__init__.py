@@ -21,7 +21,7 @@ from .data import (
 from .layout import pad_to_multiple
 from .loss import causal_lm_loss, sp_linear_cross_entropy
 from .registry import get_backend, list_backends, register_backend
-from .profile import CPU_GLOO_PROFILE, NVLINK_PROFILE, LinkCost, Profile, load_profile
+from .profile import CPU_GLOO_PROFILE, CPU_GLOO_PROFILE_P4, NVLINK_PROFILE, LinkCost, Profile, default_profile, load_profile
 from .spec import AttnSpec, Estimate
 from .topology import Topology, init_sequence_parallel
 
@@ -72,5 +72,7 @@ __all__ = [
     "LinkCost",
     "load_profile",
     "CPU_GLOO_PROFILE",
+    "CPU_GLOO_PROFILE_P4",
+    "default_profile",
     "NVLINK_PROFILE",
 ]

@@ -3,9 +3,10 @@
 A :class:`Profile` holds, per kind of collective, a latency and a bandwidth
 (inside a node, and across nodes), the local attention kernel's throughput
 forward and backward by dtype, whether communication overlaps computation,
-and an optional memory budget. Two are built in (CPU with gloo, NVLink GPUs);
-``sp-bench calibrate`` measures one for the machine at hand and writes JSON
-that :func:`load_profile` reads back.
+and an optional memory budget. Built in: NVLink GPUs, and CPU with gloo measured
+on 2 and on 4 ranks (:func:`default_profile` takes the one nearest the SP size);
+``sp-bench calibrate`` measures one for the machine and rank count at hand and
+writes JSON that :func:`load_profile` reads back.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-__all__ = ["LinkCost", "Profile", "CPU_GLOO_PROFILE", "NVLINK_PROFILE", "load_profile", "default_profile", "COLLECTIVES"]
+__all__ = ["LinkCost", "Profile", "CPU_GLOO_PROFILE", "CPU_GLOO_PROFILE_P4", "NVLINK_PROFILE", "load_profile", "default_profile", "COLLECTIVES"]
 
 COLLECTIVES = ("all_to_all", "all_gather", "reduce_scatter", "p2p")
 
@@ -125,8 +126,8 @@ CPU_GLOO_PROFILE = Profile(
     attention_fwd_flops={"float32": 6.9e10, "bfloat16": 1.6e11, "float64": 2.5e10, "float16": 1e10},
     attention_bwd_flops={"float32": 3e10, "bfloat16": 3.2e10, "float64": 1e10, "float16": 4e9},
     overlap=False,
-    backend_overhead={"ulysses": 1.56e-9, "allgather": 4.64e-9, "ring": 3.31e-9, "hybrid": 0.0},
-    backend_overhead_kv={"ulysses": 0.07e-9, "allgather": 0.0, "ring": 1.55e-9, "hybrid": 2.7e-9},
+    backend_overhead={"ulysses": 1.56e-9, "allgather": 4.64e-9, "ring": 3.31e-9},
+    backend_overhead_kv={"ulysses": 0.07e-9, "allgather": 0.0, "ring": 1.55e-9},
     ulysses_head_groups=1,
 )
 """gloo on one CPU machine, one thread per rank: per figure, the median of four runs of ``sp-bench
@@ -134,9 +135,34 @@ calibrate --nproc 2`` (three at repeat 9, one at 5) on the 2-core development ma
 (benchmarks/results/cpu-gloo-profile-P2-gqa*.json), rounded; float64 and float16 rates are
 guesses. The overheads were fitted at H8/KV8 and H16/KV1: the all-gather's falls on q bytes
 (merging 16 q heads' blocks on one KV head), so auto no longer takes it for the cheapest
-at one KV head. Head groups: three runs picked 2 (1-14% faster than 1), one picked 1 (5%),
-and the paired benchmark saw no consistent direction, so pipelining stays off here (it holds
-more memory in the backward; docs/architecture.md)."""
+at one KV head. No hybrid runs on 2 or 3 ranks, so none is measured. Head groups: three runs
+picked 2 (1-14% faster than 1), one picked 1 (5%), and the paired benchmark saw no consistent
+direction, so pipelining stays off here (it holds more memory in the backward;
+docs/architecture.md)."""
+
+CPU_GLOO_PROFILE_P4 = Profile(
+    name="cpu-gloo 4 ranks (built in)",
+    collectives={
+        "all_to_all": LinkCost(latency=3.1e-3, bandwidth=4.1e8),
+        "all_gather": LinkCost(latency=4.1e-3, bandwidth=2.4e8),
+        "reduce_scatter": LinkCost(latency=6.9e-3, bandwidth=2e8),
+        "p2p": LinkCost(latency=1.3e-3, bandwidth=9.1e8),
+    },
+    inter_node=LinkCost(latency=6.9e-3, bandwidth=2e8),
+    attention_fwd_flops={"float32": 3.1e10, "bfloat16": 7.1e10, "float64": 1.1e10, "float16": 4.5e9},
+    attention_bwd_flops={"float32": 1.25e10, "bfloat16": 1.45e10, "float64": 4e9, "float16": 1.7e9},
+    overlap=False,
+    backend_overhead={"ulysses": 0.0, "allgather": 4.94e-9, "ring": 9.61e-9, "hybrid-u2": 2.86e-9},
+    backend_overhead_kv={"ulysses": 0.0, "allgather": 2.2e-9, "ring": 9.44e-9, "hybrid-u2": 7.61e-9},
+    ulysses_head_groups=1,
+)
+"""gloo on one CPU machine, 4 ranks of one thread on 2 cores: per figure, the median of four
+runs of ``sp-bench calibrate --nproc 4 --repeat 9`` (benchmarks/results/cpu-gloo-profile-P4-gqa*.json),
+rounded; float64 and float16 rates are the 2-rank guesses scaled like float32. Every rank
+computes at about half the 2-rank rate, and the ring's overhead per shard byte is 3-6x the
+2-rank figure (it merges P - 1 blocks a pass, and a rank waits at every step for one that is
+not running). Head groups: all four runs had 4 groups 3-7% faster than 1; pipelining stays
+off as on 2 ranks (docs/architecture.md)."""
 
 NVLINK_PROFILE = Profile(
     name="nvlink-gpu (built in)",
@@ -155,5 +181,11 @@ this project (no GPU yet): ``sp-bench calibrate`` on the machine replaces it. No
 budget: ``auto`` takes what the device reports free."""
 
 
-def default_profile(device_type: str) -> Profile:
-    return NVLINK_PROFILE if device_type == "cuda" else CPU_GLOO_PROFILE
+def default_profile(device_type: str, sp_size: int = 2) -> Profile:
+    """The built-in profile for ``device_type``; on CPU the one measured at the largest rank
+    count up to ``sp_size`` (2 below 2): a backend's overhead per shard byte changes with the
+    rank count (the ring merges P - 1 blocks, 4 ranks share 2 cores), so a profile serves
+    best at the count it was measured at."""
+    if device_type == "cuda":
+        return NVLINK_PROFILE
+    return CPU_GLOO_PROFILE_P4 if sp_size >= 4 else CPU_GLOO_PROFILE

@@ -112,10 +112,10 @@ def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tupl
     candidate either its estimate or the reason it was dropped (``check()`` failed, or
     its peak memory exceeds the profile's budget).
 
-    ``profile`` defaults to the topology's, else the built-in one for its device. The memory
+    ``profile`` defaults to the topology's, else the built-in one for its device and SP size. The memory
     budget is the profile's, else what the CUDA device reports free (``torch.cuda.mem_get_info``).
     """
-    profile = profile or getattr(topo, "profile", None) or default_profile(topo.device.type)
+    profile = profile or getattr(topo, "profile", None) or default_profile(topo.device.type, topo.sp_size)
     budget = profile.memory_budget_bytes
     if budget is None and topo.device.type == "cuda":
         budget = torch.cuda.mem_get_info(topo.device)[0]
@@ -126,7 +126,7 @@ def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tupl
         if reason is None:
             estimate = backend.estimate(spec, topo, profile)
             hybrid_u = _HYBRID_NAME.fullmatch(name) and name not in profile.backend_overhead
-            overhead = profile.overhead_seconds("hybrid" if hybrid_u else name, spec)  # calibrate measures "hybrid"
+            overhead = profile.overhead_seconds("hybrid" if hybrid_u else name, spec)  # an earlier calibrate's one figure
             if overhead:
                 estimate = dataclasses.replace(estimate, seconds=estimate.seconds + overhead)
             if budget is not None and estimate.peak_bytes > budget:
