@@ -8,7 +8,8 @@ p2p exchange overlaps computation. Every rank measures at once, as in training.
 
 Last, every backend ``auto`` weighs runs two reference attentions (8 q and 8 kv heads,
 then 16 and 1; dim 64, fp32, causal, ``backend_seq`` tokens); what it takes beyond the
-time the profile so far predicts, less the leanest backend's figure at that shape, is
+time the profile so far predicts, less the leanest backend's figure at that shape (the
+median of differences within a round, so that drift between rounds cancels), is
 solved for seconds per byte of the rank's q and output shards (``backend_overhead``) and
 of its k and v shards (``backend_overhead_kv``); a backend that runs only sliding-window
 layers (halo) is measured against the leanest one on the MHA attention with a window. The hybrid
@@ -88,7 +89,8 @@ def _kernel_rates(dtype, seq: int, repeat: int, device) -> tuple[float, float]:
 
 
 def _backend_times(backends: dict, spec, topo, q, k, v, dout, profile: Profile, repeat: int, device) -> dict:
-    """Per backend, the median measured seconds of forward+backward of ``spec`` and its estimate."""
+    """Per backend, the median measured seconds of forward+backward of ``spec``, its estimate,
+    and every round's seconds (``runs_s``; round i of every backend ran in the same turn)."""
 
     def step(backend):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
@@ -101,8 +103,18 @@ def _backend_times(backends: dict, spec, topo, q, k, v, dout, profile: Profile, 
             seconds = slowest_seconds(lambda b=backends[name]: step(b), 1, device)
             if round_:
                 times[name].append(seconds)
-    return {name: {"measured_s": statistics.median(times[name]), "estimated_s": b.estimate(spec, topo, profile).seconds}
-            for name, b in backends.items()}
+    return {name: {"measured_s": statistics.median(times[name]), "estimated_s": b.estimate(spec, topo, profile).seconds,
+                   "runs_s": times[name]} for name, b in backends.items()}
+
+
+def _excess_over(times: dict, ref: str) -> dict:
+    """Per backend of :func:`_backend_times`, seconds beyond its estimate less ``ref``'s: the
+    median over rounds of the difference within a round, where the two ran one after the
+    other, so that the machine's drift between rounds cancels (a difference of two medians
+    keeps it)."""
+    ref_runs, ref_est = times[ref]["runs_s"], times[ref]["estimated_s"]
+    return {name: statistics.median(t - u for t, u in zip(r["runs_s"], ref_runs)) - (r["estimated_s"] - ref_est)
+            for name, r in times.items()}
 
 
 REFERENCE_HEADS = ((8, 8), (16, 1))
@@ -135,15 +147,15 @@ def _windowed_overhead(leanest: str, window: int, q, k, v, dout, topo, profile: 
     if not only_windowed:
         return {}, None
     raw = _backend_times({leanest: candidates(topo)[leanest], **only_windowed}, spec, topo, q, k, v, dout, profile, repeat, device)
-    base = raw[leanest]["measured_s"] - raw[leanest]["estimated_s"]
-    per_byte = {name: (r["measured_s"] - r["estimated_s"] - base) / spec.shard_bytes for name, r in raw.items() if name != leanest}
+    per_byte = {name: x / spec.shard_bytes for name, x in _excess_over(raw, leanest).items() if name != leanest}
     return per_byte, {"window": window, **raw}
 
 
 def _backend_overhead(profile: Profile, seq: int, repeat: int, device, step=lambda *_: None) -> tuple[dict, dict, dict]:
     """(``backend_overhead``, ``backend_overhead_kv``, the raw measured and estimated seconds).
     Every backend runs at each of :data:`REFERENCE_HEADS`; what it takes beyond its estimate,
-    less the smallest such excess at that shape, is fitted per byte of q and output shards
+    less the leanest backend's at that shape (round by round: :func:`_excess_over`; 0 where
+    that is below 0), is fitted per byte of q and output shards
     and per byte of k and v shards (:func:`_fit`). Backends that run only sliding-window
     layers (halo) get one figure per shard byte from the MHA shape (:func:`_windowed_overhead`)."""
     import ulysses_sp as usp
@@ -156,12 +168,12 @@ def _backend_overhead(profile: Profile, seq: int, repeat: int, device, step=lamb
         spec = usp.attention.make_spec(q, k, v, topo)
         runs = {name: b for name, b in candidates(topo).items() if b.check(spec, topo) is None}
         times = _backend_times(runs, spec, topo, q, k, v, dout, profile, repeat, device)
-        excess = {name: r["measured_s"] - r["estimated_s"] for name, r in times.items()}
-        for name, x in excess.items():
-            rows.setdefault(name, []).append((2 * hq * spec.head_bytes, 2 * hkv * spec.head_bytes, x - min(excess.values())))
+        leanest = min(times, key=lambda name: times[name]["measured_s"] - times[name]["estimated_s"])
+        for name, x in _excess_over(times, leanest).items():
+            rows.setdefault(name, []).append((2 * hq * spec.head_bytes, 2 * hkv * spec.head_bytes, max(x, 0.0)))
         raw[f"{hq}/{hkv}"] = times
         if (hq, hkv) == REFERENCE_HEADS[0]:
-            windowed, raw_w = _windowed_overhead(min(excess, key=excess.get), seq // 8, q, k, v, dout, topo, profile, repeat, device)
+            windowed, raw_w = _windowed_overhead(leanest, seq // 8, q, k, v, dout, topo, profile, repeat, device)
             if raw_w is not None:
                 raw["windowed"] = raw_w
         step(1)
