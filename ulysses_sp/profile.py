@@ -4,7 +4,7 @@ A :class:`Profile` holds, per kind of collective, a latency and a bandwidth
 (inside a node, and across nodes), the local attention kernel's throughput
 forward and backward by dtype, whether communication overlaps computation,
 and an optional memory budget. Built in: NVLink GPUs, and CPU with gloo measured
-on 2 and on 4 ranks (:func:`default_profile` takes the one nearest the SP size);
+on 2 and on 4 ranks (:func:`default_profile` takes the one for the SP size);
 ``sp-bench calibrate`` measures one for the machine and rank count at hand and
 writes JSON that :func:`load_profile` reads back.
 """
