@@ -161,8 +161,9 @@ runs of ``sp-bench calibrate --nproc 4 --repeat 9`` (benchmarks/results/cpu-gloo
 rounded; float64 and float16 rates are the 2-rank guesses scaled like float32. Every rank
 computes at about half the 2-rank rate, and the ring's overhead per shard byte is 3-6x the
 2-rank figure (it merges P - 1 blocks a pass, and a rank waits at every step for one that is
-not running). Head groups: all four runs had 4 groups 3-7% faster than 1; pipelining stays
-off as on 2 ranks (docs/architecture.md)."""
+not running). Head groups: these four runs had 4 groups 3-7% faster than 1, four later ones
+1-11% slower (benchmarks/results/cpu-gloo-profile-P4-paired-run*.json); pipelining stays off,
+as on 2 ranks (docs/architecture.md)."""
 
 NVLINK_PROFILE = Profile(
     name="nvlink-gpu (built in)",
