@@ -70,7 +70,11 @@ def calibrate(nproc, out, repeat, seq, backend_seq):
     from ulysses_sp.launch import run_ranks
     from ulysses_sp.profile import Profile
 
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:  # inside a launcher: use its ranks, one GPU each
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    if (int(os.environ["WORLD_SIZE"]) if launched else nproc) < 2:
+        raise click.UsageError("calibrate measures collectives between ranks and the backends across them: "
+                               + ("launch at least 2 ranks" if launched else "--nproc must be at least 2"))
+    if launched:  # inside a launcher: use its ranks, one GPU each
         device = _join_launch()
         text = _calibrate_rank(dist.get_rank(), dist.get_world_size(), repeat, seq, backend_seq, device)
         if dist.get_rank() != 0:

@@ -107,6 +107,16 @@ def test_bad_grid_is_a_usage_error():
         assert result.exit_code == 2 and message in result.output, result.output
 
 
+def test_calibrate_needs_two_ranks(monkeypatch):
+    """One rank has no collective to time: a usage error, spawned or launched, before any rank starts."""
+    result = CliRunner().invoke(sp_bench, ["calibrate", "--nproc", "1"])
+    assert result.exit_code == 2 and "--nproc must be at least 2" in result.output, result.output
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "1")
+    result = CliRunner().invoke(sp_bench, ["calibrate"])
+    assert result.exit_code == 2 and "launch at least 2 ranks" in result.output, result.output
+
+
 def test_calibrate_writes_a_profile_auto_can_use(tmp_path):
     """``sp-bench calibrate`` at tiny sizes on 4 ranks: every figure present and finite, per-byte
     overheads of both kinds for every backend auto weighs there (the hybrid as ``hybrid-u2``), >= 0
