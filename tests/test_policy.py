@@ -180,6 +180,21 @@ def test_default_profile_follows_the_rank_count():
         assert choose_backend(s, topo)[1] == choose_backend(s, topo, builtin)[1]
 
 
+def test_a_profile_from_another_rank_count_warns():
+    """Calibrated overheads are those of the rank count measured: auto says so when a profile
+    from calibrate is used on another; built-in profiles and one of the same size are quiet."""
+    import warnings
+
+    s, topo = spec(8, 2, 4096, 4), Topology.for_planning(4)
+    two = Profile(**{**CPU_GLOO_PROFILE.__dict__, "measured": {"world_size": 2}})
+    with pytest.warns(UserWarning, match="measured on 2 ranks and is used on 4.*calibrate --nproc 4"):
+        choose_backend(s, topo, two)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        choose_backend(s, topo, Profile(**{**two.__dict__, "measured": {"world_size": 4}}))
+        choose_backend(s, topo)
+
+
 def test_hybrid_overhead_is_looked_up_by_degree():
     """Calibration stores the hybrid's overhead under auto's name for it (``hybrid-u2``); a
     profile from an earlier version has one ``hybrid`` figure, which every degree then takes."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
+import warnings
 from typing import Protocol, runtime_checkable
 
 import torch
@@ -116,6 +117,11 @@ def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tupl
     budget is the profile's, else what the CUDA device reports free (``torch.cuda.mem_get_info``).
     """
     profile = profile or getattr(topo, "profile", None) or default_profile(topo.device.type, topo.sp_size)
+    measured_on = profile.measured.get("world_size")
+    if measured_on not in (None, topo.sp_size):
+        warnings.warn(f"profile {profile.name!r} was measured on {measured_on} ranks and is used on {topo.sp_size}: its overheads "
+                      f"are those of {measured_on} (none for a hybrid it could not run); sp-bench calibrate --nproc {topo.sp_size} "
+                      "measures this size", stacklevel=2)
     budget = profile.memory_budget_bytes
     if budget is None and topo.device.type == "cuda":
         budget = torch.cuda.mem_get_info(topo.device)[0]
