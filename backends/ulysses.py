@@ -18,7 +18,7 @@ from contextlib import contextmanager
 import torch
 
 from ulysses_sp import comm, kernels, layout
-from ulysses_sp.profile import Profile, default_profile
+from ulysses_sp.profile import Profile, profile_for
 from ulysses_sp.spec import AttnSpec, Estimate
 from ulysses_sp.streams import CommStream
 
@@ -178,7 +178,7 @@ class UlyssesBackend:
         self.name = "ulysses" if head_groups is None else f"ulysses-g{head_groups}"
 
     def groups(self, spec: AttnSpec, topo, profile: Profile | None = None) -> int:
-        requested = self.head_groups or (profile or topo.profile or default_profile(topo.device.type, topo.sp_size)).ulysses_head_groups
+        requested = self.head_groups or profile_for(topo, profile).ulysses_head_groups
         p = topo.sp_size
         return head_groups_for(requested, spec.q_heads // p, comm.kv_heads_sent(spec.kv_heads, p) // p)
 

@@ -104,8 +104,8 @@ def _rescore(path: str, profile_path: str, other_path: str | None) -> list[dict]
                         head_dim=64, dtype=torch.float32, causal=True, softmax_scale=64**-0.5, layout="zigzag", window=cell["window"])
         times = cell["measured_s"]
         picks = [choose_backend(spec, topo, p)[0].name for p in profiles]
-        row = {**cell, "auto": picks[0], "regret": times[picks[0]] / min(times.values())}
-        row.pop("other_auto", None), row.pop("other_regret", None)
+        row = {k: v for k, v in cell.items() if k not in ("other_auto", "other_regret")}
+        row.update(auto=picks[0], regret=times[picks[0]] / min(times.values()))
         if other_path:
             row.update(other_auto=picks[1], other_regret=times[picks[1]] / min(times.values()))
         rows.append(row)

@@ -1,7 +1,7 @@
 """How much `sp-bench calibrate`'s backend overheads spread between runs, by two estimators
 on the same raw times: the difference of a backend's median and the leanest backend's
 median ("medians", calibrate before 2026-12-01), and the median of their differences within
-a round ("paired", `cli.calibrate._excess_over`, calibrate since).
+a round ("paired", `cli.calibrate._over_leanest`, calibrate since).
 
     sp-bench calibrate --nproc 2 --repeat 9 --out run1.json   # and run2 ... (runs of the same rank count)
     python benchmarks/calibration_spread.py run1.json run2.json run3.json run4.json
@@ -17,15 +17,15 @@ import statistics
 
 import click
 
-from ulysses_sp.cli.calibrate import REFERENCE_HEADS, _excess_over
+from ulysses_sp.cli.calibrate import REFERENCE_HEADS, _over_leanest
 
 
 def _excess(times: dict, how: str) -> dict:
+    leanest, paired = _over_leanest(times)
+    if how == "paired":
+        return paired
     excess = {name: r["measured_s"] - r["estimated_s"] for name, r in times.items()}
-    leanest = min(excess, key=excess.get)
-    if how == "medians":
-        return {name: x - excess[leanest] for name, x in excess.items()}
-    return {name: max(x, 0.0) for name, x in _excess_over(times, leanest).items()}
+    return {name: x - excess[leanest] for name, x in excess.items()}
 
 
 @click.command()

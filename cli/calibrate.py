@@ -117,6 +117,13 @@ def _excess_over(times: dict, ref: str) -> dict:
             for name, r in times.items()}
 
 
+def _over_leanest(times: dict) -> tuple[str, dict]:
+    """(the backend of :func:`_backend_times` with the smallest excess over its estimate, every
+    backend's :func:`_excess_over` it, 0 where below 0)."""
+    leanest = min(times, key=lambda name: times[name]["measured_s"] - times[name]["estimated_s"])
+    return leanest, {name: max(x, 0.0) for name, x in _excess_over(times, leanest).items()}
+
+
 REFERENCE_HEADS = ((8, 8), (16, 1))
 """q/kv heads of the reference attentions: MHA, where a rank's shards are half q and output,
 half k and v, and MQA, where they are nearly all q and output."""
@@ -143,10 +150,11 @@ def _windowed_overhead(leanest: str, window: int, q, k, v, dout, topo, profile: 
     import ulysses_sp as usp
 
     full, spec = (usp.attention.make_spec(q, k, v, topo, window=w) for w in (None, window))
-    only_windowed = {name: b for name, b in candidates(topo).items() if b.check(full, topo) is not None and b.check(spec, topo) is None}
+    backends = candidates(topo)
+    only_windowed = {name: b for name, b in backends.items() if b.check(full, topo) is not None and b.check(spec, topo) is None}
     if not only_windowed:
         return {}, None
-    raw = _backend_times({leanest: candidates(topo)[leanest], **only_windowed}, spec, topo, q, k, v, dout, profile, repeat, device)
+    raw = _backend_times({leanest: backends[leanest], **only_windowed}, spec, topo, q, k, v, dout, profile, repeat, device)
     per_byte = {name: x / spec.shard_bytes for name, x in _excess_over(raw, leanest).items() if name != leanest}
     return per_byte, {"window": window, **raw}
 
@@ -168,9 +176,9 @@ def _backend_overhead(profile: Profile, seq: int, repeat: int, device, step=lamb
         spec = usp.attention.make_spec(q, k, v, topo)
         runs = {name: b for name, b in candidates(topo).items() if b.check(spec, topo) is None}
         times = _backend_times(runs, spec, topo, q, k, v, dout, profile, repeat, device)
-        leanest = min(times, key=lambda name: times[name]["measured_s"] - times[name]["estimated_s"])
-        for name, x in _excess_over(times, leanest).items():
-            rows.setdefault(name, []).append((2 * hq * spec.head_bytes, 2 * hkv * spec.head_bytes, max(x, 0.0)))
+        leanest, excess = _over_leanest(times)
+        for name, x in excess.items():
+            rows.setdefault(name, []).append((2 * hq * spec.head_bytes, 2 * hkv * spec.head_bytes, x))
         raw[f"{hq}/{hkv}"] = times
         if (hq, hkv) == REFERENCE_HEADS[0]:
             windowed, raw_w = _windowed_overhead(leanest, seq // 8, q, k, v, dout, topo, profile, repeat, device)

@@ -15,7 +15,8 @@ import dataclasses
 import json
 from dataclasses import dataclass, field
 
-__all__ = ["LinkCost", "Profile", "CPU_GLOO_PROFILE", "CPU_GLOO_PROFILE_P4", "NVLINK_PROFILE", "load_profile", "default_profile", "COLLECTIVES"]
+__all__ = ["LinkCost", "Profile", "CPU_GLOO_PROFILE", "CPU_GLOO_PROFILE_P4", "NVLINK_PROFILE", "load_profile", "default_profile", "profile_for",
+           "COLLECTIVES"]
 
 COLLECTIVES = ("all_to_all", "all_gather", "reduce_scatter", "p2p")
 
@@ -190,3 +191,9 @@ def default_profile(device_type: str, sp_size: int = 2) -> Profile:
     if device_type == "cuda":
         return NVLINK_PROFILE
     return CPU_GLOO_PROFILE_P4 if sp_size >= 4 else CPU_GLOO_PROFILE
+
+
+def profile_for(topo, profile: Profile | None = None) -> Profile:
+    """What a call estimates with: ``profile``, else the topology's, else the built-in one
+    for the topology's device and SP size."""
+    return profile or getattr(topo, "profile", None) or default_profile(topo.device.type, topo.sp_size)

@@ -22,7 +22,7 @@ from ulysses_sp.backends.halo import HaloBackend
 from ulysses_sp.backends.hybrid import HybridBackend
 from ulysses_sp.backends.ring import RingBackend
 from ulysses_sp.backends.ulysses import UlyssesBackend
-from ulysses_sp.profile import Profile, default_profile
+from ulysses_sp.profile import Profile, profile_for
 from ulysses_sp.spec import AttnSpec, Estimate
 
 __all__ = ["Backend", "register_backend", "get_backend", "list_backends", "candidates", "choose_backend"]
@@ -116,7 +116,7 @@ def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tupl
     ``profile`` defaults to the topology's, else the built-in one for its device and SP size. The memory
     budget is the profile's, else what the CUDA device reports free (``torch.cuda.mem_get_info``).
     """
-    profile = profile or getattr(topo, "profile", None) or default_profile(topo.device.type, topo.sp_size)
+    profile = profile_for(topo, profile)
     measured_on = profile.measured.get("world_size")
     if measured_on not in (None, topo.sp_size):
         warnings.warn(f"profile {profile.name!r} was measured on {measured_on} ranks and is used on {topo.sp_size}: its overheads "
