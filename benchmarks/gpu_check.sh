@@ -6,7 +6,8 @@
 # Installs the package (and flash-attn if it is missing and installs in time), prints the
 # versions, runs benchmarks/gpu_check.py, then the main job for 20 bf16 steps on one GPU
 # and, with 2+ GPUs, with SP=2 on two with the memory stack on (--tiled-loss --tiled-mlp
-# --checkpoint offload). One summary line per check: "PASS name ...",
+# --checkpoint offload), the Trainer on two against one, the NCCL parity, and sp-bench calibrate
+# under torchrun (its profile is left in the logs). One summary line per check: "PASS name ...",
 # "FAIL name ..." or "SKIP name ..." (not a failure). Exit status 1 if any check failed,
 # 0 otherwise; without nvidia-smi or without a GPU it prints "SKIP no GPU" and exits 0.
 #
@@ -98,8 +99,10 @@ nvidia-smi -L
 # the least time kept for each later check while earlier ones run
 R_TRAIN2=0
 if ((NGPU >= 2)); then R_TRAIN2=130; fi
+R_CAL=0
+if ((NGPU >= 2)); then R_CAL=60; fi  # sp-bench calibrate under torchrun
 R_PAR=0
-if ((NGPU >= 2)); then R_PAR=150; fi
+if ((NGPU >= 2)); then R_PAR=$((150 + R_CAL)); fi  # the NCCL parity, then calibrate
 R_HF=0
 if ((NGPU >= 2)); then R_HF=120; fi  # the Trainer example: one GPU and two
 R_REAL=90  # the real-data job on 1 GPU
@@ -223,11 +226,23 @@ sys.exit(0 if loss < 1e-3 and ev < 1e-3 and two["world"] == 2 else 1)' "$LOGS/hf
     fi
     report trainer_2gpu_sp2 fail "$verdict" "$verdict"
     # every backend x layout x kernel on up to 4 GPUs with NCCL against one-process fp64 attention
-    run_logged parity_nccl 150 0 "$PYTHON" benchmarks/gpu_check.py --ranks 4
+    run_logged parity_nccl 150 "$R_CAL" "$PYTHON" benchmarks/gpu_check.py --ranks 4
     grep -E '^(PASS|FAIL|INFO) ' "$LOGS/parity_nccl.log" | sed 's/^/  /'
     report parity_nccl fail "$(last_line "$LOGS/parity_nccl.log")"
+    # sp-bench calibrate on NCCL (the launched path; every backend auto weighs, hybrid-u2 on 4 GPUs): the
+    # profile auto would use on these GPUs, in place of NVLINK_PROFILE's published figures
+    ncal=2
+    if ((NGPU >= 4)); then ncal=4; fi
+    run_logged calibrate_nccl "$R_CAL" 0 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node "$ncal" \
+        -m ulysses_sp.cli.main calibrate --repeat 3 --out "$LOGS/profile-${ncal}gpu.json"
+    figures=$(grep -E '^(attention|backend overhead)' "$LOGS/calibrate_nccl.log" | tr '\n' ' ' | cut -c1-300)
+    if timed_out; then
+        skip "calibrate_nccl $(out_of_time)"
+    else
+        report calibrate_nccl fail "$LOGS/profile-${ncal}gpu.json: $figures"
+    fi
 else
-    skip "train_2gpu_sp2_bf16_memory_stack and parity_nccl need 2 GPUs, found $NGPU"
+    skip "train_2gpu_sp2_bf16_memory_stack, parity_nccl and calibrate_nccl need 2 GPUs, found $NGPU"
 fi
 
 # ---------------------------------------------------------------- summary

@@ -2,6 +2,9 @@
 
 import csv
 import json
+import os
+import subprocess
+import sys
 
 import pytest
 from click.testing import CliRunner
@@ -115,6 +118,19 @@ def test_calibrate_needs_two_ranks(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "1")
     result = CliRunner().invoke(sp_bench, ["calibrate"])
     assert result.exit_code == 2 and "launch at least 2 ranks" in result.output, result.output
+
+
+def test_calibrate_under_torchrun_uses_the_launch_ranks(tmp_path):
+    """The launched path gpu_check.sh runs on NCCL (``_join_launch``: bind the rank's device, join
+    the launcher's group), here on 2 gloo CPU ranks: the profile is written once and says 2 ranks."""
+    out = tmp_path / "p.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "ulysses_sp.cli.main",
+           "calibrate", "--repeat", "1", "--seq", "256", "--backend-seq", "512", "--out", str(out)]
+    done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert done.stdout.count("wrote ") == 1
+    profile = load_profile(str(out))
+    assert profile.measured["world_size"] == 2 and set(profile.backend_overhead) == {"ulysses", "allgather", "ring", "halo"}
 
 
 def test_calibrate_writes_a_profile_auto_can_use(tmp_path):
