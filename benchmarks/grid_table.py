@@ -4,12 +4,18 @@ fastest backend, the peers, and the target ratios (taken within the same run), m
 that backend's own entry over the best (the cost of the choice) and auto's run of it over the
 best (the same code timed again: the difference between the two is the spread).
 
+Where the run interleaved its entries (sp-bench's rounds: run i of every entry of a cell in
+round i), a ratio is the median over rounds of the ratio within a round, so that the
+machine's drift between rounds cancels; in older files, which ran each entry's repeats one
+after the other, it is the ratio of the two medians.
+
     python benchmarks/grid_table.py benchmarks/results/grid-P4-fp32-H8.json [more.json ...]
 """
 
 from __future__ import annotations
 
 import json
+import statistics
 import sys
 
 OURS = ("ulysses", "allgather", "ring", "hybrid")
@@ -21,10 +27,13 @@ def _ms(row) -> str:
     return f"{1e3 * t['median']:.0f} ({1e3 * t['min']:.0f}-{1e3 * t['max']:.0f})"
 
 
-def _ratio(a, b) -> str:
+def _ratio(a, b, paired: bool) -> str:
     if a is None or b is None:
         return "-"
-    r = a["fwd_bwd_s"]["median"] / b["fwd_bwd_s"]["median"]
+    if paired:
+        r = statistics.median(x / y for x, y in zip(a["fwd_bwd_s_all"], b["fwd_bwd_s_all"], strict=True))
+    else:
+        r = a["fwd_bwd_s"]["median"] / b["fwd_bwd_s"]["median"]
     return f"**{r:.2f}**" if r <= TARGET else f"{r:.2f}"
 
 
@@ -34,16 +43,17 @@ def table(paths) -> str:
         with open(path) as f:
             data = json.load(f)
         nproc = data["env"].get("world_size") or data["env"].get("nproc")
+        paired = "round" in data["env"].get("timing", "")
         mine: dict = {}
         for row in data["rows"]:
             if "fwd_bwd_s" not in row:  # skipped, with its reason
                 continue
             mine.setdefault((nproc, row["dtype"], row["seq"], row["heads"], row["kv_heads"]), {})[row["entry"]] = row
         for key, rows in mine.items():  # a cell measured again (another file) gets a row of its own
-            cells[key + (sum(k[:5] == key for k in cells),)] = rows
+            cells[key + (sum(k[:5] == key for k in cells),)] = rows, paired
     lines = ["| P | dtype | S | H/KV | ours best | DeepSpeed | torch ring | best / best peer | Ulysses / DeepSpeed | ring / torch ring | best eff. | auto: pick, its entry / best, auto's run / best |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
-    for (p, dtype, seq, hq, hkv, again), rows in sorted(cells.items()):
+    for (p, dtype, seq, hq, hkv, again), (rows, paired) in sorted(cells.items()):
         ours = {n: rows[n] for n in OURS if n in rows}
         best = min(ours, key=lambda n: ours[n]["fwd_bwd_s"]["median"])
         ds, tr = rows.get("peer:deepspeed"), rows.get("peer:torch-ring")
@@ -58,8 +68,8 @@ def table(paths) -> str:
         eff = ours[best].get("efficiency")
         eff_s = "-" if eff is None else (f"**{eff:.2f}**" if eff >= EFFICIENCY else f"{eff:.2f}")
         lines.append(f"| {p} | {dtype} | {seq // 1024}k{' (again)' if again else ''} | {hq}/{hkv} | {best} {_ms(ours[best])} | {_ms(ds) if ds else 'cannot run'} | "
-                     f"{_ms(tr) if tr else 'cannot run'} | {_ratio(ours[best], best_peer)} | {_ratio(ours.get('ulysses'), ds)} | "
-                     f"{_ratio(ours.get('ring'), tr)} | {eff_s} | {auto_s} |")
+                     f"{_ms(tr) if tr else 'cannot run'} | {_ratio(ours[best], best_peer, paired)} | {_ratio(ours.get('ulysses'), ds, paired)} | "
+                     f"{_ratio(ours.get('ring'), tr, paired)} | {eff_s} | {auto_s} |")
     return "\n".join(lines)
 
 

@@ -1,8 +1,11 @@
 """``sp-bench run``'s measurements: every backend (and peer) on every cell of a grid.
 
-One rank function runs the whole grid inside one group of ranks. Per cell and
-entry: ``warmup`` untimed calls, then ``repeat`` timed ones, each starting at
-a barrier; forward and forward+backward seconds per rank (CUDA synchronised);
+One rank function runs the whole grid inside one group of ranks. Per cell:
+``warmup`` untimed calls of each entry, then ``repeat`` rounds in which every
+entry runs once, the order rotating between rounds, so that a drift of the
+machine's speed during a cell falls on every entry alike (run i of two entries
+ran in the same round: their ratio is paired). Each call starts at a barrier;
+forward and forward+backward seconds per rank (CUDA synchronised);
 peak memory of the call; bytes sent, counted by ``CommCounter``; with
 ``check``, the max error of out, dq, dk, dv against fp64 attention of the
 whole sequence. The report takes, per repeat, the slowest rank.
@@ -159,24 +162,27 @@ def _payload(counter) -> int:
     return counter.bytes_sent - (handshake.sent if handshake else 0)
 
 
-def _timed(fn, shards, dout, device, warmup: int, repeat: int, group):
-    runs = []
-    for i in range(warmup + repeat):
-        leaves = [t.detach().clone().requires_grad_() for t in shards]
-        dist.barrier(group)
-        with PeakMemory(device) as mem:
-            t0 = time.perf_counter()
-            with usp.CommCounter() as fwd_bytes:
-                out = fn(*leaves)
-            _sync(device)
-            t1 = time.perf_counter()
-            with usp.CommCounter() as bwd_bytes:
-                out.backward(dout)
-            _sync(device)
-            t2 = time.perf_counter()
-        if i >= warmup:
-            runs.append((t1 - t0, t2 - t0, mem.peak, _payload(fwd_bytes), _payload(bwd_bytes)))
-    return runs, out.detach(), [t.grad for t in leaves]
+def _run_once(fn, shards, dout, device, group):
+    """One forward+backward from a barrier: ((fwd s, fwd+bwd s, peak bytes, fwd bytes, bwd bytes), out, grads)."""
+    leaves = [t.detach().clone().requires_grad_() for t in shards]
+    dist.barrier(group)
+    with PeakMemory(device) as mem:
+        t0 = time.perf_counter()
+        with usp.CommCounter() as fwd_bytes:
+            out = fn(*leaves)
+        _sync(device)
+        t1 = time.perf_counter()
+        with usp.CommCounter() as bwd_bytes:
+            out.backward(dout)
+        _sync(device)
+        t2 = time.perf_counter()
+    return (t1 - t0, t2 - t0, mem.peak, _payload(fwd_bytes), _payload(bwd_bytes)), out.detach(), [t.grad for t in leaves]
+
+
+def _advance(bar, calls: int, name: str, cell: Cell) -> None:
+    if bar is not None:
+        bar.set_postfix_str(f"{name} S={cell.seq} H={cell.heads}/{cell.kv_heads}")
+        bar.update(calls)
 
 
 def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat: int, check: bool, topo_args: dict, progress: bool,
@@ -193,36 +199,47 @@ def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat:
     if progress and dist.get_rank() == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(cells_) * len(entries), desc="sp-bench", unit="run")
+        bar = tqdm(total=len(cells_) * len(entries) * (warmup + repeat), desc="sp-bench", unit="call")
     results = {}
     for index, cell in enumerate(cells_):
         topo = topo_for(cell.layout)
         full = _inputs(cell, topo.device)
-        reference = _reference(full, cell) if check else None
+        ready = {}  # entry -> (callable, its shards, their topology)
         for name in entries:
-            if bar is not None:
-                bar.set_postfix_str(f"{name} S={cell.seq} H={cell.heads}/{cell.kv_heads}")
-            result = {}
             fn, shard_topo, reason = _entry(name, cell, topo_for, kernel)
             if reason:
-                result["skipped"] = reason
-            else:
-                shards = [usp.shard_sequence(t, shard_topo) for t in full]
-                runs, out, grads = _timed(fn, shards[:3], shards[3], topo.device, warmup, repeat, topo.sp_group)
-                result["runs"] = runs
-                if name == "auto":
-                    result["resolved"] = [b.name for b in fn.func._chosen.values()]
-                if not name.startswith("peer:"):
-                    spec = usp.attention.make_spec(*shards[:3], shard_topo, causal=cell.causal, window=cell.window)
-                    backend = usp.get_backend(result.get("resolved", [name])[0])
-                    estimate = backend.estimate(spec, shard_topo, shard_topo.profile or usp.CPU_GLOO_PROFILE)
-                    result["analytic_bytes"] = (estimate.comm_bytes, estimate.bwd_comm_bytes)
-                if check:
-                    mine = [usp.shard_sequence(t, shard_topo) for t in reference]
-                    result["max_error"] = max((a.double() - b).abs().max().item() for a, b in zip([out, *grads], mine))
-            results[(index, name)] = result
-            if bar is not None:
-                bar.update()
+                results[(index, name)] = {"skipped": reason}
+                _advance(bar, warmup + repeat, name, cell)
+                continue
+            shards = [usp.shard_sequence(t, shard_topo) for t in full]
+            ready[name] = fn, shards, shard_topo
+            results[(index, name)] = {"runs": []}
+            for _ in range(warmup):
+                _run_once(fn, shards[:3], shards[3], topo.device, topo.sp_group)
+                _advance(bar, 1, name, cell)
+        last = {}
+        names = list(ready)
+        for round_ in range(repeat):
+            for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+                fn, shards, _ = ready[name]
+                run, out, grads = _run_once(fn, shards[:3], shards[3], topo.device, topo.sp_group)
+                results[(index, name)]["runs"].append(run)
+                last[name] = out, grads
+                _advance(bar, 1, name, cell)
+        reference = _reference(full, cell) if check and ready else None
+        for name, (fn, shards, shard_topo) in ready.items():
+            result = results[(index, name)]
+            if name == "auto":
+                result["resolved"] = [b.name for b in fn.func._chosen.values()]
+            if not name.startswith("peer:"):
+                spec = usp.attention.make_spec(*shards[:3], shard_topo, causal=cell.causal, window=cell.window)
+                backend = usp.get_backend(result.get("resolved", [name])[0])
+                estimate = backend.estimate(spec, shard_topo, shard_topo.profile or usp.CPU_GLOO_PROFILE)
+                result["analytic_bytes"] = (estimate.comm_bytes, estimate.bwd_comm_bytes)
+            if check:
+                out, grads = last[name]
+                mine = [usp.shard_sequence(t, shard_topo) for t in reference]
+                result["max_error"] = max((a.double() - b).abs().max().item() for a, b in zip([out, *grads], mine))
     if bar is not None:
         bar.close()
     return results

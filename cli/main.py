@@ -178,8 +178,9 @@ def _bench_rank(rank, world, cells, entries, options):
                    "ring-flash-attn and yunchang peers then run on CPU tensors")
 @click.option("--nproc", type=int, default=2, show_default=True, help="gloo ranks to spawn (ignored under torchrun/deepspeed, which set RANK)")
 @click.option("--ulysses-degree", type=int, default=None, help="Ulysses part of the hybrid (default: all ranks)")
-@click.option("--warmup", type=int, default=1, show_default=True)
-@click.option("--repeat", type=int, default=3, show_default=True)
+@click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="untimed calls of each entry per cell")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
+              help="timed rounds per cell; each round runs every entry once, the order rotating")
 @click.option("--threads-per-rank", type=int, default=1, show_default=True)
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False), help="for auto (default: built-in for the device)")
 @click.option("--check", is_flag=True, help="also the max error of out and grads against fp64 one-process attention")
@@ -281,7 +282,8 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, w
         "cpus": os.cpu_count(), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "process_group": "nccl" if device.type == "cuda" else "gloo", "world_size": world, "threads_per_rank": threads_per_rank,
         "warmup": warmup, "repeat": repeat, "memory": memory_method(device),
-        "timing": "per repeat the slowest rank; median and min-max over repeats; each repeat starts at a barrier",
+        "timing": "per repeat the slowest rank; median and min-max over repeats; each repeat starts at a barrier; "
+                  "repeat i of every entry of a cell ran in round i, the entries' order rotating between rounds",
     }
     title = f"sp-bench: {world} ranks ({env['process_group']}, {threads_per_rank} thread(s) each), {layout}, {'causal' if causal else 'full'}"
     report.render(rows, title)

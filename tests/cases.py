@@ -873,6 +873,35 @@ def non_finite_input(env: Env) -> dict:
     return result
 
 
+@case("bench/rounds", worlds=(2,))
+def bench_rounds(env: Env) -> dict:
+    """sp-bench's order of calls in a cell: each entry's warmup, then rounds in which every entry
+    runs once, the order rotating; run i of each entry is its call in round i. Entries are stand-ins."""
+    from ulysses_sp.cli import bench
+
+    calls = []
+
+    def entry(name, cell, topo_for, kernel):
+        if name == "peer:skip":
+            return None, None, "cannot run"
+        return name, topo_for(cell.layout), None
+
+    def run_once(fn, shards, dout, device, group):
+        calls.append(fn)
+        return (len(calls), 0.0, 0, 0, 0), None, None
+
+    real = bench._entry, bench._run_once
+    bench._entry, bench._run_once = entry, run_once
+    try:
+        cell = bench.Cell(8, 2, 2, 4, 1, "float32", True, "zigzag")
+        results = bench.measure_rank([cell], ["peer:a", "peer:skip", "peer:b", "peer:c"], warmup=1, repeat=4, check=False,
+                                     topo_args={"timeout": 60}, progress=False)
+    finally:
+        bench._entry, bench._run_once = real
+    return {"calls": calls, "runs": {name: [run[0] for run in r["runs"]] for (_, name), r in results.items() if "runs" in r},
+            "skipped": {name: r["skipped"] for (_, name), r in results.items() if "skipped" in r}}
+
+
 
 
 from . import reliability_cases  # noqa: E402,F401

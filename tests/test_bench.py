@@ -13,6 +13,8 @@ from ulysses_sp.cli.main import main as sp_bench
 from ulysses_sp.cli.report import CSV_COLUMNS
 from ulysses_sp.profile import load_profile
 
+from .conftest import values
+
 BACKENDS = ["ulysses", "allgather", "ring", "hybrid", "halo", "auto"]
 PEERS = ["peer:deepspeed", "peer:torch-ring", "peer:ring-flash-attn", "peer:yunchang"]
 
@@ -102,10 +104,22 @@ def test_environment_csv_and_plot(bench):
     assert (out / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_entries_run_in_rotating_rounds(ranks):
+    """Run i of every entry of a cell ran in round i, so that a ratio taken round by round
+    (grid_table.py) pairs calls made one after the other, whatever the machine's drift."""
+    for r in values(ranks(2), "bench/rounds"):
+        rounds = [["peer:a", "peer:b", "peer:c"], ["peer:b", "peer:c", "peer:a"], ["peer:c", "peer:a", "peer:b"], ["peer:a", "peer:b", "peer:c"]]
+        assert r["calls"] == ["peer:a", "peer:b", "peer:c"] + sum(rounds, [])
+        assert r["skipped"] == {"peer:skip": "cannot run"}
+        for name in ("peer:a", "peer:b", "peer:c"):  # call numbers of its runs: the 3 warmups, then 3 per round
+            assert r["runs"][name] == [4 + 3 * i + rounds[i].index(name) for i in range(4)]
+
+
 def test_bad_grid_is_a_usage_error():
     for args, message in ((["--backends", "ringg"], "unknown backend 'ringg'"), (["--peers", "megatron"], "unknown peer"),
                           (["--seq", "4q"], "not a token count"), (["--dtype", "float8"], "float32, bfloat16, float16"),
-                          (["--seq", "100", "--nproc", "3"], "every length must divide by 6"), (["--kv-heads", "x"], "integers or q")):
+                          (["--seq", "100", "--nproc", "3"], "every length must divide by 6"), (["--kv-heads", "x"], "integers or q"),
+                          (["--repeat", "0"], "0 is not in the range x>=1")):
         result = CliRunner().invoke(sp_bench, ["run", *args])
         assert result.exit_code == 2 and message in result.output, result.output
 
