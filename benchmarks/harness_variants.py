@@ -22,7 +22,6 @@ import statistics
 import time
 
 import torch
-import torch.distributed as dist
 
 from ulysses_sp.launch import run_ranks
 

@@ -31,6 +31,7 @@ import torch.distributed as dist
 import ulysses_sp as usp
 from ulysses_sp import kernels
 
+from .calibrate import rotated
 from .peers import PEERS
 
 __all__ = ["Cell", "PeakMemory", "cells", "measure_rank", "memory_method", "one_process", "summarise"]
@@ -218,9 +219,9 @@ def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat:
                 _run_once(fn, shards[:3], shards[3], topo.device, topo.sp_group)
                 _advance(bar, 1, name, cell)
         last = {}
-        names = list(ready)
+        names = list(ready)  # empty where every entry was skipped
         for round_ in range(repeat):
-            for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+            for name in rotated(names, round_):
                 fn, shards, _ = ready[name]
                 run, out, grads = _run_once(fn, shards[:3], shards[3], topo.device, topo.sp_group)
                 results[(index, name)]["runs"].append(run)

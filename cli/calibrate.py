@@ -35,7 +35,7 @@ from ulysses_sp import comm, kernels
 from ulysses_sp.profile import COLLECTIVES, LinkCost, Profile
 from ulysses_sp.registry import candidates
 
-__all__ = ["measure", "slowest_seconds"]
+__all__ = ["measure", "rotated", "slowest_seconds"]
 
 SMALL, LARGE = 1 << 6, 1 << 22  # elements of float32: 256 B and 16 MiB
 
@@ -88,6 +88,13 @@ def _kernel_rates(dtype, seq: int, repeat: int, device) -> tuple[float, float]:
     return flops / t_fwd, flops / max(t_both - t_fwd, 1e-9)
 
 
+def rotated(items: list, shift: int) -> list:
+    """``items`` started at index ``shift`` (mod its length): round r of a paired measurement runs
+    ``rotated(names, r)``, so that no one always runs first."""
+    k = shift % len(items) if items else 0
+    return items[k:] + items[:k]
+
+
 def _backend_times(backends: dict, spec, topo, q, k, v, dout, profile: Profile, repeat: int, device) -> dict:
     """Per backend, the median measured seconds of forward+backward of ``spec``, its estimate,
     and every round's seconds (``runs_s``; round i of every backend ran in the same turn)."""
@@ -99,7 +106,7 @@ def _backend_times(backends: dict, spec, topo, q, k, v, dout, profile: Profile, 
     names = list(backends)
     times = {name: [] for name in names}
     for round_ in range(repeat + 1):  # the first round warms up; the order rotates
-        for name in names[round_ % len(names):] + names[: round_ % len(names)]:
+        for name in rotated(names, round_):
             seconds = slowest_seconds(lambda b=backends[name]: step(b), 1, device)
             if round_:
                 times[name].append(seconds)

@@ -896,10 +896,11 @@ def bench_rounds(env: Env) -> dict:
         cell = bench.Cell(8, 2, 2, 4, 1, "float32", True, "zigzag")
         results = bench.measure_rank([cell], ["peer:a", "peer:skip", "peer:b", "peer:c"], warmup=1, repeat=4, check=False,
                                      topo_args={"timeout": 60}, progress=False)
+        nothing_runs = bench.measure_rank([cell], ["peer:skip"], warmup=1, repeat=4, check=False, topo_args={"timeout": 60}, progress=False)
     finally:
         bench._entry, bench._run_once = real
     return {"calls": calls, "runs": {name: [run[0] for run in r["runs"]] for (_, name), r in results.items() if "runs" in r},
-            "skipped": {name: r["skipped"] for (_, name), r in results.items() if "skipped" in r}}
+            "skipped": {name: r["skipped"] for (_, name), r in results.items() if "skipped" in r}, "nothing_runs": nothing_runs}
 
 
 

@@ -113,6 +113,7 @@ def test_entries_run_in_rotating_rounds(ranks):
         assert r["skipped"] == {"peer:skip": "cannot run"}
         for name in ("peer:a", "peer:b", "peer:c"):  # call numbers of its runs: the 3 warmups, then 3 per round
             assert r["runs"][name] == [4 + 3 * i + rounds[i].index(name) for i in range(4)]
+        assert r["nothing_runs"] == {(0, "peer:skip"): {"skipped": "cannot run"}}  # a cell no entry can run
 
 
 def test_bad_grid_is_a_usage_error():

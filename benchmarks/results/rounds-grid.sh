@@ -1,6 +1,8 @@
-cd /work/main && . .venv/bin/activate && export OMP_NUM_THREADS=1
+# The performance grid with interleaved rounds (benchmarks/README.md), from the repository root
+# with the project installed: bash benchmarks/results/rounds-grid.sh
+export OMP_NUM_THREADS=1
 R=benchmarks/results
-run() { echo "=== $(date -u +%H:%M:%S) $*"; sp-bench run --repeat 5 --peers deepspeed,torch-ring "$@" 2>&1 | grep -v "sp-bench: .*call/s" | tail -3; }
+run() { echo "=== $(date -u +%H:%M:%S) $*"; sp-bench run --repeat 5 --peers deepspeed,torch-ring "$@"; }
 for dt in float32 bfloat16; do
   d=${dt/float32/fp32}; d=${d/bfloat16/bf16}
   run --nproc 2 --seq 4k --heads 8 --kv-heads 8,2 --dtype $dt --json $R/rounds-P2-$d-4k-H8.json
