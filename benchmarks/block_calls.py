@@ -1,8 +1,8 @@
 """Merged block calls against one call per (query run, key run), paired: every round runs the
-block-wise backends once with ``blocks.plan_blocks`` merging unmasked calls (the default) and
-once without, in turn (which goes first alternates), on the same inputs; the ratio is taken
-per round, then its median.
-Under zigzag a ring step after the first is one kernel call merged, two split.
+block-wise backends once with ``blocks.plan_blocks`` merging unmasked calls and a rank's own
+diagonals (the default) and once without, in turn (which goes first alternates), on the same
+inputs; the ratio is taken per round, then its median.
+Under zigzag every ring step is one kernel call merged; split, the first is three, the others two.
 
     python benchmarks/block_calls.py [--nproc 4] [--seq 8192] [--heads 8/8] [--backends ring,allgather]
                                      [--rounds 7] [--dtype bfloat16] [--json FILE]
@@ -32,7 +32,7 @@ def _rank(rank, world, seqs, heads, backends, rounds, dtype):
     torch.set_num_threads(1)
     topo = usp.init_sequence_parallel(world)
     caches = {v: {} for v in VARIANTS}  # each variant's plans, kept apart
-    split = mock.patch.object(blocks, "_coalesce", lambda calls, max_keys: list(calls))
+    split = mock.patch.multiple(blocks, _coalesce=lambda calls, max_keys: list(calls), _merge_diagonals=list)
     out = {}
     for seq in seqs:
         for hq, hkv in heads:

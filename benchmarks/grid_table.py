@@ -2,7 +2,8 @@
 fastest backend, the peers, and the target ratios (taken within the same run), marked
 **bold** where met (ratios at most 0.97, efficiency at least 0.90), and what ``auto`` chose:
 that backend's own entry over the best (the cost of the choice) and auto's run of it over the
-best (the same code timed again: the difference between the two is the spread).
+best (the same code timed again: the difference between the two is the spread). The
+efficiency is sp-bench's: in files where T1 ran in the rounds, the median of the rounds' ratios.
 
 Where the run interleaved its entries (sp-bench's rounds: run i of every entry of a cell in
 round i), a ratio is the median over rounds of the ratio within a round, so that the
@@ -27,13 +28,16 @@ def _ms(row) -> str:
     return f"{1e3 * t['median']:.0f} ({1e3 * t['min']:.0f}-{1e3 * t['max']:.0f})"
 
 
+def _value(a, b, paired: bool) -> float:
+    if paired:
+        return statistics.median(x / y for x, y in zip(a["fwd_bwd_s_all"], b["fwd_bwd_s_all"], strict=True))
+    return a["fwd_bwd_s"]["median"] / b["fwd_bwd_s"]["median"]
+
+
 def _ratio(a, b, paired: bool) -> str:
     if a is None or b is None:
         return "-"
-    if paired:
-        r = statistics.median(x / y for x, y in zip(a["fwd_bwd_s_all"], b["fwd_bwd_s_all"], strict=True))
-    else:
-        r = a["fwd_bwd_s"]["median"] / b["fwd_bwd_s"]["median"]
+    r = _value(a, b, paired)
     return f"**{r:.2f}**" if r <= TARGET else f"{r:.2f}"
 
 
@@ -62,9 +66,9 @@ def table(paths) -> str:
         auto = next((r for n, r in rows.items() if n.startswith("auto")), None)
         auto_s = "-"
         if auto is not None:  # the choice's cost (its own entry against the best), then auto's own run of it
-            base, pick = ours[best]["fwd_bwd_s"]["median"], auto.get("resolved", "?")
-            chosen = f"{rows[pick]['fwd_bwd_s']['median'] / base:.2f}" if pick in rows else "?"
-            auto_s = f"{pick} {chosen} / {auto['fwd_bwd_s']['median'] / base:.2f}"
+            pick = auto.get("resolved", "?")
+            chosen = f"{_value(rows[pick], ours[best], paired):.2f}" if pick in rows else "?"
+            auto_s = f"{pick} {chosen} / {_value(auto, ours[best], paired):.2f}"
         eff = ours[best].get("efficiency")
         eff_s = "-" if eff is None else (f"**{eff:.2f}**" if eff >= EFFICIENCY else f"{eff:.2f}")
         lines.append(f"| {p} | {dtype} | {seq // 1024}k{' (again)' if again else ''} | {hq}/{hkv} | {best} {_ms(ours[best])} | {_ms(ds) if ds else 'cannot run'} | "

@@ -4,8 +4,8 @@ all of them alike. Made to find why sp-bench and ``profile_ulysses.py`` disagree
 pair at P = 2 16k (1.01-1.09 against 0.86-0.88).
 
 Harnesses (``--variants``):
-  bench      sp-bench's own call (``cli.bench._run_once``): fresh leaves, a barrier, the
-             upstream gradient of the cell, CommCounter and the peak-memory probe around it
+  bench      sp-bench's own timed call (``cli.bench._run_once``, no memory probe): fresh
+             leaves, a barrier, the upstream gradient of the cell, CommCounter around it
   bare-dout  the same leaves every call, no barrier, ``out.backward(dout)``
   bare-sum   the same leaves every call, no barrier, ``out.sum().backward()`` (profile_ulysses.py)
   prof-sum   bare-sum under torch.profiler
@@ -48,7 +48,7 @@ def _rank(rank, world, seq, heads, kv_heads, rounds, variants, dtype):
 
     def step(way, variant):
         if variant == "bench":
-            return _run_once(ways[way], (q, k, v), dout, topo.device, topo.sp_group)[0][1]
+            return _run_once(ways[way], (q, k, v), dout, topo.device, topo.sp_group, memory=False)[0][1]
         if variant == "bare-dout":
             return bare(way, dout)
         if variant == "bare-sum":

@@ -4,7 +4,10 @@ One rank function runs the whole grid inside one group of ranks. Per cell:
 ``warmup`` untimed calls of each entry, then ``repeat`` rounds in which every
 entry runs once, the order rotating between rounds, so that a drift of the
 machine's speed during a cell falls on every entry alike (run i of two entries
-ran in the same round: their ratio is paired). Each call starts at a barrier;
+ran in the same round: their ratio is paired). With ``baseline``, the rounds also
+run T1, the same attention on the whole sequence on rank 0 alone (the other ranks
+wait at the next barrier), so that the scaling efficiency T1 / (P x T) is paired
+too and T1 runs in a rank's process, under its allocator settings. Each call starts at a barrier;
 forward and forward+backward seconds per rank (CUDA synchronised);
 peak memory of the call; bytes sent, counted by ``CommCounter``; with
 ``check``, the max error of out, dq, dk, dv against fp64 attention of the
@@ -12,11 +15,18 @@ whole sequence. The report takes, per repeat, the slowest rank.
 
 Peak memory: on CUDA the allocator's peak above what was allocated before the
 call; on CPU the process's peak resident set (``VmHWM``, reset through
-``/proc/self/clear_refs``) above its resident set before the call.
+``/proc/self/clear_refs``) above its resident set before the call. For that the
+ranks need glibc's mmap threshold at 128 KiB, so that a freed tensor leaves the
+resident set; every large tensor is then fresh pages, whose faults slowed the calls
+by up to 41% at 4k (benchmarks/README.md). So ``sp-bench run`` times its spawned CPU ranks
+with ``memory=False`` and measures memory in a second group of ranks started with
+that setting, one call per entry and cell (after one warmup). ``summarise`` takes a
+rank's ``"peak"`` where such a pass left one, else the peaks of its runs.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import itertools
 import os
@@ -24,6 +34,7 @@ import re
 import statistics
 import time
 from dataclasses import asdict, dataclass
+from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -34,12 +45,13 @@ from ulysses_sp import kernels
 from .calibrate import rotated
 from .peers import PEERS
 
-__all__ = ["Cell", "PeakMemory", "cells", "measure_rank", "memory_method", "one_process", "summarise"]
+__all__ = ["BASELINE", "Cell", "PeakMemory", "cells", "measure_rank", "memory_method", "summarise"]
 
 BACKENDS = ("ulysses", "allgather", "ring", "hybrid", "halo", "auto")
 MMAP_THRESHOLD = 1 << 17
 """glibc otherwise raises its mmap threshold as large blocks are freed and keeps them
 resident, hiding the next call's allocations from the resident-set measure."""
+BASELINE = "one rank (T1)"  # the key of T1's runs in measure_rank's results
 
 
 @dataclass(frozen=True)
@@ -105,13 +117,16 @@ class PeakMemory:
             self.peak = None
 
 
-def memory_method(device) -> str:
+def memory_method(device, memory: bool = True, threshold: str | None = None) -> str:
+    """What the peak memory figure is; ``threshold``: the MALLOC_MMAP_THRESHOLD_ of a separate memory pass."""
+    if not memory:
+        return "not measured (--no-memory)"
     if device.type == "cuda":
         return "CUDA allocator: max_memory_allocated above the allocation before the call"
     if os.path.exists("/proc/self/clear_refs"):
-        threshold = os.environ.get("MALLOC_MMAP_THRESHOLD_")
         return "process peak resident set (VmHWM, reset via /proc/self/clear_refs) above the resident set before the call" + (
-            f"; ranks run with MALLOC_MMAP_THRESHOLD_={threshold} so freed tensors leave the resident set" if threshold else "")
+            f"; one call per entry and cell in a separate group of ranks run with MALLOC_MMAP_THRESHOLD_={threshold}, so freed "
+            "tensors leave the resident set; the timed calls ran in another group" if threshold else "")
     return "not measured on this platform"
 
 
@@ -163,11 +178,11 @@ def _payload(counter) -> int:
     return counter.bytes_sent - (handshake.sent if handshake else 0)
 
 
-def _run_once(fn, shards, dout, device, group):
-    """One forward+backward from a barrier: ((fwd s, fwd+bwd s, peak bytes, fwd bytes, bwd bytes), out, grads)."""
+def _run_once(fn, shards, dout, device, group, memory: bool = True):
+    """One forward+backward from a barrier: ((fwd s, fwd+bwd s, peak bytes or None, fwd bytes, bwd bytes), out, grads)."""
     leaves = [t.detach().clone().requires_grad_() for t in shards]
     dist.barrier(group)
-    with PeakMemory(device) as mem:
+    with PeakMemory(device) if memory else contextlib.nullcontext(SimpleNamespace(peak=None)) as mem:
         t0 = time.perf_counter()
         with usp.CommCounter() as fwd_bytes:
             out = fn(*leaves)
@@ -180,6 +195,19 @@ def _run_once(fn, shards, dout, device, group):
     return (t1 - t0, t2 - t0, mem.peak, _payload(fwd_bytes), _payload(bwd_bytes)), out.detach(), [t.grad for t in leaves]
 
 
+def _run_baseline(cell: Cell, full, device, group, kernel: str) -> float | None:
+    """T1 from a barrier: forward+backward seconds of the whole sequence on rank 0; None on the
+    other ranks, which go on to the next call's barrier and wait there."""
+    dist.barrier(group)
+    if dist.get_rank(group) != 0:
+        return None
+    leaves = [t.clone().requires_grad_() for t in full[:3]]
+    t0 = time.perf_counter()
+    kernels.local_attention(*leaves, causal=cell.causal, kernel=kernel, window=cell.window).backward(full[3])
+    _sync(device)
+    return time.perf_counter() - t0
+
+
 def _advance(bar, calls: int, name: str, cell: Cell) -> None:
     if bar is not None:
         bar.set_postfix_str(f"{name} S={cell.seq} H={cell.heads}/{cell.kv_heads}")
@@ -187,8 +215,9 @@ def _advance(bar, calls: int, name: str, cell: Cell) -> None:
 
 
 def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat: int, check: bool, topo_args: dict, progress: bool,
-                 kernel: str = "auto") -> dict:
-    """Run on every rank of the SP group (the world): ``{(cell index, entry): this rank's figures}``."""
+                 kernel: str = "auto", baseline: bool = False, memory: bool = True, desc: str = "sp-bench") -> dict:
+    """Run on every rank of the SP group (the world): ``{(cell index, entry): this rank's figures}``;
+    with ``baseline`` also ``{(cell index, BASELINE): {"runs": T1 seconds per round}}`` (None off rank 0)."""
     topos = {}
 
     def topo_for(layout):
@@ -200,7 +229,7 @@ def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat:
     if progress and dist.get_rank() == 0:
         from tqdm import tqdm
 
-        bar = tqdm(total=len(cells_) * len(entries) * (warmup + repeat), desc="sp-bench", unit="call")
+        bar = tqdm(total=len(cells_) * (len(entries) + baseline) * (warmup + repeat), desc=desc, unit="call")
     results = {}
     for index, cell in enumerate(cells_):
         topo = topo_for(cell.layout)
@@ -216,16 +245,28 @@ def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat:
             ready[name] = fn, shards, shard_topo
             results[(index, name)] = {"runs": []}
             for _ in range(warmup):
-                _run_once(fn, shards[:3], shards[3], topo.device, topo.sp_group)
+                _run_once(fn, shards[:3], shards[3], topo.device, topo.sp_group, memory)
                 _advance(bar, 1, name, cell)
-        last = {}
         names = list(ready)  # empty where every entry was skipped
+        if baseline:
+            if names:
+                names.append(BASELINE)
+                results[(index, BASELINE)] = {"runs": []}
+                for _ in range(warmup):
+                    _run_baseline(cell, full, topo.device, topo.sp_group, kernel)
+                    _advance(bar, 1, BASELINE, cell)
+            else:
+                _advance(bar, warmup + repeat, BASELINE, cell)
+        last = {}
         for round_ in range(repeat):
             for name in rotated(names, round_):
-                fn, shards, _ = ready[name]
-                run, out, grads = _run_once(fn, shards[:3], shards[3], topo.device, topo.sp_group)
-                results[(index, name)]["runs"].append(run)
-                last[name] = out, grads
+                if name == BASELINE:
+                    results[(index, name)]["runs"].append(_run_baseline(cell, full, topo.device, topo.sp_group, kernel))
+                else:
+                    fn, shards, _ = ready[name]
+                    run, out, grads = _run_once(fn, shards[:3], shards[3], topo.device, topo.sp_group, memory)
+                    results[(index, name)]["runs"].append(run)
+                    last[name] = out, grads
                 _advance(bar, 1, name, cell)
         reference = _reference(full, cell) if check and ready else None
         for name, (fn, shards, shard_topo) in ready.items():
@@ -246,37 +287,13 @@ def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat:
     return results
 
 
-def one_process(cells_: list[Cell], *, warmup: int, repeat: int, progress: bool = False, device: torch.device | None = None,
-                kernel: str = "auto") -> dict:
-    """Forward+backward seconds of the same attention on one rank, whole sequence: T1 per cell.
-    ``device``: the rank's bound device; default: the current CUDA device, else the CPU."""
-    if device is None:
-        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
-    out = {}
-    if progress:
-        from tqdm import tqdm
-
-        cells_ = tqdm(cells_, desc="one rank (T1)", unit="cell")
-    for index, cell in enumerate(cells_):
-        q, k, v, dout = _inputs(cell, device)
-        times = []
-        for i in range(warmup + repeat):
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            t0 = time.perf_counter()
-            kernels.local_attention(*leaves, causal=cell.causal, kernel=kernel, window=cell.window).backward(dout)
-            _sync(device)
-            if i >= warmup:
-                times.append(time.perf_counter() - t0)
-        out[index] = times
-    return out
-
-
 def _spread(values: list[float]) -> dict:
     return {"median": statistics.median(values), "min": min(values), "max": max(values)}
 
 
-def summarise(cells_: list[Cell], entries: list[str], per_rank: list[dict], t1: dict | None, world: int) -> list[dict]:
-    """One row per (cell, entry): the slowest rank per repeat, medians and spreads, bytes and efficiency."""
+def summarise(cells_: list[Cell], entries: list[str], per_rank: list[dict], world: int) -> list[dict]:
+    """One row per (cell, entry): the slowest rank per repeat, medians and spreads, bytes and, where
+    T1 ran, the efficiency: the median over rounds of T1 / (P x T) within a round."""
     rows = []
     for index, cell in enumerate(cells_):
         for name in entries:
@@ -287,7 +304,7 @@ def summarise(cells_: list[Cell], entries: list[str], per_rank: list[dict], t1: 
                 continue
             fwd = [max(r["runs"][i][0] for r in mine) for i in range(len(mine[0]["runs"]))]
             total = [max(r["runs"][i][1] for r in mine) for i in range(len(mine[0]["runs"]))]
-            peaks = [run[2] for r in mine for run in r["runs"] if run[2] is not None]
+            peaks = [p for r in mine for p in ([r["peak"]] if "peak" in r else [run[2] for run in r["runs"]]) if p is not None]
             row.update(
                 fwd_s=_spread(fwd),
                 fwd_bwd_s=_spread(total),
@@ -304,8 +321,9 @@ def summarise(cells_: list[Cell], entries: list[str], per_rank: list[dict], t1: 
                 row["bytes_match"] = all((run[3], run[4]) == tuple(r["analytic_bytes"]) for r in mine for run in r["runs"])
             if "max_error" in mine[0]:
                 row["max_error"] = max(r["max_error"] for r in mine)
+            t1 = per_rank[0].get((index, BASELINE))
             if t1 is not None:
-                row["t1_s"] = statistics.median(t1[index])
-                row["efficiency"] = row["t1_s"] / (world * row["fwd_bwd_s"]["median"])
+                row["t1_s"] = statistics.median(t1["runs"])
+                row["efficiency"] = statistics.median(a / (world * b) for a, b in zip(t1["runs"], total))
             rows.append(row)
     return rows

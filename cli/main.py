@@ -184,14 +184,17 @@ def _bench_rank(rank, world, cells, entries, options):
 @click.option("--threads-per-rank", type=int, default=1, show_default=True)
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False), help="for auto (default: built-in for the device)")
 @click.option("--check", is_flag=True, help="also the max error of out and grads against fp64 one-process attention")
-@click.option("--baseline/--no-baseline", default=True, show_default=True, help="time one rank on the whole sequence (T1) for scaling efficiency T1 / (P x T)")
+@click.option("--memory/--no-memory", default=True, show_default=True,
+              help="peak memory per rank; on spawned CPU ranks measured in a second group of ranks, one call per entry and cell")
+@click.option("--baseline/--no-baseline", default=True, show_default=True, help="time one rank on the whole sequence (T1, on rank 0 in the same rounds) for the scaling efficiency T1 / (P x T)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="every field and the environment")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="PNG: time and memory against sequence length")
 def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, windows, layout, kernel, fake_flash_attn, nproc, ulysses_degree, warmup, repeat,
-        threads_per_rank, profile_path, check, baseline, json_path, csv_path, plot_path):
+        threads_per_rank, profile_path, check, memory, baseline, json_path, csv_path, plot_path):
     """Time every backend (and peers) side by side on a grid of attention shapes."""
     import datetime
+    import functools
     import os
     import platform
 
@@ -201,7 +204,7 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, w
     from ulysses_sp.launch import run_ranks
 
     from . import report
-    from .bench import BACKENDS, MMAP_THRESHOLD, cells as make_cells, memory_method, one_process, summarise
+    from .bench import BACKENDS, MMAP_THRESHOLD, cells as make_cells, memory_method, summarise
     from .peers import PEERS
     from .plan import parse_tokens
 
@@ -244,36 +247,37 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, w
     if not grid:
         raise click.UsageError("the grid is empty")
 
-    options = dict(warmup=warmup, repeat=repeat, check=check, progress=True, kernel=kernel, fake_flash_attn=fake_flash_attn,
+    options = dict(warmup=warmup, repeat=repeat, check=check, progress=True, kernel=kernel, fake_flash_attn=fake_flash_attn, baseline=baseline, memory=memory,
                    topo_args={"ulysses_degree": ulysses_degree, "profile": profile_path, "timeout": 3600})
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if launched else nproc
     multiple = world * (2 if layout == "zigzag" else 1)
     if world < 1 or any(c.seq % multiple for c in grid):
         raise click.BadParameter(f"every length must divide by {multiple} ({world} ranks, {layout} layout)", param_hint="--seq")
-    device = torch.device("cpu")
+    device, threshold = torch.device("cpu"), None
     if launched:  # under torchrun / deepspeed: use its ranks (one GPU each), rank 0 reports
         device = _join_launch()
         per_rank = [None] * world
         dist.all_gather_object(per_rank, _bench_rank(dist.get_rank(), world, grid, entries, options))
-        t1 = None
-        if baseline and dist.get_rank() == 0:
-            with _maybe_fake_flash_attn(fake_flash_attn):
-                t1 = one_process(grid, warmup=warmup, repeat=repeat, progress=True, device=device, kernel=kernel)
-        dist.barrier()
         if dist.get_rank() != 0:
             return
     else:
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))  # read by the spawned ranks' libc
-        per_rank = run_ranks(_bench_rank, nproc, grid, entries, options, timeout=24 * 3600, collective_timeout=3600, threads_per_rank=threads_per_rank)
-        t1 = None
-        if baseline:
-            threads = torch.get_num_threads()
-            torch.set_num_threads(threads_per_rank)
-            with _maybe_fake_flash_attn(fake_flash_attn):
-                t1 = one_process(grid, warmup=warmup, repeat=repeat, progress=True, device=device, kernel=kernel)
-            torch.set_num_threads(threads)
-    rows = summarise(grid, entries, per_rank, t1, world)
+        spawn = functools.partial(run_ranks, _bench_rank, nproc, grid, entries, timeout=24 * 3600, collective_timeout=3600,
+                                  threads_per_rank=threads_per_rank)
+        per_rank = spawn({**options, "memory": False})  # timed under the allocator's defaults
+        if memory:  # peak resident set in a group of its own, whose allocator setting would slow the timed calls
+            unset = "MALLOC_MMAP_THRESHOLD_" not in os.environ
+            threshold = os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", str(MMAP_THRESHOLD))  # read by the spawned ranks' libc
+            try:
+                peaks = spawn({**options, "warmup": min(warmup, 1), "repeat": 1, "check": False, "baseline": False, "desc": "memory"})
+            finally:
+                if unset:
+                    del os.environ["MALLOC_MMAP_THRESHOLD_"]
+            for mine, measured in zip(per_rank, peaks):
+                for key, result in measured.items():
+                    if "runs" in result:
+                        mine[key]["peak"] = result["runs"][0][2]
+    rows = summarise(grid, entries, per_rank, world)
 
     env = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -281,9 +285,10 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, w
         "torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
         "cpus": os.cpu_count(), "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "process_group": "nccl" if device.type == "cuda" else "gloo", "world_size": world, "threads_per_rank": threads_per_rank,
-        "warmup": warmup, "repeat": repeat, "memory": memory_method(device),
+        "warmup": warmup, "repeat": repeat, "memory": memory_method(device, memory, threshold),
         "timing": "per repeat the slowest rank; median and min-max over repeats; each repeat starts at a barrier; "
-                  "repeat i of every entry of a cell ran in round i, the entries' order rotating between rounds",
+                  "repeat i of every entry of a cell ran in round i, the entries' order rotating between rounds"
+                  + ("; T1 ran on rank 0 in the same rounds, efficiency is the median of T1 / (P x T) by round" if baseline else ""),
     }
     title = f"sp-bench: {world} ranks ({env['process_group']}, {threads_per_rank} thread(s) each), {layout}, {'causal' if causal else 'full'}"
     report.render(rows, title)

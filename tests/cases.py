@@ -875,8 +875,8 @@ def non_finite_input(env: Env) -> dict:
 
 @case("bench/rounds", worlds=(2,))
 def bench_rounds(env: Env) -> dict:
-    """sp-bench's order of calls in a cell: each entry's warmup, then rounds in which every entry
-    runs once, the order rotating; run i of each entry is its call in round i. Entries are stand-ins."""
+    """sp-bench's order of calls in a cell: each entry's warmup and T1's, then rounds in which every
+    entry and T1 run once, the order rotating; run i of each is its call in round i. Entries are stand-ins."""
     from ulysses_sp.cli import bench
 
     calls = []
@@ -886,20 +886,26 @@ def bench_rounds(env: Env) -> dict:
             return None, None, "cannot run"
         return name, topo_for(cell.layout), None
 
-    def run_once(fn, shards, dout, device, group):
+    def run_once(fn, shards, dout, device, group, memory):
         calls.append(fn)
         return (len(calls), 0.0, 0, 0, 0), None, None
 
-    real = bench._entry, bench._run_once
-    bench._entry, bench._run_once = entry, run_once
+    def run_baseline(cell, full, device, group, kernel):
+        calls.append("T1")
+        return len(calls) if env.rank == 0 else None
+
+    real = bench._entry, bench._run_once, bench._run_baseline
+    bench._entry, bench._run_once, bench._run_baseline = entry, run_once, run_baseline
     try:
         cell = bench.Cell(8, 2, 2, 4, 1, "float32", True, "zigzag")
         results = bench.measure_rank([cell], ["peer:a", "peer:skip", "peer:b", "peer:c"], warmup=1, repeat=4, check=False,
-                                     topo_args={"timeout": 60}, progress=False)
-        nothing_runs = bench.measure_rank([cell], ["peer:skip"], warmup=1, repeat=4, check=False, topo_args={"timeout": 60}, progress=False)
+                                     topo_args={"timeout": 60}, progress=False, baseline=True)
+        nothing_runs = bench.measure_rank([cell], ["peer:skip"], warmup=1, repeat=4, check=False, topo_args={"timeout": 60}, progress=False,
+                                          baseline=True)
     finally:
-        bench._entry, bench._run_once = real
-    return {"calls": calls, "runs": {name: [run[0] for run in r["runs"]] for (_, name), r in results.items() if "runs" in r},
+        bench._entry, bench._run_once, bench._run_baseline = real
+    runs = {name: [run if name == bench.BASELINE else run[0] for run in r["runs"]] for (_, name), r in results.items() if "runs" in r}
+    return {"calls": calls, "runs": runs,
             "skipped": {name: r["skipped"] for (_, name), r in results.items() if "skipped" in r}, "nothing_runs": nothing_runs}
 
 

@@ -9,6 +9,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
+from ulysses_sp.cli.bench import BASELINE, Cell, summarise
 from ulysses_sp.cli.main import main as sp_bench
 from ulysses_sp.cli.report import CSV_COLUMNS
 from ulysses_sp.profile import load_profile
@@ -76,13 +77,17 @@ def test_deepspeed_peer_says_why_not_for_fewer_kv_heads_than_ranks():
 
 def test_peers_on_the_fake_flash_attn(tmp_path):
     """--fake-flash-attn: ring-flash-attn and yunchang run on CPU on the same kernel as our
-    backends (--kernel flash_attn), with their parity checked against fp64 attention."""
+    backends (--kernel flash_attn), with their parity checked against fp64 attention; with
+    --no-memory no peak memory is reported, and the environment says so."""
     args = ["run", "--nproc", "2", "--seq", "128,256", "--heads", "4", "--kv-heads", "4", "--head-dim", "16", "--dtype", "bfloat16",
             "--warmup", "0", "--repeat", "1", "--peers", "--check", "--fake-flash-attn", "--kernel", "flash_attn", "--no-baseline",
-            "--json", str(tmp_path / "b.json")]
+            "--no-memory", "--json", str(tmp_path / "b.json")]
     result = CliRunner().invoke(sp_bench, args, catch_exceptions=False)
     assert result.exit_code == 0, result.output
-    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    data = json.loads((tmp_path / "b.json").read_text())
+    rows = data["rows"]
+    assert data["env"]["memory"] == "not measured (--no-memory)"
+    assert all(r["peak_mem_bytes"] is None for r in rows if "skipped" not in r)
     assert sorted(r["entry"] for r in rows) == sorted(2 * (BACKENDS + PEERS))
     for r in rows:
         if r["entry"] == "halo":  # full attention: halo says why not
@@ -97,6 +102,8 @@ def test_environment_csv_and_plot(bench):
     env = data["env"]
     assert env["world_size"] == 2 and env["threads_per_rank"] == 1 and env["process_group"] == "gloo"
     assert {"torch", "date", "command", "device", "memory", "timing"} <= set(env)
+    assert "separate group of ranks run with MALLOC_MMAP_THRESHOLD_=131072" in env["memory"]  # the timed ranks ran without it
+    assert "MALLOC_MMAP_THRESHOLD_" not in os.environ
     lines = (out / "b.csv").read_text().splitlines()
     assert lines[0].startswith("# ")
     table = list(csv.DictReader(line for line in lines if not line.startswith("#")))
@@ -107,13 +114,29 @@ def test_environment_csv_and_plot(bench):
 def test_entries_run_in_rotating_rounds(ranks):
     """Run i of every entry of a cell ran in round i, so that a ratio taken round by round
     (grid_table.py) pairs calls made one after the other, whatever the machine's drift."""
-    for r in values(ranks(2), "bench/rounds"):
-        rounds = [["peer:a", "peer:b", "peer:c"], ["peer:b", "peer:c", "peer:a"], ["peer:c", "peer:a", "peer:b"], ["peer:a", "peer:b", "peer:c"]]
-        assert r["calls"] == ["peer:a", "peer:b", "peer:c"] + sum(rounds, [])
+    names = ["peer:a", "peer:b", "peer:c", "T1"]
+    rounds = [names[i:] + names[:i] for i in range(4)]
+    for rank, r in enumerate(values(ranks(2), "bench/rounds")):
+        assert r["calls"] == names + sum(rounds, [])
         assert r["skipped"] == {"peer:skip": "cannot run"}
-        for name in ("peer:a", "peer:b", "peer:c"):  # call numbers of its runs: the 3 warmups, then 3 per round
-            assert r["runs"][name] == [4 + 3 * i + rounds[i].index(name) for i in range(4)]
-        assert r["nothing_runs"] == {(0, "peer:skip"): {"skipped": "cannot run"}}  # a cell no entry can run
+        for name in names:  # call numbers of its runs: the 4 warmups, then 4 per round; T1's are rank 0's alone
+            expected = [5 + 4 * i + rounds[i].index(name) for i in range(4)]
+            assert r["runs"][BASELINE if name == "T1" else name] == (expected if rank == 0 or name != "T1" else [None] * 4)
+        assert r["nothing_runs"] == {(0, "peer:skip"): {"skipped": "cannot run"}}  # a cell no entry can run, T1 left out too
+
+
+def test_efficiency_is_paired_by_round():
+    """T1 / (P x T) is taken round by round (T from the slowest rank) and its median reported, not
+    the ratio of the medians: here 0.75 against 0.5 / (2 x 0.4) = 0.625."""
+    cell = Cell(8, 2, 2, 4, 1, "float32", True, "zigzag")
+    run = lambda total: (0.0, total, 0, 0, 0)  # noqa: E731
+    per_rank = [{(0, "ring"): {"runs": [run(0.2), run(0.4), run(0.6)]}, (0, BASELINE): {"runs": [0.3, 0.5, 0.9]}},
+                {(0, "ring"): {"runs": [run(0.1), run(0.3), run(0.6)]}, (0, BASELINE): {"runs": [None] * 3}}]
+    (row,) = summarise([cell], ["ring"], per_rank, 2)
+    assert row["t1_s"] == 0.5 and row["fwd_bwd_s"]["median"] == 0.4
+    assert row["efficiency"] == pytest.approx(0.75)  # rounds: 0.75, 0.625, 0.75
+    (row,) = summarise([cell], ["ring"], [{k: v for k, v in r.items() if k[1] != BASELINE} for r in per_rank], 2)
+    assert "efficiency" not in row and "t1_s" not in row
 
 
 def test_bad_grid_is_a_usage_error():
@@ -146,6 +169,24 @@ def test_calibrate_under_torchrun_uses_the_launch_ranks(tmp_path):
     assert done.stdout.count("wrote ") == 1
     profile = load_profile(str(out))
     assert profile.measured["world_size"] == 2 and set(profile.backend_overhead) == {"ulysses", "allgather", "ring", "halo"}
+
+
+def test_run_under_torchrun_uses_the_launch_ranks(tmp_path):
+    """``torchrun -m ulysses_sp.cli.main run`` (README; NCCL on GPUs) on 2 gloo CPU ranks: rank 0
+    writes the report once, with T1 timed in the rounds (an efficiency per row) and the memory
+    measured in the timed calls themselves."""
+    out = tmp_path / "b.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", "-m", "ulysses_sp.cli.main",
+           "run", "--seq", "256", "--heads", "4", "--head-dim", "8", "--backends", "ulysses,ring", "--warmup", "0", "--repeat", "2",
+           "--check", "--json", str(out)]
+    done = subprocess.run(cmd, env={**os.environ, "OMP_NUM_THREADS": "1"}, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-4000:]
+    assert done.stdout.count("wrote ") == 1
+    data = json.loads(out.read_text())
+    assert data["env"]["world_size"] == 2 and "T1 ran on rank 0" in data["env"]["timing"]
+    assert [r["entry"] for r in data["rows"]] == ["ulysses", "ring"]
+    for r in data["rows"]:
+        assert r["efficiency"] > 0 and r["t1_s"] > 0 and r["max_error"] < 1e-5 and r["peak_mem_bytes"] >= 0, r
 
 
 def test_calibrate_writes_a_profile_auto_can_use(tmp_path):

@@ -107,6 +107,18 @@ def test_unmasked_blocks_are_one_call(p):
                 assert [(c.q0, c.q1, c.k0, c.k1, c.causal) for c in calls] == [whole + whole + (False,)], (lay, r, src, calls)
 
 
+@pytest.mark.parametrize("p", [2, 3, 4, 8])
+def test_own_zigzag_block_is_one_causal_call(p):
+    """A rank's own block (its two chunks' diagonals and the block between them) is one causal
+    call on its local rows, as torch's ring makes it. (That merged plans with windows and
+    packing stay exact is the next test's.)"""
+    table = layout.chunk_table("zigzag", p)
+    for r in range(p):
+        segs = chunk_segments(table[r], 4)
+        calls = plan_blocks(segs, segs, causal=True)
+        assert [(c.q0, c.q1, c.k0, c.k1, c.causal, c.window, c.varlen) for c in calls] == [(0, 8, 0, 8, True, None, None)], (r, calls)
+
+
 CUS = [None, (0, 16), (0, 1, 2, 7, 8, 9, 16), (0, 3, 11, 16), (0, 15, 16), tuple(range(17))]
 MASKS = [(False, None), (True, None), (True, 1), (True, 3), (True, 5), (True, 9)]
 

@@ -15,7 +15,9 @@ queries or no keys), pairs that see nothing are skipped, and no mask tensor is b
 Unmasked calls that together cover a larger rectangle of *local* rows are then merged
 (:func:`_coalesce`): a rank's two zigzag chunks are not adjacent globally but are locally,
 so every zigzag ring step after the first is one kernel call, not two, as in torch's
-head-tail ring (``benchmarks/block_calls.py`` times both plans).
+head-tail ring (``benchmarks/block_calls.py`` times both plans); and the first, a rank's
+own block (two diagonals and the block between them), is one causal call
+(:func:`_merge_diagonals`).
 Plans are pure functions of the layout, the window and the packing, computed once per call
 signature and kept in ``Topology.cache`` with their device tensors.
 """
@@ -152,6 +154,26 @@ def _coalesce(calls, max_keys: int) -> list[BlockCall]:
     return calls
 
 
+def _diagonal(c: BlockCall) -> bool:
+    """A causal call of queries on the keys of the same local rows: the square diagonal."""
+    return c.causal and c.varlen is None and c.window is None and (c.q0, c.q1) == (c.k0, c.k1)
+
+
+def _merge_diagonals(calls) -> list[BlockCall]:
+    """Two diagonal calls on adjacent local rows A, B with the unmasked call of B's queries on
+    A's keys are one causal call on A + B: that unmasked call means every key of A is at or
+    before every query of B, so local order is global order over A + B and key <= query is
+    the local causal mask. A rank's own zigzag block becomes one call, as in torch's ring."""
+    for a in calls:
+        for b in calls:
+            if _diagonal(a) and _diagonal(b) and b.q0 == a.q1:
+                below = next((c for c in calls if _unmasked(c) and (c.q0, c.q1, c.k0, c.k1) == (b.q0, b.q1, a.k0, a.k1)), None)
+                if below is not None:
+                    merged = BlockCall(a.q0, b.q1, a.k0, b.k1, True)
+                    return _merge_diagonals([merged if c is a else c for c in calls if c is not b and c is not below])
+    return list(calls)
+
+
 def plan_blocks(q_segments, k_segments, *, causal: bool, window: int | None = None, cu_seqlens=None, batch: int = 1,
                 device=None) -> tuple[BlockCall, ...]:
     """The kernel calls that attend the local queries (``q_segments``) to the local keys
@@ -166,7 +188,7 @@ def plan_blocks(q_segments, k_segments, *, causal: bool, window: int | None = No
                 if i == len(rows) or rows[i][1] != rows[start][1]:
                     calls.append(_call(rows[start:i], q_run, k_run, batch, device))
                     start = i
-    return tuple(_coalesce(calls, max_keys=sum(n for _, n in q_segments)))
+    return tuple(_coalesce(_merge_diagonals(calls), max_keys=sum(n for _, n in q_segments)))
 
 
 def sees_any(q_segments, k_segments, *, causal: bool, window: int | None = None, cu_seqlens=None) -> bool:
