@@ -6,8 +6,8 @@
 # Installs the package (and flash-attn if it is missing and installs in time), prints the
 # versions, runs benchmarks/gpu_check.py, then the main job for 20 bf16 steps on one GPU
 # and, with 2+ GPUs, with SP=2 on two with the memory stack on (--tiled-loss --tiled-mlp
-# --checkpoint offload), the Trainer on two against one, the NCCL parity, and sp-bench calibrate
-# under torchrun (its profile is left in the logs). One summary line per check: "PASS name ...",
+# --checkpoint offload), the Trainer on two against one, the NCCL parity, sp-bench run (--check)
+# and sp-bench calibrate under torchrun (its profile is left in the logs). One summary line per check: "PASS name ...",
 # "FAIL name ..." or "SKIP name ..." (not a failure). Exit status 1 if any check failed,
 # 0 otherwise; without nvidia-smi or without a GPU it prints "SKIP no GPU" and exits 0.
 #
@@ -101,8 +101,10 @@ R_TRAIN2=0
 if ((NGPU >= 2)); then R_TRAIN2=130; fi
 R_CAL=0
 if ((NGPU >= 2)); then R_CAL=60; fi  # sp-bench calibrate under torchrun
+R_BENCH=0
+if ((NGPU >= 2)); then R_BENCH=$((45 + R_CAL)); fi  # sp-bench run under torchrun, then calibrate
 R_PAR=0
-if ((NGPU >= 2)); then R_PAR=$((150 + R_CAL)); fi  # the NCCL parity, then calibrate
+if ((NGPU >= 2)); then R_PAR=$((150 + R_BENCH)); fi  # the NCCL parity, then sp-bench run and calibrate
 R_HF=0
 if ((NGPU >= 2)); then R_HF=120; fi  # the Trainer example: one GPU and two
 R_REAL=90  # the real-data job on 1 GPU
@@ -226,9 +228,27 @@ sys.exit(0 if loss < 1e-3 and ev < 1e-3 and two["world"] == 2 else 1)' "$LOGS/hf
     fi
     report trainer_2gpu_sp2 fail "$verdict" "$verdict"
     # every backend x layout x kernel on up to 4 GPUs with NCCL against one-process fp64 attention
-    run_logged parity_nccl 150 "$R_CAL" "$PYTHON" benchmarks/gpu_check.py --ranks 4
+    run_logged parity_nccl 150 "$R_BENCH" "$PYTHON" benchmarks/gpu_check.py --ranks 4
     grep -E '^(PASS|FAIL|INFO) ' "$LOGS/parity_nccl.log" | sed 's/^/  /'
     report parity_nccl fail "$(last_line "$LOGS/parity_nccl.log")"
+    # sp-bench run on NCCL (the launched path): T1 on rank 0 in the rounds, the ring's own block in
+    # one causal kernel call, every entry --check'ed against fp64 attention (fp32, where a wrong mask
+    # stands out; the bf16 flash-attn calls are parity_nccl's), bytes against the estimate
+    run_logged bench_nccl 45 "$R_CAL" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 \
+        -m ulysses_sp.cli.main run --seq 8k --heads 8 --kv-heads 8,2 --dtype float32 --backends ulysses,allgather,ring \
+        --peers torch-ring --repeat 3 --check --json "$LOGS/bench-nccl.json"
+    verdict=""
+    if ((RC == 0)); then
+        verdict=$("$PYTHON" -c 'import json, sys
+rows = [r for r in json.load(open(sys.argv[1]))["rows"] if "skipped" not in r]
+ours = [r for r in rows if r["kind"] != "peer"]
+bad = [r["entry"] for r in rows if r["max_error"] > 1e-3] + [r["entry"] for r in ours if not (r["bytes_match"] and r["efficiency"] > 0)]
+for r in rows:
+    print(r["entry"], "KV" + str(r["kv_heads"]), round(1e3 * r["fwd_bwd_s"]["median"], 1), "ms eff", round(r.get("efficiency", 0), 2), end="; ")
+print("bad:", bad)
+sys.exit(1 if bad or not ours else 0)' "$LOGS/bench-nccl.json" 2>&1) || RC=1
+    fi
+    report bench_nccl fail "$verdict" "$verdict"
     # sp-bench calibrate on NCCL (the launched path; every backend auto weighs, hybrid-u2 on 4 GPUs): the
     # profile auto would use on these GPUs, in place of NVLINK_PROFILE's published figures
     ncal=2

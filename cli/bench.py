@@ -26,7 +26,6 @@ rank's ``"peak"`` where such a pass left one, else the peaks of its runs.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import itertools
 import os
@@ -34,7 +33,6 @@ import re
 import statistics
 import time
 from dataclasses import asdict, dataclass
-from types import SimpleNamespace
 
 import torch
 import torch.distributed as dist
@@ -86,10 +84,11 @@ def _sync(device) -> None:
 
 
 class PeakMemory:
-    """Peak bytes above the starting point while open (see the module docstring)."""
+    """Peak bytes above the starting point while open (see the module docstring); None where
+    not ``enabled`` or not measurable."""
 
-    def __init__(self, device):
-        self.device, self.peak = device, 0
+    def __init__(self, device, enabled: bool = True):
+        self.device, self.enabled, self.peak = device, enabled, None
 
     @staticmethod
     def _status(field: str) -> int:
@@ -97,24 +96,23 @@ class PeakMemory:
             return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
     def __enter__(self):
-        if self.device.type == "cuda":
+        self.start = None
+        if self.enabled and self.device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(self.device)
             self.start = torch.cuda.memory_allocated(self.device)
-        elif os.path.exists("/proc/self/clear_refs"):
+        elif self.enabled and os.path.exists("/proc/self/clear_refs"):
             with open("/proc/self/clear_refs", "w") as f:
                 f.write("5")  # reset VmHWM to the current resident set
             self.start = self._status("VmRSS")
-        else:
-            self.start = None
         return self
 
     def __exit__(self, *exc):
-        if self.device.type == "cuda":
-            self.peak = torch.cuda.max_memory_allocated(self.device) - self.start
-        elif self.start is not None:
-            self.peak = self._status("VmHWM") - self.start
-        else:
+        if self.start is None:
             self.peak = None
+        elif self.device.type == "cuda":
+            self.peak = torch.cuda.max_memory_allocated(self.device) - self.start
+        else:
+            self.peak = self._status("VmHWM") - self.start
 
 
 def memory_method(device, memory: bool = True, threshold: str | None = None) -> str:
@@ -182,7 +180,7 @@ def _run_once(fn, shards, dout, device, group, memory: bool = True):
     """One forward+backward from a barrier: ((fwd s, fwd+bwd s, peak bytes or None, fwd bytes, bwd bytes), out, grads)."""
     leaves = [t.detach().clone().requires_grad_() for t in shards]
     dist.barrier(group)
-    with PeakMemory(device) if memory else contextlib.nullcontext(SimpleNamespace(peak=None)) as mem:
+    with PeakMemory(device, enabled=memory) as mem:
         t0 = time.perf_counter()
         with usp.CommCounter() as fwd_bytes:
             out = fn(*leaves)

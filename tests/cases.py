@@ -339,14 +339,14 @@ for _layout in layout.LAYOUTS:
 
 
 def kernel_calls(env: Env, backend: str) -> dict:
-    """flash-attn forward calls (CPU fake) per attention forward on a packed sequence of 2016
-    tokens in 24 or 1000 documents: the block plans make one varlen call per chunk pair."""
+    """flash-attn forward calls (CPU fake) per attention forward on 2016 tokens, unpacked (None)
+    or packed in 24 or 1000 documents: the block plans make one varlen call per chunk pair."""
     from ulysses_sp.testing.fake_flash_attn import install
 
     topo = _topo_for(env, Parity(), "zigzag")
     counts = {}
-    for docs in (24, 1000):
-        cu = (0, *(round(i * 2009 / docs) + 7 for i in range(1, docs)), 2016)  # documents cross chunk boundaries
+    for docs in (None, 24, 1000):
+        cu = docs and (0, *(round(i * 2009 / docs) + 7 for i in range(1, docs)), 2016)  # documents cross chunk boundaries
         gen = generator(f"calls-{docs}")
         full = [torch.randn(1, 2016, h, 8, generator=gen, dtype=torch.bfloat16) for h in (12, 1, 1)]
         shards = [usp.shard_sequence(t, topo) for t in full]

@@ -172,7 +172,7 @@ def test_calibrate_under_torchrun_uses_the_launch_ranks(tmp_path):
 
 
 def test_run_under_torchrun_uses_the_launch_ranks(tmp_path):
-    """``torchrun -m ulysses_sp.cli.main run`` (README; NCCL on GPUs) on 2 gloo CPU ranks: rank 0
+    """``torchrun -m ulysses_sp.cli.main run`` (README; on NCCL gpu_check.sh's bench_nccl) on 2 gloo CPU ranks: rank 0
     writes the report once, with T1 timed in the rounds (an efficiency per row) and the memory
     measured in the timed calls themselves."""
     out = tmp_path / "b.json"
