@@ -39,6 +39,17 @@ def _join_launch():
     return device
 
 
+def _leave_launch() -> None:
+    """Every rank of a launch leaves together, the group destroyed: a rank that returned right
+    after a gather left gloo's threads alive at interpreter exit, which aborted it ("terminate
+    called without an active exception")."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
+
+
 def _calibrate_rank(rank, world, repeat, seq, backend_seq, device=None):
     from .calibrate import measure
 
@@ -76,8 +87,9 @@ def calibrate(nproc, out, repeat, seq, backend_seq):
                                + ("launch at least 2 ranks" if launched else "--nproc must be at least 2"))
     if launched:  # inside a launcher: use its ranks, one GPU each
         device = _join_launch()
-        text = _calibrate_rank(dist.get_rank(), dist.get_world_size(), repeat, seq, backend_seq, device)
-        if dist.get_rank() != 0:
+        text, rank = _calibrate_rank(dist.get_rank(), dist.get_world_size(), repeat, seq, backend_seq, device), dist.get_rank()
+        _leave_launch()
+        if rank != 0:
             return
     else:
         text = run_ranks(_calibrate_rank, nproc, repeat, seq, backend_seq, timeout=1800)[0]
@@ -259,7 +271,9 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, w
         device = _join_launch()
         per_rank = [None] * world
         dist.all_gather_object(per_rank, _bench_rank(dist.get_rank(), world, grid, entries, options))
-        if dist.get_rank() != 0:
+        rank = dist.get_rank()
+        _leave_launch()
+        if rank != 0:
             return
     else:
         spawn = functools.partial(run_ranks, _bench_rank, nproc, grid, entries, timeout=24 * 3600, collective_timeout=3600,

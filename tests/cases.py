@@ -626,6 +626,10 @@ if importlib.util.find_spec("transformers") is not None:  # else tests/test_tran
         case(f"hf/{_name}", (2, 4))(lambda env, n=_name: _hf_case(env, n))
     case("hf/errors", (2, 4))(lambda env: hf_errors(_topo_for(env, Parity(), "zigzag")))
 
+from . import coverage_cases  # noqa: E402  (multi-head latent attention; with transformers: families, coverage, verify)
+
+coverage_cases.register(case, lambda env: _topo_for(env, Parity(), "zigzag"), importlib.util.find_spec("transformers") is not None)
+
 
 # --------------------------------------------------------------------------- the auto policy
 

@@ -37,6 +37,14 @@ def apply_sequence_parallel(model, topo, backend: str = "auto", profile=None, ke
     return apply(model, topo, backend=backend, profile=profile, kernel=kernel, tiled_mlp=tiled_mlp, checkpoint=checkpoint)
 
 
+def verify_sequence_parallel(model_or_config, topo, **options):
+    """Check on a small copy of the architecture that SP gives the one-process loss and
+    gradients (needs the ``hf`` extra); see :mod:`ulysses_sp.integrations.verify`."""
+    from .integrations.verify import verify_sequence_parallel as verify
+
+    return verify(model_or_config, topo, **options)
+
+
 def remove_sequence_parallel(model):
     """Undo :func:`apply_sequence_parallel`."""
     from .integrations.transformers import remove_sequence_parallel as remove
@@ -47,6 +55,7 @@ __all__ = [
     "init_sequence_parallel",
     "apply_sequence_parallel",
     "remove_sequence_parallel",
+    "verify_sequence_parallel",
     "Topology",
     "SequenceParallelAttention",
     "sp_attention",

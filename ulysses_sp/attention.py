@@ -78,7 +78,8 @@ def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=Non
     if not (q.device == k.device == v.device) or q.device.type != topo.device.type or (topo.device.index not in (None, q.device.index)):
         raise ValueError(f"q, k, v must be on this rank's {topo.device.type} device ({topo.device}), got {q.device}, {k.device}, {v.device}")
     if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and {tuple(v.shape)}")
+        raise ValueError(f"k and v must have the same shape (a different v head dim is padded by SequenceParallelAttention and sp_attention "
+                         f"before this check), got {tuple(k.shape)} and {tuple(v.shape)}")
     b, s, hq, d = q.shape
     if k.shape[0] != b or k.shape[1] != s:
         raise ValueError(f"q and k/v must agree in batch and local sequence length, got q {tuple(q.shape)} and k {tuple(k.shape)}")
@@ -164,6 +165,28 @@ def _resolve(name: str, spec: AttnSpec, topo: Topology, profile: Profile | None,
     return backend
 
 
+def _same_head_dim(q, k, v, softmax_scale):
+    """Multi-head latent attention (DeepSeek-V2/V3, Kimi K2) has a value head dim other than the
+    query/key one. The shorter side is zero-padded to the longer, which changes no score and no
+    output column (zero value columns give zero output columns; zero q/k columns add nothing to
+    q.k), and the output is cut back to the value head dim: every backend and kernel runs it as
+    it is, and transformers pads V the same way for flash-attn. The softmax scale stays that of
+    the unpadded query/key head dim. Returns (q, k, v, softmax_scale, value head dim or None)."""
+    if not all(isinstance(t, torch.Tensor) and t.dim() == 4 for t in (q, k, v)) or v.shape[3] == k.shape[3]:
+        return q, k, v, softmax_scale, None
+    if v.shape[:3] != k.shape[:3] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"k and v must agree in batch, sequence and heads, and q and k in head dim; got q {tuple(q.shape)}, "
+                         f"k {tuple(k.shape)}, v {tuple(v.shape)}")
+    d_qk, d_v = k.shape[3], v.shape[3]
+    if softmax_scale is None:
+        softmax_scale = 1.0 / math.sqrt(d_qk)
+    if d_v < d_qk:
+        v = nn.functional.pad(v, (0, d_qk - d_v))
+    else:
+        q, k = (nn.functional.pad(t, (0, d_v - d_qk)) for t in (q, k))
+    return q, k, v, softmax_scale, d_v
+
+
 class SequenceParallelAttention(nn.Module):
     """Attention over a sequence split across the SP group of ``topo``.
 
@@ -188,6 +211,9 @@ class SequenceParallelAttention(nn.Module):
 
     def forward(self, q, k, v, *, causal: bool = True, softmax_scale: float | None = None, cu_seqlens=None, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
+        q, k, v, softmax_scale, d_v = _same_head_dim(q, k, v, softmax_scale)
+        if d_v is not None:
+            return self.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, softcap=softcap)[..., :d_v]
         spec = make_spec(q, k, v, self.topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, kernel=self.kernel,
                          window=window, softcap=softcap)
         _check_ranks_agree(spec, self.backend, self.topo, (q, k, v))
@@ -207,6 +233,10 @@ def sp_attention(
     kernel: str = "auto", window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Functional form of :class:`SequenceParallelAttention` (no per-layer cache)."""
+    q, k, v, softmax_scale, d_v = _same_head_dim(q, k, v, softmax_scale)
+    if d_v is not None:
+        return sp_attention(q, k, v, topo, backend=backend, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, profile=profile,
+                            kernel=kernel, window=window, softcap=softcap)[..., :d_v]
     spec = make_spec(q, k, v, topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, kernel=kernel, window=window,
                      softcap=softcap)
     _check_ranks_agree(spec, backend, topo, (q, k, v))

@@ -57,6 +57,7 @@ from ..tiling import CHECKPOINT_MODES
 from ..topology import init_sequence_parallel
 from .deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
 from .transformers import _attention_layers, _backend_per_layer, apply_sequence_parallel, remove_sequence_parallel
+from .verify import verify_sequence_parallel
 
 __all__ = ["SequenceParallelTrainingArguments", "SequenceParallelTrainer", "PREDICT_LOGITS"]
 
@@ -85,6 +86,11 @@ class SequenceParallelTrainingArguments(TrainingArguments):
     sp_checkpoint: str = field(
         default="none",
         metadata={"help": "Per-layer activation checkpointing: none, layers, or offload (checkpoints in pinned host memory)."},
+    )
+    sp_verify: bool = field(
+        default=False,
+        metadata={"help": "Before training, check on a small fp64 copy of the model's architecture that SP gives the one-process "
+                          "loss and gradients (ulysses_sp.verify_sequence_parallel); raises on a mismatch."},
     )
     sp_predict_logits: str = field(
         default="gather",
@@ -255,6 +261,10 @@ class SequenceParallelTrainer(Trainer):
         self._sp_args = args
         self.topo = init_sequence_parallel(args.sp_size, ulysses_degree=args.ulysses_degree, layout="zigzag", profile=args.sp_profile)
         self._sp_model = _base_model(model)
+        if args.sp_verify:
+            self.verify_report = verify_sequence_parallel(self._sp_model, self.topo, backend=backend_names(args.sp_backend))
+            if self.topo.rank == 0:
+                print(f"ulysses-sp verify: {self.verify_report}", flush=True)
         self.apply_sequence_parallel()
         self._mpu = SequenceParallelMPU(self.topo) if args.deepspeed else None  # collective: every rank, here
         super().__init__(model=model, args=args, **kwargs)

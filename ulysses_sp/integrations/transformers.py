@@ -20,6 +20,7 @@ from ..attention import SequenceParallelAttention
 from ..profile import Profile
 from ..topology import Topology
 from .. import tiling
+from . import coverage
 
 __all__ = ["ATTN_IMPLEMENTATION", "apply_sequence_parallel", "remove_sequence_parallel", "sp_attention_forward"]
 
@@ -47,6 +48,7 @@ def sp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     spa = module.__dict__.get(_STATE)
     if spa is None:
         raise RuntimeError(f"attn_implementation {ATTN_IMPLEMENTATION!r} needs ulysses_sp.apply_sequence_parallel(model, topo) first")
+    coverage.mark_called(module)
     if dropout and module.training:
         raise _unsupported(module, f"attention dropout ({dropout})", "set config.attention_dropout = 0 for training")
     if kwargs.get("s_aux") is not None:
@@ -116,12 +118,19 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     attention implementation for :func:`remove_sequence_parallel` and turns the
     KV cache off (training and evaluation, not generation).
 
+    A model with a token mixer that SP does not cover (attention computed in the model's own
+    code, ALiBi, convolutions or recurrences over the sequence, non-attention ``layer_types``)
+    is refused with a ``ValueError`` naming each module (:mod:`ulysses_sp.integrations.coverage`);
+    the first forward also checks that every attention layer called the SP attention and that
+    global ``position_ids`` were passed.
+
     ``tiled_mlp``: ``True`` (tiles of ``max(1024, hidden)`` tokens) or a tile size in tokens runs
     each decoder layer's ``mlp`` over sequence tiles, recomputing each tile in the backward;
     ``checkpoint``: ``"none"``, ``"layers"`` (recompute each decoder layer in the backward) or
     ``"offload"`` (also keep each checkpointed layer input in pinned host memory on CUDA; the
     counters are in ``ulysses_sp.tiling.offload_store(model)``). See :mod:`ulysses_sp.tiling`.
     """
+    coverage.check_coverage(model)
     tile_tokens = tiling.validate_options(tiled_mlp, checkpoint)
     if checkpoint != "none" and tiling.hf_checkpointing(model):
         raise ValueError(f"checkpoint={checkpoint!r} replaces transformers' gradient checkpointing; call model.gradient_checkpointing_disable() first "
@@ -145,6 +154,7 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     tiling.checkpoint_layers(model, checkpoint)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     model.config.use_cache = False
+    coverage.install_guards(model, topo.sp_size)
     return model
 
 
@@ -155,6 +165,7 @@ def remove_sequence_parallel(model):
         return model
     for layer in _attention_layers(model):
         layer.__dict__.pop(_STATE, None)
+    coverage.remove_guards(model)
     tiling.untile_mlp(model)
     tiling.uncheckpoint_layers(model)
     attn_implementation, use_cache = previous

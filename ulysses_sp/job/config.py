@@ -72,6 +72,8 @@ class TrainConfig:
     peak_tflops: float | None = None
     """Per-device peak for the FLOPs-utilisation estimate; None: known CUDA devices only."""
     ulysses_degree: int | None = None
+    verify: bool = False
+    """Before training, check on a small fp64 copy of the model's architecture that SP gives the one-process loss and gradients."""
     profile: str | None = None
     """A profile JSON from ``sp-bench calibrate`` for the auto policy."""
     dtype: str | None = None
@@ -130,6 +132,9 @@ def parse_args(argv=None) -> TrainConfig:
                    "or a comma-separated name per layer")
     g.add_argument("--sp-kernel", choices=KERNEL_NAMES, default="auto", help="local attention kernel (default: auto)")
     g.add_argument("--ulysses-degree", type=int, default=None, help="what the hybrid backend means (default: sp size); hybrid-u{U} and auto use any degree")
+    g.add_argument("--verify", action="store_true",
+                   help="before training, check on a small fp64 copy of the model's architecture that SP gives the one-process loss and "
+                        "every gradient (verify_sequence_parallel); the first thing to run on a new model")
     g.add_argument("--profile", default=None, help="a profile from sp-bench calibrate, for auto (default: built in)")
     g = p.add_argument_group("DeepSpeed (the config file's values win; flags fill what it leaves out or sets to \"auto\")")
     g.add_argument("--deepspeed", nargs="?", const="", default=None, metavar="DS_CONFIG",
@@ -191,7 +196,7 @@ def parse_args(argv=None) -> TrainConfig:
         micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
         weight_decay=a.weight_decay, seed=a.seed, eval_every=a.eval_every, eval_samples=a.eval_samples, save=a.save,
         save_every=a.save_every, keep_last=a.keep_last, resume=a.resume, metrics_file=a.metrics_file, export_hf=a.export_hf,
-        peak_tflops=a.peak_tflops, ulysses_degree=a.ulysses_degree, profile=a.profile, dtype=a.dtype, sp_kernel=a.sp_kernel,
+        peak_tflops=a.peak_tflops, ulysses_degree=a.ulysses_degree, verify=a.verify, profile=a.profile, dtype=a.dtype, sp_kernel=a.sp_kernel,
         tiled_loss=a.tiled_loss, tiled_mlp=a.tiled_mlp, checkpoint="layers" if a.gradient_checkpointing else a.checkpoint,
     )
 

@@ -117,6 +117,7 @@ class Job:
         import deepspeed
 
         from ..integrations.transformers import apply_sequence_parallel
+        from ..integrations.verify import SequenceParallelMismatch, verify_sequence_parallel
 
         self.cfg = cfg
         on_gpu = torch.cuda.is_available()
@@ -148,8 +149,15 @@ class Job:
         self.flops_per_token = flops_per_token(model.config, count_params(model), cfg.seq_len)
         self.memory, self.memory_why = memory_options(cfg, model.config, topo.sp_size, on_gpu)
         backend = cfg.sp_backend.split(",") if "," in cfg.sp_backend else cfg.sp_backend
-        model = apply_sequence_parallel(model, topo, backend=backend, kernel=cfg.sp_kernel, tiled_mlp=self.memory["tiled_mlp"],
-                                        checkpoint=self.memory["checkpoint"])
+        try:
+            if cfg.verify:
+                report = verify_sequence_parallel(model.config, topo, backend=backend)
+                if self.rank0:
+                    print(f"verify: {report}", flush=True)
+            model = apply_sequence_parallel(model, topo, backend=backend, kernel=cfg.sp_kernel, tiled_mlp=self.memory["tiled_mlp"],
+                                            checkpoint=self.memory["checkpoint"])
+        except (ValueError, SequenceParallelMismatch) as e:  # the same on every rank: uncovered layers, or SP not exact
+            raise JobError(str(e)) from None
         model.train()
         extra = {}
         if not self.ds.ds_optimizer:

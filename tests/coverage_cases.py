@@ -1,0 +1,189 @@
+"""Coverage, multi-head latent attention and verify_sequence_parallel, run inside the spawned ranks
+(registered in tests/cases.py when transformers is installed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import torch
+from torch import nn
+
+import ulysses_sp as usp
+from ulysses_sp import kernels
+
+from .model_families import EXACT, REFUSED, config
+from .reference import reference_attention
+
+MLA_BACKENDS = ("ulysses", "allgather", "ring", "hybrid")
+MLA_HEADS = 12
+"""DeepSeek-V3's KV heads equal its q heads; 12 divide by 2, 3 and 4, so Ulysses runs at every P."""
+
+
+def _summary(report) -> dict:
+    attention = {n: e for errs in report.grad_errors.values() for n, e in errs.items() if "attn" in n or "attention" in n}
+    return {
+        "loss_error": report.loss_error,
+        "worst": report.worst,
+        "attention_params": sorted({n for n in attention if n.endswith("weight")})[:4],
+        "params": len(report.grad_errors["unpacked"]),
+        "backends": report.backends,
+        "passed": report.passed,
+        "layers": report.layers,
+    }
+
+
+def family(topo, name: str, backend: str = "auto", **overrides) -> dict:
+    """One exact family end to end through verify_sequence_parallel, on its config as built (fp64)."""
+    return _summary(usp.verify_sequence_parallel(config(name, **overrides), topo, backend=backend, shrink=False, raise_on_mismatch=False))
+
+
+def refused(topo) -> dict:
+    """apply_sequence_parallel on each family it must refuse: the error, on every rank."""
+    import transformers
+
+    from .cases import raised
+
+    out = {}
+    for name in REFUSED:
+        model = transformers.AutoModelForCausalLM.from_config(config(name))
+        out[name] = raised(lambda m=model: usp.apply_sequence_parallel(m, topo, backend="ring"))
+    return out
+
+
+class _OwnAttention(nn.Module):
+    """An attention layer that does its own softmax attention (no attention interface), in place
+    of a Llama layer's self_attn: the structural check must refuse it."""
+
+    def __init__(self, llama_attention):
+        super().__init__()
+        self.layer_idx, self.head_dim = llama_attention.layer_idx, llama_attention.head_dim
+        self.q_proj, self.k_proj, self.v_proj, self.o_proj = (getattr(llama_attention, f"{x}_proj") for x in "qkvo")
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        q, k, v = (proj(hidden_states).view(shape).transpose(1, 2) for proj in (self.q_proj, self.k_proj, self.v_proj))
+        q, k = apply_rotary_pos_emb(q, k, *position_embeddings)
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
+        out = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o_proj(out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)), None
+
+
+def planted(topo) -> dict:
+    """Deliberately uncovered layers in a Llama: the error on every rank, with class and layer named."""
+    import transformers
+
+    from .cases import raised
+
+    def llama():
+        torch.manual_seed(0)
+        return transformers.AutoModelForCausalLM.from_config(config("llama", num_hidden_layers=3), attn_implementation="sdpa")
+
+    data = usp.shard_batch({"input_ids": torch.arange(24).remainder(64)[None]}, topo)
+    out = {}
+    model = llama()  # layer 1's attention computes its own attention
+    model.model.layers[1].self_attn = _OwnAttention(model.model.layers[1].self_attn)
+    out["own attention"] = raised(lambda: usp.apply_sequence_parallel(model, topo, backend="ring"))
+    model = llama()  # layer 2 gets a short causal convolution over the sequence
+    model.model.layers[2].token_shift = nn.Conv1d(32, 32, kernel_size=4, groups=32, padding=3)
+    out["short convolution"] = raised(lambda: usp.apply_sequence_parallel(model, topo, backend="ring"))
+    model = llama()  # layer 1 routed, but to another attention implementation: only the forward can tell
+    usp.apply_sequence_parallel(model, topo, backend="ring")
+    layer_config = model.model.layers[1].self_attn.config = type(model.config).from_dict(model.config.to_dict())
+    layer_config._attn_implementation = "sdpa"
+    out["other implementation"] = raised(lambda: model(**usp.model_inputs(data)))
+    out["no position_ids"] = raised(lambda: model(input_ids=data["input_ids"]))
+    usp.remove_sequence_parallel(model)
+    out["hooks after remove"] = len(model._forward_pre_hooks) + sum(len(m._forward_hooks) for m in model.modules())
+    return out
+
+
+class _OwnShardOnly:
+    """A planted bug: each rank attends to its own shard only, as an uncovered layer would."""
+
+    name = "own-shard-only"
+
+    def check(self, spec, topo):
+        return None
+
+    def estimate(self, spec, topo, profile):  # never auto's choice: registered backends are its candidates
+        return dataclasses.replace(usp.get_backend("ring").estimate(spec, topo, profile), seconds=float("inf"))
+
+    def forward(self, q, k, v, spec, topo):
+        return kernels.attend(q, k, v, kernel=spec.kernel, causal=spec.causal, scale=spec.softmax_scale)
+
+
+usp.register_backend(_OwnShardOnly())
+
+
+def verify_planted(topo) -> dict:
+    """verify_sequence_parallel on a big Llama config (shrunk) with the planted backend: raises, naming attention parameters."""
+    import transformers
+
+    from .cases import raised
+
+    big = transformers.LlamaConfig(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
+                                   num_key_value_heads=8, vocab_size=128256)
+    return {
+        "planted": raised(lambda: usp.verify_sequence_parallel(big, topo, backend="own-shard-only"), errors=(AssertionError,)),
+        "exact": _summary(usp.verify_sequence_parallel(big, topo)),
+    }
+
+
+def mla_attention(topo, backend: str, packed: bool) -> dict:
+    """SequenceParallelAttention with value head dim 6 and query/key head dim 12 against fp64
+    attention on the whole sequence: out, dq, dk, dv; and the bytes it sent, against the same call
+    with V zero-padded to 12 by hand."""
+    from .cases import generator, max_err
+
+    b, s, h, d_qk, d_v = 2, 48, MLA_HEADS, 12, 6
+    gen = generator(f"mla/{backend}")
+    full = [torch.randn(b, s, h, d, generator=gen, dtype=torch.float64) for d in (d_qk, d_qk, d_v)]
+    cu = [0, 7, 9, 30, 48] if packed else None
+    shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full]
+    attn = usp.SequenceParallelAttention(topo, backend=backend)
+    if attn(*shards, cu_seqlens=cu).shape[-1] != d_v:
+        raise AssertionError("output head dim is not the value head dim")
+    with usp.CommCounter() as counted:
+        out = attn(*shards, cu_seqlens=cu)
+        out.backward(usp.shard_sequence(torch.ones(b, s, h, d_v, dtype=torch.float64), topo))
+    padded = [shards[0].detach(), shards[1].detach(), nn.functional.pad(shards[2].detach(), (0, d_qk - d_v))]
+    attn(*padded, cu_seqlens=cu)
+    with usp.CommCounter() as by_hand:
+        attn(*[t.requires_grad_() for t in padded], cu_seqlens=cu).sum().backward()
+    ref_in = [t.clone().requires_grad_() for t in full]
+    ref = reference_attention(*ref_in, cu_seqlens=cu)
+    ref.sum().backward()
+    got = [usp.gather_sequence(t, topo) for t in (out.detach(), *(x.grad for x in shards))]
+    return {
+        "errors": [max_err(g, r) for g, r in zip(got, (ref.detach(), *(x.grad for x in ref_in)))],
+        "bytes": (counted.bytes_sent, counted.bytes_recv),
+        "bytes_padded_by_hand": (by_hand.bytes_sent, by_hand.bytes_recv),
+        "chosen": sorted(x.name for x in attn._chosen.values()),
+    }
+
+
+def mla_errors(topo) -> dict:
+    from .cases import raised
+
+    t = lambda d, h=4: torch.randn(1, 4, h, d, dtype=torch.float64)  # noqa: E731
+    return {"heads differ": raised(lambda: usp.sp_attention(t(8), t(8), t(6, h=2), topo, backend="ring"))}
+
+
+def register(case, topo_for, hf: bool) -> None:
+    """The cases, on the worlds each needs; the model cases only with transformers installed."""
+    for backend in MLA_BACKENDS:
+        for packed in (False, True):
+            case(f"mla/{backend}/{'packed' if packed else 'unpacked'}", (1, 2, 3, 4))(
+                lambda env, be=backend, p=packed: mla_attention(topo_for(env), be, p))
+    case("mla/errors", (2,))(lambda env: mla_errors(topo_for(env)))
+    if not hf:
+        return
+    for name in EXACT:
+        case(f"families/{name}", (2, 3))(lambda env, n=name: family(topo_for(env), n))
+    for backend in MLA_BACKENDS:
+        case(f"families/deepseek_v3/{backend}", (2, 3, 4))(
+            lambda env, be=backend: family(topo_for(env), "deepseek_v3", be, num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS))
+    case("families/refused", (2, 3))(lambda env: refused(topo_for(env)))
+    case("coverage/planted", (2, 3))(lambda env: planted(topo_for(env)))
+    case("verify/planted", (2,))(lambda env: verify_planted(topo_for(env)))

@@ -1,0 +1,56 @@
+"""Tiny random-init configs of many transformers families, built in code (no hub access), for
+the coverage check and the exactness of SP across families: those that attend through the
+attention interface, those that compute attention in their own code, and hybrids."""
+
+from __future__ import annotations
+
+_ATTN = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+             max_position_embeddings=256, attention_dropout=0.0, use_cache=False)
+
+FAMILIES = {
+    # attention through transformers' attention interface: exact under SP
+    "llama": ("LlamaConfig", dict(_ATTN, head_dim=8)),
+    "gpt2": ("GPT2Config", dict(vocab_size=64, n_embd=32, n_layer=2, n_head=4, n_positions=256, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,
+                                use_cache=False)),
+    "gpt_neox": ("GPTNeoXConfig", dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                       max_position_embeddings=256, attention_dropout=0.0, hidden_dropout=0.0, use_cache=False)),
+    "starcoder2": ("Starcoder2Config", dict(_ATTN, residual_dropout=0.0, embedding_dropout=0.0, sliding_window=None)),
+    "mixtral": ("MixtralConfig", dict(_ATTN, head_dim=8, num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    "gemma3": ("Gemma3TextConfig", dict(_ATTN, head_dim=8, query_pre_attn_scalar=8, sliding_window=8,
+                                        layer_types=["sliding_attention", "full_attention"])),
+    # multi-head latent attention: value head dim 6, query/key head dim 8 + 4
+    "deepseek_v3": ("DeepseekV3Config", dict(_ATTN, num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                                             n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+                                             qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)),
+    "opt": ("OPTConfig", dict(vocab_size=64, hidden_size=32, ffn_dim=48, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
+                              word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, use_cache=False)),
+    # attention in the model's own code
+    "bloom": ("BloomConfig", dict(vocab_size=64, hidden_size=32, n_layer=2, n_head=4, use_cache=False)),
+    "falcon-alibi": ("FalconConfig", dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True, use_cache=False)),
+    "falcon-rotary": ("FalconConfig", dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=False, use_cache=False)),
+    "mpt": ("MptConfig", dict(vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=256, use_cache=False)),
+    # hybrids: token mixers other than attention
+    "qwen3_next": ("Qwen3NextConfig", dict(_ATTN, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                                           linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                                           num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
+    "lfm2": ("Lfm2Config", dict(_ATTN, layer_types=["conv", "full_attention"], conv_L_cache=3)),
+    "bamba": ("BambaConfig", dict(_ATTN, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
+                                  mamba_d_conv=4, mamba_expand=2)),
+}
+EXACT = ("llama", "gpt2", "gpt_neox", "starcoder2", "mixtral", "gemma3", "deepseek_v3", "opt")
+REFUSED = {  # family: what the refusal names
+    "bloom": ("BloomAttention", "computes attention in its own code with ALiBi"),
+    "falcon-alibi": ("FalconAttention", "computes attention in its own code with ALiBi"),
+    "falcon-rotary": ("FalconAttention", "computes attention in its own code,"),
+    "mpt": ("MptAttention", "computes attention in its own code with ALiBi"),
+    "qwen3_next": ("Qwen3NextGatedDeltaNet", "convolution over the sequence (kernel 4)"),
+    "lfm2": ("Lfm2ShortConv", "convolution over the sequence"),
+    "bamba": ("BambaMixer", "a state-space"),
+}
+
+
+def config(family: str, **overrides):
+    import transformers
+
+    cls, settings = FAMILIES[family]
+    return getattr(transformers, cls)(**{**settings, **overrides})

@@ -1,0 +1,93 @@
+"""Never silently wrong: every model family is either exact under SP or refused before a step.
+
+Exact families go through ``verify_sequence_parallel`` in fp64 (one process against SP, unpacked
+and packed, loss and every parameter's gradient), relative to 1e-12, except where the family
+itself computes in fp32 inside an fp64 model: Gemma 3's norms and DeepSeek-V3's router (observed
+up to 4e-7 there, 1e-15 elsewhere), held to 1e-6. A rank attending to its own shard only is an
+error of order 1 (``verify/planted``).
+"""
+
+import pytest
+
+from .conftest import values
+from .coverage_cases import MLA_BACKENDS
+from .model_families import EXACT, REFUSED
+
+TOL = 1e-12
+FP32_INSIDE = {"gemma3": 1e-6, "deepseek_v3": 1e-6}
+hf = pytest.mark.skipif(not __import__("importlib").util.find_spec("transformers"), reason="the hf extra (transformers) is not installed")
+
+
+def _assert_exact(r, name):
+    tol = FP32_INSIDE.get(name.split("/")[0], TOL)
+    assert r["params"] > 5 and r["attention_params"], f"{name}: no attention gradients compared: {r}"
+    assert max(r["loss_error"].values()) < tol, (name, r)
+    assert r["worst"][2] < tol and r["passed"], (name, r)
+
+
+@hf
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", EXACT)
+def test_family_is_exact(ranks, world, name):
+    for r in values(ranks(world), f"families/{name}"):
+        _assert_exact(r, name)
+        assert set(r["backends"]) == {0, 1}, r["backends"]
+
+
+@hf
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("backend", MLA_BACKENDS)
+def test_deepseek_v3_mla_is_exact_under_every_backend(ranks, world, backend):
+    for r in values(ranks(world), f"families/deepseek_v3/{backend}"):
+        _assert_exact(r, f"deepseek_v3/{backend}")
+        assert r["backends"] == {0: [backend], 1: [backend]}
+
+
+@hf
+@pytest.mark.parametrize("world", [2, 3])
+def test_uncovered_families_are_refused_by_name(ranks, world):
+    for r in values(ranks(world), "families/refused"):
+        for name, (cls, reason) in REFUSED.items():
+            assert r[name].startswith("ValueError: ") and "cannot run under sequence parallelism" in r[name], (name, r[name])
+            assert f"{cls} (layer 0" in r[name] and reason in r[name], (name, r[name])
+
+
+@hf
+@pytest.mark.parametrize("world", [2, 3])
+def test_planted_uncovered_layers_raise_on_every_rank(ranks, world):
+    results = values(ranks(world), "coverage/planted")  # every rank returned: nothing hung
+    assert len(results) == world
+    for r in results:
+        assert "_OwnAttention (layer 1, model.layers.1.self_attn): computes attention in its own code" in r["own attention"], r
+        assert "Conv1d (layer 2, model.layers.2.token_shift): mixes tokens outside attention: a convolution over the sequence (kernel 4)" \
+            in r["short convolution"], r
+        assert "LlamaAttention (layer 1, model.layers.1.self_attn) ran without calling the 'ulysses_sp' attention" in r["other implementation"], r
+        assert "needs the global position_ids" in r["no position_ids"], r
+        assert r["hooks after remove"] == 0
+
+
+@hf
+def test_verify_catches_a_backend_that_sees_only_its_shard(ranks):
+    for r in values(ranks(2), "verify/planted"):
+        assert r["planted"].startswith("SequenceParallelMismatch: LlamaForCausalLM under SP=2"), r["planted"]
+        assert "MISMATCH" in r["planted"] and "self_attn" in r["planted"].split("worst gradients:")[1], r["planted"]
+        _assert_exact(r["exact"], "shrunk llama")
+        assert r["exact"]["layers"] == 2  # 32 identical layers shrink to two
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+@pytest.mark.parametrize("packed", ["unpacked", "packed"])
+@pytest.mark.parametrize("backend", MLA_BACKENDS)
+def test_mla_value_head_dim_differs(ranks, world, backend, packed):
+    """Value head dim 6 against query/key 12: out, dq, dk, dv at fp64 against the reference; the
+    bytes are those of V zero-padded to 12 (what travels; exact, counted)."""
+    for r in values(ranks(world), f"mla/{backend}/{packed}"):
+        assert max(r["errors"]) < 1e-10, r
+        assert r["bytes"] == r["bytes_padded_by_hand"], r
+        assert (r["bytes"][0] > 0) == (world > 1), r
+        assert r["chosen"] == [backend]
+
+
+def test_mla_heads_must_agree(ranks):
+    for r in values(ranks(2), "mla/errors"):
+        assert r["heads differ"].startswith("ValueError: k and v must agree in batch, sequence and heads"), r

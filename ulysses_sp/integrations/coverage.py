@@ -1,0 +1,205 @@
+"""Which modules of a transformers model mix tokens, and whether sequence parallelism covers them.
+
+Under SP each rank holds a slice of every sequence. A module that mixes
+information across tokens and does not go through the ``"ulysses_sp"``
+attention function sees only that slice: the model still runs, and computes
+something else. :func:`check_coverage` finds such modules from the model's
+structure (module types, parameters, ``config.layer_types``, the source of each
+attention class's ``forward``), never from a list of model names, so families
+nobody has tried are caught too; :func:`install_guards` checks at the first
+forward what the structure cannot show (an attention layer that did not call
+our function, a call without global ``position_ids``). Every check reads only
+local, identical state, so every rank raises the same error at the same point,
+before any collective of the step that could hang.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import re
+
+from torch import nn
+
+__all__ = ["Finding", "ATTENTION_LAYER_TYPES", "attention_modules", "find_uncovered", "check_coverage", "install_guards", "remove_guards"]
+
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
+"""``config.layer_types`` entries that are softmax attention through the attention interface."""
+
+RECURRENT_PARAMETERS = {
+    "A_log": "a state-space / linear-attention decay (Mamba, Mamba2, Gated DeltaNet)",
+    "dt_bias": "a state-space time step (Mamba2, Gated DeltaNet)",
+    "time_decay": "a recurrent time decay (RWKV)",
+    "recurrent_param": "a linear recurrence (RG-LRU)",
+}
+_ROUTED = ("ALL_ATTENTION_FUNCTIONS",)
+_CALLS, _SEEN = "_ulysses_sp_calls", "_ulysses_sp_calls_seen"
+_HOOKS = "_ulysses_sp_coverage_hooks"
+
+
+@dataclasses.dataclass(frozen=True)
+class Finding:
+    """One module that mixes tokens without SP covering it."""
+
+    path: str
+    """Its name in ``model.named_modules()``."""
+    cls: str
+    layer: int | None
+    reason: str
+
+    def __str__(self) -> str:
+        layer = f"layer {self.layer}" if self.layer is not None else "no layer index"
+        return f"{self.cls} ({layer}, {self.path or 'the model'}): {self.reason}"
+
+
+def _layer_of(path: str, module=None) -> int | None:
+    idx = getattr(module, "layer_idx", None)
+    if isinstance(idx, int):
+        return idx
+    numbers = re.findall(r"(?:^|\.)(\d+)(?:\.|$)", path)
+    return int(numbers[0]) if numbers else None
+
+
+def _mixer_path(path: str) -> str:
+    """The module under a decoder layer that owns ``path`` (``model.layers.3.linear_attn``
+    for ``model.layers.3.linear_attn.conv1d``); the parent where no layer index is in the path."""
+    parts = path.split(".")
+    for i, part in enumerate(parts):
+        if part.isdigit():
+            return ".".join(parts[:i + 2])
+    return ".".join(parts[:-1])
+
+
+def _forward_source(cls) -> str:
+    try:
+        return inspect.getsource(cls.forward)
+    except (OSError, TypeError):
+        return ""
+
+
+def attention_modules(model, innermost: bool = False) -> list[tuple[str, nn.Module]]:
+    """The modules whose class name says attention (``...Attention``, ``...Attention2``); with
+    ``innermost``, only those without another such module inside (a wrapper's forward need not
+    name the attention interface: the forward check covers it)."""
+    named = [(n, m) for n, m in model.named_modules() if "Attention" in type(m).__name__]
+    if not innermost:
+        return named
+    return [(n, m) for n, m in named if not any("Attention" in type(c).__name__ for c in m.modules() if c is not m)]
+
+
+def _own_attention_reason(module, config) -> str:
+    source = _forward_source(type(module))
+    alibi = getattr(config, "alibi", None)
+    if alibi is None:
+        alibi = getattr(getattr(config, "attn_config", None), "alibi", None)  # MPT
+    if alibi is None:
+        alibi = "alibi" in source
+    what = " with ALiBi position biases" if alibi else ""
+    return (f"computes attention in its own code{what}, not through transformers' attention interface, "
+            "so ulysses_sp cannot route it and each rank would attend only to its own shard")
+
+
+def find_uncovered(model) -> list[Finding]:
+    """Every module of ``model`` that mixes tokens outside the attention interface, with why.
+    Empty when SP covers the whole model."""
+    config = getattr(model, "config", None)
+    found: dict[str, Finding] = {}
+    for path, module in attention_modules(model, innermost=True):
+        if not any(word in _forward_source(type(module)) for word in _ROUTED):
+            found[path] = Finding(path, type(module).__name__, _layer_of(path, module), _own_attention_reason(module, config))
+    modules, reasons = dict(model.named_modules()), {}
+    for path, module in modules.items():
+        reason = None
+        if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
+            reason = f"a convolution over the sequence (kernel {module.kernel_size[0]}) at {path}"
+        elif isinstance(module, nn.RNNBase):
+            reason = f"a recurrent network ({type(module).__name__}) at {path}"
+        else:
+            params = [name for name in RECURRENT_PARAMETERS if name in module._parameters]
+            if params:
+                reason = f"{RECURRENT_PARAMETERS[params[0]]} ({path}.{params[0]})"
+        if reason is None:
+            continue
+        owner = _mixer_path(path)
+        reasons.setdefault(owner, []).append(reason)
+    for owner, why in reasons.items():
+        if owner in found:
+            continue
+        owner_module = modules[owner] if owner in modules else model
+        found[owner] = Finding(owner, type(owner_module).__name__, _layer_of(owner, owner_module),
+                               f"mixes tokens outside attention: {'; '.join(why)}; each rank would see only its own shard")
+    types = list(getattr(config, "layer_types", None) or [])
+    covered_layers = {f.layer for f in found.values()}
+    for i, kind in enumerate(types):
+        if kind not in ATTENTION_LAYER_TYPES and i not in covered_layers:
+            found[f"config.layer_types[{i}]"] = Finding(
+                f"config.layer_types[{i}]", type(config).__name__, i,
+                f"config.layer_types marks this layer {kind!r}, a token mixer other than softmax attention, which ulysses_sp does not split")
+    return sorted(found.values(), key=lambda f: (f.layer if f.layer is not None else -1, f.path))
+
+
+def check_coverage(model) -> None:
+    """Raise ``ValueError`` naming every uncovered token mixer (class, layer, reason)."""
+    findings = find_uncovered(model)
+    if findings:
+        shown = "\n  ".join(str(f) for f in findings[:12])
+        more = f"\n  ... and {len(findings) - 12} more" if len(findings) > 12 else ""
+        raise ValueError(
+            f"{type(model).__name__} cannot run under sequence parallelism: {len(findings)} module(s) mix tokens "
+            f"outside ulysses_sp's attention, and each would silently see only its rank's shard:\n  {shown}{more}\n"
+            "ulysses_sp.verify_sequence_parallel(model, topo) checks a model end to end; see README's support table."
+        )
+
+
+def mark_called(module) -> None:
+    """Called by the "ulysses_sp" attention function with the layer that called it: counts the
+    call for every attention module running around it."""
+    calls = module.__dict__.get(_CALLS)
+    if calls is not None:
+        calls[0] += 1
+
+
+def _before_attention(module, args):
+    module.__dict__[_SEEN] = module.__dict__[_CALLS][0]
+
+
+def _after_attention(path):
+    def hook(module, args, output):
+        if module.__dict__[_CALLS][0] == module.__dict__.pop(_SEEN, None):
+            raise ValueError(
+                f"{type(module).__name__} (layer {_layer_of(path, module)}, {path}) ran without calling the 'ulysses_sp' attention "
+                f"function: it computes attention in its own code or under another attn_implementation, so under SP it would "
+                f"attend only to its own shard"
+            )
+    return hook
+
+
+def _needs_positions(sp_size: int):
+    def hook(model, args, kwargs):
+        if sp_size > 1 and kwargs.get("position_ids") is None and len(args) < 3:  # (input_ids, attention_mask, position_ids)
+            raise ValueError(
+                f"{type(model).__name__} under sequence parallelism (sp_size {sp_size}) needs the global position_ids of this rank's "
+                "tokens: without them the model numbers each shard's tokens from 0 (rotary and learned positions go wrong). "
+                "Pass ulysses_sp.model_inputs(ulysses_sp.shard_batch(batch, topo))."
+            )
+    return hook
+
+
+def install_guards(model, sp_size: int) -> None:
+    """The first-forward checks: every attention module must call our attention function,
+    and the model must get global ``position_ids``."""
+    remove_guards(model)
+    handles, calls = [model.register_forward_pre_hook(_needs_positions(sp_size), with_kwargs=True)], [0]
+    for path, module in attention_modules(model):
+        module.__dict__[_CALLS] = calls  # one counter shared by the model's attention modules
+        handles.append(module.register_forward_pre_hook(_before_attention))
+        handles.append(module.register_forward_hook(_after_attention(path)))
+    model.__dict__[_HOOKS] = handles
+
+
+def remove_guards(model) -> None:
+    for handle in model.__dict__.pop(_HOOKS, []):
+        handle.remove()
+    for _, module in attention_modules(model):
+        module.__dict__.pop(_CALLS, None)
+        module.__dict__.pop(_SEEN, None)

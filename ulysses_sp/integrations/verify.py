@@ -1,0 +1,236 @@
+"""``verify_sequence_parallel``: prove that SP computes the same model as one process, for the
+user's own architecture, before any GPU time is spent on training it.
+
+A small copy of the architecture (:func:`shrink_config`: every kind of layer kept, small
+widths, fp64) runs one forward and backward on random tokens in one process and under SP on
+the given topology, unpacked and packed; the loss and every parameter's gradient are compared.
+Uncovered token mixers are refused by ``apply_sequence_parallel`` before anything runs.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+__all__ = ["SequenceParallelMismatch", "VerifyReport", "shrink_config", "verify_sequence_parallel"]
+
+_WIDTHS = {  # attribute: value in the small copy (only where the config has it and it is larger)
+    "intermediate_size": 32, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "ffn_dim": 32, "n_inner": 32,
+    "vocab_size": 96, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
+    "n_routed_experts": 4, "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
+    "max_position_embeddings": 512, "head_dim": 8,
+}
+"""v_head_dim 6 against a query/key head dim of 8 + 4 keeps multi-head latent attention's
+unequal head dims in the copy."""
+
+
+class SequenceParallelMismatch(AssertionError):
+    """SP gave another loss or gradients than one process, past the tolerance."""
+
+
+@dataclasses.dataclass
+class VerifyReport:
+    """What :func:`verify_sequence_parallel` measured."""
+
+    architecture: str
+    sp_size: int
+    layers: int
+    loss_error: dict[str, float]
+    """Relative error of the SP loss against one process, per run (``unpacked``, ``packed``)."""
+    grad_errors: dict[str, dict[str, float]]
+    """Per run, each parameter's worst relative gradient error (max abs difference over the max
+    abs of the one-process gradient)."""
+    backends: dict[int, list[str]]
+    """The backends each attention layer ran."""
+    seconds: float
+    tolerance: float
+
+    @property
+    def worst(self) -> tuple[str, str, float]:
+        """(run, parameter or ``"loss"``, relative error) of the largest error."""
+        rows = [(run, "loss", e) for run, e in self.loss_error.items()]
+        rows += [(run, name, e) for run, errs in self.grad_errors.items() for name, e in errs.items()]
+        return max(rows, key=lambda r: r[2])
+
+    @property
+    def passed(self) -> bool:
+        return self.worst[2] <= self.tolerance
+
+    def __str__(self) -> str:
+        run, name, err = self.worst
+        verdict = "exact" if self.passed else "MISMATCH"
+        return (f"{self.architecture} under SP={self.sp_size} ({self.layers} layers, backends {self.backends}): {verdict}, worst relative "
+                f"error {err:.2e} ({name}, {run}) against tolerance {self.tolerance:.0e}, in {self.seconds:.1f} s")
+
+
+def _layer_signature(layer) -> tuple:
+    return tuple(sorted({type(m).__name__ for m in layer.modules()}))
+
+
+def _decoder_layers(model):
+    from ulysses_sp import tiling
+
+    return tiling.decoder_layers(model)
+
+
+def shrink_config(config, min_layers: int = 2):
+    """A small copy of ``config``: head counts kept (they decide which backends can run), head
+    dims of 8 (query/key 12 and value 6 under multi-head latent attention), small MLPs, vocab and
+    expert counts, and the shortest prefix of layers that holds every kind of layer the full model
+    has (built on the meta device to find them; at least ``min_layers``)."""
+    import transformers
+
+    small = copy.deepcopy(config)
+    heads = getattr(small, "num_attention_heads", None)
+    for name, value in _WIDTHS.items():
+        current = getattr(small, name, None)
+        if isinstance(current, int) and not isinstance(current, bool) and current > value:
+            setattr(small, name, value)
+    if isinstance(heads, int):
+        small.hidden_size = heads * 8
+    if getattr(small, "qk_nope_head_dim", None) is not None and getattr(small, "qk_rope_head_dim", None) is not None:
+        small.qk_head_dim = small.qk_nope_head_dim + small.qk_rope_head_dim
+        small.head_dim = small.qk_rope_head_dim
+    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
+        token = getattr(small, name, None)
+        if isinstance(token, int) and token >= small.vocab_size:
+            setattr(small, name, small.vocab_size - 1)
+    # every kind of layer: the layers' module types on the full model, built without memory
+    with torch.device("meta"):
+        full = transformers.AutoModelForCausalLM.from_config(config)
+    kinds = [_layer_signature(layer) for layer in _decoder_layers(full)]
+    n = len(kinds)
+    keep = next((k for k in range(min(min_layers, n), n + 1) if set(kinds[:k]) == set(kinds)), n)
+    types = getattr(small, "layer_types", None)
+    small.num_hidden_layers = keep
+    if isinstance(types, list) and len(types) == n:
+        small.layer_types = types[:keep]
+    for name in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_probs_dropout_prob"):
+        if isinstance(getattr(small, name, None), float):
+            setattr(small, name, 0.0)
+    small.use_cache = False
+    return small
+
+
+def _build(config, device, seed: int):
+    import transformers
+
+    for implementation in ("sdpa", "eager"):  # eager takes softmax in fp32 in some families, which would blur fp64
+        torch.manual_seed(seed)
+        try:  # experts as a loop of matmuls: grouped_mm takes no fp64
+            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation, experts_implementation="eager")
+            break
+        except ValueError:
+            continue
+    return model.to(device=device, dtype=torch.float64).train()
+
+
+def _batch(config, seq_len: int, packed: bool, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=g)
+    out = {"input_ids": ids, "labels": ids.clone()}
+    if packed:  # four documents of unequal lengths; positions restart in each
+        cuts = [0, seq_len // 7, seq_len // 7 + 2, (3 * seq_len) // 5, seq_len]
+        pos = torch.cat([torch.arange(b - a) for a, b in zip(cuts, cuts[1:])]).unsqueeze(0)
+        out["position_ids"] = pos
+        out["labels"] = ids.masked_fill(pos == 0, -100)
+    return out
+
+
+def _one_process_loss(ref, data, device) -> torch.Tensor:
+    """The mean next-token loss of one process. Packed documents run one by one: packing must
+    give each document what it would get alone (some families' own forward, OPT's for one,
+    would let a packed document attend to the one before it)."""
+    ids, labels = data["input_ids"].to(device), data["labels"].to(device)
+    position_ids = data.get("position_ids")
+    if position_ids is None:
+        return F.cross_entropy(ref(input_ids=ids).logits[0, :-1], labels[0, 1:], ignore_index=-100)
+    starts = (position_ids[0] == 0).nonzero().flatten().tolist() + [ids.shape[1]]
+    total = ids.new_zeros((), dtype=torch.float64)
+    for a, b in zip(starts, starts[1:]):
+        logits = ref(input_ids=ids[:, a:b]).logits
+        total = total + F.cross_entropy(logits[0, :-1], labels[0, a + 1:b], ignore_index=-100, reduction="sum")
+    return total / (labels[0, 1:] != -100).sum()
+
+
+def _rel(a, b, floor: float) -> float:
+    """Max abs difference over the max abs of ``b``, at least ``floor``: a gradient that is zero in
+    exact arithmetic (a key bias under softmax) is rounding noise, and its relative error none."""
+    return ((a - b).abs().max() / b.abs().max().clamp(min=floor)).item()
+
+
+def _one_run(ref, topo, data, backend, kernel) -> tuple[float, dict[str, float], dict[int, list[str]]]:
+    import ulysses_sp as usp
+
+    device = topo.device
+    sp_model = copy.deepcopy(ref)
+    ref.zero_grad(set_to_none=True)
+    ref_loss = _one_process_loss(ref, data, device)
+    ref_loss.backward()
+
+    usp.apply_sequence_parallel(sp_model, topo, backend=backend, kernel=kernel)
+    try:
+        local = usp.shard_batch(data, topo)
+        local = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in local.items()}
+        loss = usp.sp_cross_entropy(sp_model(**usp.model_inputs(local)).logits, local["shift_labels"], topo)
+        loss.backward()
+    finally:
+        chosen = {layer.layer_idx: sorted({b.name for b in layer.__dict__["_ulysses_sp_attention"]._chosen.values()})
+                  for layer in sp_model.modules() if "_ulysses_sp_attention" in layer.__dict__}
+        usp.remove_sequence_parallel(sp_model)
+    grads = {}
+    for (name, p), p_ref in zip(sp_model.named_parameters(), ref.parameters()):
+        if p_ref.grad is None and p.grad is None:
+            continue
+        grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
+        if topo.sp_size > 1:
+            dist.all_reduce(grad, group=topo.sp_group)  # the SP group's gradient is the sum of its ranks'
+        grads[name] = (grad, torch.zeros_like(p_ref) if p_ref.grad is None else p_ref.grad)
+    floor = 1e-6 * max(r.abs().max().item() for _, r in grads.values())
+    errors = {name: _rel(grad, ref_grad, floor) for name, (grad, ref_grad) in grads.items()}
+    return abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), errors, chosen
+
+
+def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: str = "auto", shrink: bool = True, seq_len: int | None = None,
+                             tolerance: float = 1e-6, packed: tuple[bool, ...] = (False, True), seed: int = 0, raise_on_mismatch: bool = True) -> VerifyReport:
+    """Check that SP on ``topo`` computes the same loss and gradients as one process, for the
+    architecture of ``model_or_config`` (a transformers model or config), and return the
+    :class:`VerifyReport`; raise :class:`SequenceParallelMismatch` naming the worst parameters
+    past ``tolerance`` (relative, fp64), and ``ValueError`` from ``apply_sequence_parallel`` for
+    a model SP does not cover.
+
+    ``shrink`` (default) runs a small copy of the architecture (:func:`shrink_config`) built
+    from the config with random weights in fp64 on ``topo.device``; ``shrink=False`` copies
+    the given model (or builds the config as it is), so keep it small. ``seq_len`` defaults to
+    ``12 * sp_size + 5`` tokens (padding included). ``backend`` and ``kernel`` are
+    ``apply_sequence_parallel``'s. Every rank of the SP group must call it.
+    """
+    started = time.perf_counter()
+    config = getattr(model_or_config, "config", model_or_config)
+    if shrink:
+        config = shrink_config(config)
+        ref = _build(config, topo.device, seed)
+    elif config is model_or_config:
+        ref = _build(config, topo.device, seed)
+    else:
+        ref = copy.deepcopy(model_or_config).to(device=topo.device, dtype=torch.float64).train()
+    seq_len = seq_len or 12 * topo.sp_size + 5
+    loss_error, grad_errors, backends = {}, {}, {}
+    for is_packed in packed:
+        run = "packed" if is_packed else "unpacked"
+        loss_error[run], grad_errors[run], chosen = _one_run(ref, topo, _batch(config, seq_len, is_packed, seed + 1), backend, kernel)
+        for layer, names in chosen.items():
+            backends[layer] = sorted(set(backends.get(layer, [])) | set(names))
+    report = VerifyReport(type(ref).__name__, topo.sp_size, config.num_hidden_layers, loss_error, grad_errors, backends,
+                          time.perf_counter() - started, tolerance)
+    if raise_on_mismatch and not report.passed:
+        worst = sorted(((e, f"{name} ({run})") for run, errs in grad_errors.items() for name, e in errs.items()), reverse=True)[:5]
+        shown = ", ".join(f"{name} {e:.2e}" for e, name in worst if e > tolerance)
+        raise SequenceParallelMismatch(
+            f"{report}; loss errors {({k: f'{v:.2e}' for k, v in loss_error.items()})}; worst gradients: {shown or 'none past the tolerance'}")
+    return report
