@@ -1,8 +1,8 @@
 """README's support table: each model family of tests/model_families.py under SP on P ranks,
-exact (``verify_sequence_parallel``'s worst relative error, fp64, unpacked and packed) or refused
-(``apply_sequence_parallel``'s reason).
+exact (``verify_sequence_parallel``'s worst relative error over the loss and every gradient, fp64,
+unpacked and packed, and the parameter where it is) or refused (the coverage check's findings).
 
-    python benchmarks/support_table.py --ranks 2,3,4 [--markdown]
+    python benchmarks/support_table.py --ranks 2,3,4
 """
 
 from __future__ import annotations
@@ -14,20 +14,31 @@ import sys
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
+def _short(reason: str) -> str:
+    if reason.startswith("computes attention in its own code"):
+        return "attention in its own code" + (", ALiBi" if "ALiBi" in reason else "")
+    kinds = reason.split(": ", 1)[-1].split("; each rank")[0].split("; ")
+    return "; ".join(k.split(" (")[0].split(" at ")[0] for k in kinds)
+
+
 def _rank(rank: int, world: int, backend: str) -> dict:
+    import transformers
+
     import ulysses_sp as usp
     from tests.model_families import FAMILIES, config
+    from ulysses_sp.integrations.coverage import find_uncovered
 
     topo = usp.init_sequence_parallel(world, timeout=120)
     out = {}
     for name in FAMILIES:
-        try:
-            report = usp.verify_sequence_parallel(config(name), topo, backend=backend, shrink=False, raise_on_mismatch=False)
-            run, param, err = report.worst
-            out[name] = ("exact" if report.passed else "MISMATCH", f"{err:.1e} ({param.split('.')[-2] if '.' in param else param}, {run})")
-        except ValueError as e:
-            first = str(e).splitlines()[1].strip() if "\n" in str(e) else str(e)
-            out[name] = ("refused", first.split(": ", 1)[1].split(",")[0] if ": " in first else first)
+        findings = find_uncovered(transformers.AutoModelForCausalLM.from_config(config(name)))
+        if findings:
+            out[name] = "refused: " + "; ".join(sorted({f"{f.cls} ({_short(f.reason)})" for f in findings}))
+            continue
+        report = usp.verify_sequence_parallel(config(name), topo, backend=backend, shrink=False, raise_on_mismatch=False)
+        run, param, err = report.worst
+        where = param.split(".")[-2] if "." in param else param
+        out[name] = f"{'exact' if report.passed else 'MISMATCH'} {err:.0e} ({where})"
     return out
 
 
@@ -44,10 +55,9 @@ def main() -> None:
     print("| family | " + " | ".join(f"P={w}" for w in worlds) + " |")
     print("|---|" + "---|" * len(worlds))
     for name in families:
-        cells = []
-        for w in worlds:
-            verdict, detail = results[w][name]
-            cells.append(f"{verdict}: {detail}")
+        cells = [results[w][name] for w in worlds]
+        if all(c == cells[0] for c in cells) and cells[0].startswith("refused"):
+            cells = [cells[0]] + [""] * (len(cells) - 1)
         print(f"| {name} | " + " | ".join(cells) + " |")
 
 

@@ -249,7 +249,17 @@ def error_cases(rank: int) -> dict:
             model=tiny_model("llama"), args=SequenceParallelTrainingArguments(sp_size=2, sp_backend="ring,ring,ring", **base)))
         out["unknown_backend"] = _raised(lambda: SequenceParallelTrainingArguments(sp_size=2, sp_backend="rong", **base))
         out["bad_predict_mode"] = _raised(lambda: SequenceParallelTrainingArguments(sp_size=2, sp_predict_logits="all", **base))
+        out["bloom"] = _raised(lambda: SequenceParallelTrainer(model=_bloom(), args=SequenceParallelTrainingArguments(sp_size=2, **base)))
+        # not an error: sp_verify checks the architecture before training
+        report = SequenceParallelTrainer(model=tiny_model("llama"), args=SequenceParallelTrainingArguments(sp_size=2, sp_verify=True, **base)).verify_report
+        out["sp_verify"] = (report.passed, report.layers, report.worst[2])
     return out
+
+
+def _bloom():
+    import transformers
+
+    return transformers.AutoModelForCausalLM.from_config(transformers.BloomConfig(vocab_size=64, hidden_size=32, n_layer=2, n_head=4))
 
 
 REFERENCES = {

@@ -91,3 +91,27 @@ def test_mla_value_head_dim_differs(ranks, world, backend, packed):
 def test_mla_heads_must_agree(ranks):
     for r in values(ranks(2), "mla/errors"):
         assert r["heads differ"].startswith("ValueError: k and v must agree in batch, sequence and heads"), r
+
+
+@hf
+def test_shrink_keeps_every_kind_of_layer():
+    """Full-size default configs shrink to the shortest prefix holding each kind of layer (module
+    types and layer_types entry), with small widths and multi-head latent attention's unequal dims."""
+    import transformers
+
+    from ulysses_sp.integrations.verify import shrink_config
+
+    def shrunk(cls):
+        small = shrink_config(getattr(transformers, cls)())
+        return small, transformers.AutoModelForCausalLM.from_config(small)
+
+    small = shrink_config(transformers.Gemma3TextConfig())
+    assert small.layer_types == ["sliding_attention"] * 5 + ["full_attention"]
+    small, model = shrunk("Qwen3NextConfig")
+    assert small.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    small, model = shrunk("DeepseekV3Config")  # three dense MLP layers, then MoE
+    assert small.num_hidden_layers == 4 and (small.qk_head_dim, small.v_head_dim) == (12, 6)
+    assert sum(p.numel() for p in model.parameters()) < 5e6
+    for cls in ("LlamaConfig", "GPT2Config", "MixtralConfig"):
+        small, model = shrunk(cls)
+        assert small.num_hidden_layers == 2 and sum(p.numel() for p in model.parameters()) < 1e6, cls

@@ -127,6 +127,9 @@ def test_bad_input_raises_on_every_rank_before_any_collective(runs):
         assert "one name per attention layer (2), got 3" in m["layers_list"]
         assert "unknown SP backend 'rong'" in m["unknown_backend"]
         assert "sp_predict_logits must be one of" in m["bad_predict_mode"]
+        assert m["bloom"].startswith("ValueError: BloomForCausalLM cannot run under sequence parallelism") and "BloomAttention (layer 1" in m["bloom"]
+        passed, layers, worst = m["sp_verify"]
+        assert passed and layers == 2 and worst < 1e-12, m["sp_verify"]
 
 
 def test_hf_argument_parser_gets_the_sp_flags():

@@ -158,3 +158,29 @@ def test_bf16_on_cpu_trains_close_to_fp32(sp2_losses):
     assert bf16 != sp2_losses[0]
     for step, (a, b) in enumerate(zip(bf16, sp2_losses[0])):
         assert abs(a - b) < 0.03 * b, f"step {step + 1}: {a} in bf16, {b} in fp32"
+
+
+def _verified(rank, world, cfg):
+    from ulysses_sp.job import JobError
+
+    try:
+        job = Job(cfg)
+    except JobError as e:
+        return f"JobError: {e}"
+    report = job.verify_report
+    losses = [job.step(step) for step in range(2)]
+    job.close()
+    return report.passed, report.layers, report.worst, losses
+
+
+def test_verify_runs_before_training_and_refusals_stop_the_job(tmp_path):
+    """--verify checks the model's architecture under SP before the first step; a model SP does not
+    cover (Bloom: attention in its own code, with ALiBi) stops the job on every rank with the reason."""
+    import transformers
+
+    passed, layers, worst, losses = run_ranks(_verified, 2, TrainConfig(sp_size=2, seq_len=SEQ, steps=2, verify=True), timeout=600)[0]
+    assert passed and layers == 2 and worst[2] < 1e-12 and len(losses) == 2, (worst, losses)
+    transformers.BloomConfig(vocab_size=300, hidden_size=32, n_layer=2, n_head=4).save_pretrained(tmp_path)
+    for message in run_ranks(_verified, 2, TrainConfig(sp_size=2, seq_len=SEQ, steps=2, model=str(tmp_path / "config.json")), timeout=600):
+        assert message.startswith("JobError: BloomForCausalLM cannot run under sequence parallelism"), message
+        assert "BloomAttention (layer 0" in message and "ALiBi" in message, message

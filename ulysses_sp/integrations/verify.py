@@ -72,10 +72,10 @@ def _layer_signature(layer) -> tuple:
     return tuple(sorted({type(m).__name__ for m in layer.modules()}))
 
 
-def _decoder_layers(model):
-    from ulysses_sp import tiling
-
-    return tiling.decoder_layers(model)
+def _decoder_layers(model, n: int) -> list:
+    """The model's stack of ``n`` layers: its first module list of that length."""
+    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n]
+    return list(stacks[0]) if stacks else []
 
 
 def shrink_config(config, min_layers: int = 2):
@@ -86,33 +86,43 @@ def shrink_config(config, min_layers: int = 2):
     import transformers
 
     small = copy.deepcopy(config)
+
+    def put(name, value):
+        try:
+            setattr(small, name, value)
+        except AttributeError:  # a property derived from other fields (Falcon's head_dim)
+            pass
+
     heads = getattr(small, "num_attention_heads", None)
     for name, value in _WIDTHS.items():
         current = getattr(small, name, None)
         if isinstance(current, int) and not isinstance(current, bool) and current > value:
-            setattr(small, name, value)
+            put(name, value)
     if isinstance(heads, int):
-        small.hidden_size = heads * 8
+        put("hidden_size", heads * 8)
     if getattr(small, "qk_nope_head_dim", None) is not None and getattr(small, "qk_rope_head_dim", None) is not None:
-        small.qk_head_dim = small.qk_nope_head_dim + small.qk_rope_head_dim
-        small.head_dim = small.qk_rope_head_dim
+        put("qk_head_dim", small.qk_nope_head_dim + small.qk_rope_head_dim)
+        put("head_dim", small.qk_rope_head_dim)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         token = getattr(small, name, None)
         if isinstance(token, int) and token >= small.vocab_size:
-            setattr(small, name, small.vocab_size - 1)
-    # every kind of layer: the layers' module types on the full model, built without memory
+            put(name, small.vocab_size - 1)
+    # every kind of layer: its module types on the full model (built without memory) and its layer_types entry
+    n = config.num_hidden_layers
     with torch.device("meta"):
         full = transformers.AutoModelForCausalLM.from_config(config)
-    kinds = [_layer_signature(layer) for layer in _decoder_layers(full)]
-    n = len(kinds)
+    types = list(getattr(config, "layer_types", None) or [None] * n)
+    kinds = [(_layer_signature(layer), kind) for layer, kind in zip(_decoder_layers(full, n), types)] or types
     keep = next((k for k in range(min(min_layers, n), n + 1) if set(kinds[:k]) == set(kinds)), n)
-    types = getattr(small, "layer_types", None)
     small.num_hidden_layers = keep
-    if isinstance(types, list) and len(types) == n:
-        small.layer_types = types[:keep]
+    if isinstance(getattr(small, "layer_types", None), list):
+        try:
+            small.layer_types = types[:keep]
+        except AttributeError:  # derived from other fields (Bamba's attn_layer_indices): they still hold
+            pass
     for name in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_probs_dropout_prob"):
         if isinstance(getattr(small, name, None), float):
-            setattr(small, name, 0.0)
+            put(name, 0.0)
     small.use_cache = False
     return small
 
@@ -220,6 +230,8 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
     else:
         ref = copy.deepcopy(model_or_config).to(device=topo.device, dtype=torch.float64).train()
     seq_len = seq_len or 12 * topo.sp_size + 5
+    if isinstance(backend, (list, tuple)):  # one name per layer: the copy keeps a prefix of the layers
+        backend = list(backend).__getitem__
     loss_error, grad_errors, backends = {}, {}, {}
     for is_packed in packed:
         run = "packed" if is_packed else "unpacked"

@@ -117,6 +117,7 @@ class Job:
         import deepspeed
 
         from ..integrations.transformers import apply_sequence_parallel
+        from ..integrations.coverage import check_coverage
         from ..integrations.verify import SequenceParallelMismatch, verify_sequence_parallel
 
         self.cfg = cfg
@@ -143,17 +144,22 @@ class Job:
                         else corpus.passkey_train_batches(cfg, topo, self.ds.micro_batch))
 
         model = build_model(cfg)
+        try:  # before anything reads the config: a model SP does not cover stops here, on every rank
+            check_coverage(model)
+        except ValueError as e:
+            raise JobError(str(e)) from None
         if self.tokenizer is not None and len(self.tokenizer) > model.config.vocab_size:
             raise JobError(f"the tokenizer has {len(self.tokenizer)} tokens, the model's vocabulary {model.config.vocab_size}; use the model's own tokenizer")
         self.pad_id = corpus.pad_id(self.tokenizer)
         self.flops_per_token = flops_per_token(model.config, count_params(model), cfg.seq_len)
         self.memory, self.memory_why = memory_options(cfg, model.config, topo.sp_size, on_gpu)
         backend = cfg.sp_backend.split(",") if "," in cfg.sp_backend else cfg.sp_backend
+        self.verify_report = None
         try:
             if cfg.verify:
-                report = verify_sequence_parallel(model.config, topo, backend=backend)
+                self.verify_report = verify_sequence_parallel(model.config, topo, backend=backend)
                 if self.rank0:
-                    print(f"verify: {report}", flush=True)
+                    print(f"verify: {self.verify_report}", flush=True)
             model = apply_sequence_parallel(model, topo, backend=backend, kernel=cfg.sp_kernel, tiled_mlp=self.memory["tiled_mlp"],
                                             checkpoint=self.memory["checkpoint"])
         except (ValueError, SequenceParallelMismatch) as e:  # the same on every rank: uncovered layers, or SP not exact
