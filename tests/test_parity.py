@@ -63,6 +63,8 @@ def test_auto_picks_the_cheapest_feasible_backend(ranks, world):
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w > 1])
 def test_all_backends_give_the_same_answer(ranks, world):
+    """Each backend on the same shards against the fp64 reference (not against each other: a
+    defect they shared would pass that)."""
     for r in values(ranks(world), "agree/all-backends"):
         assert set(r) == set(BACKENDS)
         assert max(r.values()) < 1e-10, r
