@@ -62,7 +62,7 @@ def test_non_finite_input_gives_nan_on_every_rank(ranks, world):
     for rank, r in enumerate(values(ranks(world), "errors/non-finite")):
         assert len(r) == 8
         for where, got in r.items():
-            assert got["nan masks equal"] == [True] * 4, f"rank {rank}, {where}: NaN where one process has none, or none where it has: {got}"
+            assert got["nan masks as expected"] == [True] * 4, f"rank {rank}, {where}: NaN where one process has none, or none where it has: {got}"
             if where.endswith("inf in q"):  # some of out is NaN, not all: an output NaN everywhere fails the mask
                 assert 0 < got["reference nan count"][0] < 1 * 48 * 12 * 8, got
             if where.endswith("nan in k"):  # every query sees key 0: all of out and every gradient is NaN
