@@ -44,7 +44,8 @@ def _ds_config(stage: int, reduce_scatter: bool) -> dict:
 
 def ds_gradients(topo, stage: int, reduce_scatter: bool) -> dict:
     """The gradient DeepSpeed holds after engine.backward (before step) against the one-process
-    gradient of the same global batch; ``ratio`` is what the scale would be without gradient_scale."""
+    gradient of the same global batch; ``ratio`` is the mean over parameters of their gradient norms,
+    engine over one process (1 when no constant factor is left)."""
     use_cpu_accelerator_if_needed()
     os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "usp-torch-extensions"))
     import deepspeed

@@ -2,6 +2,7 @@
 
 import csv
 import json
+import math
 import os
 import subprocess
 import sys
@@ -47,7 +48,7 @@ def test_every_backend_and_peer_has_a_row_per_cell(bench):
             assert len(r["fwd_bwd_s_all"]) == 2 and r["fwd_bwd_s"]["median"] > r["fwd_s"]["median"] > 0
             assert r["bytes_match"] and r["fwd_bytes_sent"] == r["analytic_fwd_bytes"] > 0
             assert r["bwd_bytes_sent"] == r["analytic_bwd_bytes"] > 0
-            assert r["max_error"] < 1e-5 and r["efficiency"] > 0 and r["peak_mem_bytes"] >= 0
+            assert r["max_error"] < 1e-5 and r["efficiency"] > 0 and r["peak_mem_bytes"] > 0
     auto = [r for r in rows if r["entry"] == "auto"]
     assert all(r["resolved"] in BACKENDS for r in auto)
 
@@ -186,12 +187,12 @@ def test_run_under_torchrun_uses_the_launch_ranks(tmp_path):
     assert data["env"]["world_size"] == 2 and "T1 ran on rank 0" in data["env"]["timing"]
     assert [r["entry"] for r in data["rows"]] == ["ulysses", "ring"]
     for r in data["rows"]:
-        assert r["efficiency"] > 0 and r["t1_s"] > 0 and r["max_error"] < 1e-5 and r["peak_mem_bytes"] >= 0, r
+        assert r["efficiency"] > 0 and r["t1_s"] > 0 and r["max_error"] < 1e-5 and r["peak_mem_bytes"] > 0, r
 
 
 def test_calibrate_writes_a_profile_auto_can_use(tmp_path):
     """``sp-bench calibrate`` at tiny sizes on 4 ranks: every figure present and finite, per-byte
-    overheads of both kinds for every backend auto weighs there (the hybrid as ``hybrid-u2``), >= 0
+    overheads of both kinds for every backend auto weighs there (the hybrid as ``hybrid-u2``), finite
     for those fitted on full attention (halo's is relative to the leanest of them on a window),
     and the profile loads back."""
     out = tmp_path / "p.json"
@@ -201,6 +202,7 @@ def test_calibrate_writes_a_profile_auto_can_use(tmp_path):
     profile = load_profile(str(out))
     full = {"ulysses", "allgather", "ring", "hybrid-u2"}
     assert set(profile.backend_overhead) == set(profile.backend_overhead_kv) == full | {"halo"}
-    assert all(profile.backend_overhead[n] >= 0 and profile.backend_overhead_kv[n] >= 0 for n in full)
+    # clamped at 0 by construction, so only finiteness can fail here
+    assert all(math.isfinite(profile.backend_overhead[n]) and math.isfinite(profile.backend_overhead_kv[n]) for n in full)
     assert set(profile.measured["backends"]) >= {"8/8", "16/1", "windowed"}
     assert profile.ulysses_head_groups in (1, 2, 4) and profile.attention_bwd_flops["bfloat16"] > 0

@@ -25,6 +25,7 @@ def test_engine_gradient_equals_one_process(ranks, world, stage, reduce_scatter)
         dp, sp = world // 2, 2
         assert got["scale"] == (dp * sp if (stage, reduce_scatter) == (3, True) else dp)
         assert got["rel_err"] < TOL, got
+        assert abs(got["ratio"] - 1) < TOL, got  # gradient norms, engine over one process: no factor left
 
 
 @pytest.mark.parametrize("world", [2, 4])

@@ -36,7 +36,8 @@ def test_tiles_equal_full_logits(ranks, world):
         assert r["fp64"]["dtype"] == "torch.float64"
         _check(r["1-d tokens"])
         _check(r["rank without targets"])
-        assert r["rank without targets"]["ref_loss"] > 0 if world == 2 else True
+        if world == 2:  # the other rank holds the targets
+            assert r["rank without targets"]["ref_loss"] > 0
         _check(r["no targets anywhere"])
         assert r["no targets anywhere"]["ref_loss"] == 0
         if world == 2:
@@ -74,6 +75,8 @@ def test_errors_name_the_constraint(ranks):
         "chunk 2.5": "chunk_tokens must be a positive int",
         "softcap model": "final_logit_softcapping",
     }
+    if r["softcap model"] is None:
+        del expected["softcap model"]  # transformers is not installed: not checked (tests/test_transformers.py says so)
     for name, text in expected.items():
         assert r[name].startswith("ValueError") and text in r[name], (name, r[name])
 
