@@ -599,6 +599,34 @@ def data_shard_batch(env: Env) -> dict:
     return out
 
 
+@case("data/public-helpers", (2, 3))
+def data_public_helpers(env: Env) -> dict:
+    """model_inputs on packed and unpacked shards; target_counts of two micro-batches over the
+    group; CommCounter nesting (an inner counter sees only its calls, the outer one all)."""
+    topo = env.topo()
+    packed, plain = make_batch("packed"), make_batch("padded")
+    local_packed, local_plain = usp.shard_batch(packed, topo), usp.shard_batch(plain, topo)
+    inputs_packed, inputs_plain = usp.model_inputs(local_packed), usp.model_inputs(local_plain)
+    counts = usp.target_counts([local_packed, local_plain], topo.sp_group, torch.device("cpu"))
+    x = torch.ones(3)
+    with usp.CommCounter() as outer:
+        comm.all_gather(x, topo.sp_group)
+        with usp.CommCounter() as inner:
+            comm.all_gather(x, topo.sp_group)
+            comm.all_reduce_sum(x, topo.sp_group)
+    return {
+        "packed keys": sorted(inputs_packed),
+        "plain keys": sorted(inputs_plain),
+        "same tensors": all(inputs_packed[k] is local_packed[k] for k in ("input_ids", "position_ids"))
+        and inputs_packed["cu_seq_lens_q"] is local_packed["cu_seqlens"],
+        "counts": counts.tolist(),
+        "counts one process": [int((b["labels"][:, 1:] != -100).sum()) for b in (packed, plain)],
+        "counts dtype": str(counts.dtype),
+        "outer": {op: (c.calls, c.sent) for op, c in outer.by_op.items()},
+        "inner": {op: (c.calls, c.sent) for op, c in inner.by_op.items()},
+    }
+
+
 @case("data/sampler", (4,))
 def data_sampler(env: Env) -> dict:
     """Indices each rank draws for SP=2 x DP=2 and SP=4, two epochs, 11 samples (uneven over 2 DP groups)."""

@@ -4,7 +4,7 @@ from ulysses_sp.launch import run_ranks
 
 from .cases import WORLDS, run_cases
 
-__all__ = ["WORLDS", "values"]
+__all__ = ["WORLDS", "free_port", "values"]
 
 
 @pytest.fixture(scope="session")
@@ -30,3 +30,12 @@ def values(results, name: str) -> list:
             pytest.fail(f"case {name} raised on rank {rank}:\n{r['error']}")
         out.append(r["value"])
     return out
+
+
+def free_port() -> int:
+    """A port nothing listens on now (the OS picks it): launchers in tests never share a fixed one."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

@@ -79,9 +79,12 @@ def ds_gradients(topo, stage: int, reduce_scatter: bool) -> dict:
 
 
 def distributed_attention(topo) -> dict:
-    """The drop-in DistributedAttention against DeepSpeed's own and one-process attention."""
+    """The drop-in DistributedAttention against DeepSpeed's own and one-process attention: out, dq, dk, dv."""
     use_cpu_accelerator_if_needed()
+    import deepspeed
     from deepspeed.sequence.layer import DistributedAttention as DeepSpeedDA
+
+    deepspeed.init_distributed(dist_backend="gloo")  # its backward asks DeepSpeed's comm for the world size
 
 
     from .reference import reference_attention
@@ -91,12 +94,22 @@ def distributed_attention(topo) -> dict:
 
     g = torch.Generator().manual_seed(3)
     s, b, h, d = 16, 2, 4, 8
-    full = [torch.randn(s, b, h, d, generator=g, dtype=torch.float64) for _ in range(3)]
+    full = [torch.randn(s, b, h, d, generator=g, dtype=torch.float64).requires_grad_() for _ in range(3)]
+    dout = torch.randn(s, b, h, d, generator=g, dtype=torch.float64)
     ref = local_attention(*full)
+    ref.backward(dout)
     contiguous = dataclasses.replace(topo, layout="contiguous")
-    shards = [usp.shard_sequence(t, contiguous, dim=0) for t in full]
-    ours = DistributedAttention(local_attention, topo.sp_group)(*shards, batch_dim_idx=1)
-    theirs = DeepSpeedDA(local_attention, topo.sp_group, scatter_idx=2, gather_idx=0)(*shards, batch_dim_idx=1)
-    mine_ref = usp.shard_sequence(ref, contiguous, dim=0)
-    return {"vs_reference": (ours - mine_ref).abs().max().item(), "vs_deepspeed": (ours - theirs).abs().max().item()}
+
+    def run(attention):  # this rank's output and the gradients of its q, k, v shards
+        shards = [usp.shard_sequence(t.detach(), contiguous, dim=0).requires_grad_() for t in full]
+        out = attention(*shards, batch_dim_idx=1)
+        out.backward(usp.shard_sequence(dout, contiguous, dim=0))
+        return [out.detach()] + [t.grad for t in shards]
+
+    ours = run(DistributedAttention(local_attention, topo.sp_group))
+    theirs = run(DeepSpeedDA(local_attention, topo.sp_group, scatter_idx=2, gather_idx=0))
+    mine_ref = [usp.shard_sequence(t, contiguous, dim=0) for t in (ref.detach(), *(x.grad for x in full))]
+    return {"vs_reference": max((a - r).abs().max().item() for a, r in zip(ours, mine_ref)),
+            "vs_deepspeed": max((a - t).abs().max().item() for a, t in zip(ours, theirs)),
+            "grad_scale": min(x.abs().max().item() for x in mine_ref[1:])}
 

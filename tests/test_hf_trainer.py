@@ -24,6 +24,7 @@ pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"not installed: {', '.jo
 
 from ulysses_sp.launch import run_ranks  # noqa: E402
 
+from .conftest import free_port  # noqa: E402
 from .hf_trainer_cases import SP_CASES, STEPS, run_references, run_sp_cases  # noqa: E402
 
 LOSS_TOL, EVAL_TOL = 1e-4, 1e-5
@@ -169,10 +170,11 @@ def test_example_under_every_launcher_equals_one_process(tmp_path):
     --deepspeed examples/ds_zero2.json) trains as the same script on one process."""
     bin_dir = Path(sys.executable).parent
     launchers = {
-        "torchrun": ([str(bin_dir / "torchrun"), "--nproc_per_node", "2"], ()),
+        "torchrun": ([str(bin_dir / "torchrun"), "--standalone", "--nproc_per_node", "2"], ()),
         "accelerate": ([str(bin_dir / "accelerate"), "launch", "--multi_gpu", "--num_processes", "2", "--num_machines", "1",
-                        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", "29531"], ()),
-        "deepspeed": ([str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", "29532"], ("--deepspeed", str(ROOT / "examples" / "ds_zero2.json"))),
+                        "--mixed_precision", "no", "--dynamo_backend", "no", "--main_process_port", str(free_port())], ()),
+        "deepspeed": ([str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())],
+                      ("--deepspeed", str(ROOT / "examples" / "ds_zero2.json"))),
     }
     procs = {"single": _example([sys.executable], tmp_path, "single", "--sp_size", "1")}
     procs.update({name: _example(cmd, tmp_path, name, "--sp_size", "2", *extra) for name, (cmd, extra) in launchers.items()})

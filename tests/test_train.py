@@ -8,6 +8,8 @@ pytest.importorskip("transformers", reason="the hf extra is not installed")
 from ulysses_sp.launch import run_ranks  # noqa: E402
 from ulysses_sp.job import Job, TrainConfig, memory_options, parse_args, precision_config, resolve_dtype, train  # noqa: E402
 
+from .conftest import free_port  # noqa: E402
+
 STEPS, SEQ = 8, 512
 
 
@@ -120,7 +122,7 @@ def test_a_bad_flag_fails_on_every_rank_in_one_line_without_hanging():
     import sys
 
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": "29533"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
     ranks = [subprocess.Popen([sys.executable, "train.py", "--seq-len", "1002"], cwd=root, stderr=subprocess.PIPE, text=True,
                               env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
     line = "train.py: error: --seq-len 1002 is not a multiple of 2 x sp = 4 (each rank holds two chunks of every sequence); use 1004"
