@@ -48,7 +48,10 @@ def test_every_backend_and_peer_has_a_row_per_cell(bench):
             assert len(r["fwd_bwd_s_all"]) == 2 and r["fwd_bwd_s"]["median"] > r["fwd_s"]["median"] > 0
             assert r["bytes_match"] and r["fwd_bytes_sent"] == r["analytic_fwd_bytes"] > 0
             assert r["bwd_bytes_sent"] == r["analytic_bwd_bytes"] > 0
-            assert r["max_error"] < 1e-5 and r["efficiency"] > 0 and r["peak_mem_bytes"] > 0
+            # the growth of the resident set over the call: measured (an int) for every row, 0 where a tiny call
+            # fit in pages already held, and above 0 somewhere in the grid
+            assert r["max_error"] < 1e-5 and r["efficiency"] > 0 and isinstance(r["peak_mem_bytes"], int) and r["peak_mem_bytes"] >= 0
+    assert max(r["peak_mem_bytes"] for r in rows if r["kind"] == "ulysses-sp" and "skipped" not in r) > 0
     auto = [r for r in rows if r["entry"] == "auto"]
     assert all(r["resolved"] in BACKENDS for r in auto)
 
@@ -187,7 +190,7 @@ def test_run_under_torchrun_uses_the_launch_ranks(tmp_path):
     assert data["env"]["world_size"] == 2 and "T1 ran on rank 0" in data["env"]["timing"]
     assert [r["entry"] for r in data["rows"]] == ["ulysses", "ring"]
     for r in data["rows"]:
-        assert r["efficiency"] > 0 and r["t1_s"] > 0 and r["max_error"] < 1e-5 and r["peak_mem_bytes"] > 0, r
+        assert r["efficiency"] > 0 and r["t1_s"] > 0 and r["max_error"] < 1e-5 and isinstance(r["peak_mem_bytes"], int), r
 
 
 def test_calibrate_writes_a_profile_auto_can_use(tmp_path):
