@@ -87,6 +87,9 @@ def planted(topo) -> dict:
     model = llama()  # layer 2 gets a short causal convolution over the sequence
     model.model.layers[2].token_shift = nn.Conv1d(32, 32, kernel_size=4, groups=32, padding=3)
     out["short convolution"] = raised(lambda: usp.apply_sequence_parallel(model, topo, backend="ring"))
+    model = llama()  # the config says layer 1 is not attention, whatever its modules look like
+    model.config.layer_types = ["full_attention", "mamba", "full_attention"]
+    out["layer type"] = raised(lambda: usp.apply_sequence_parallel(model, topo, backend="ring"))
     model = llama()  # layer 1 routed, but to another attention implementation: only the forward can tell
     usp.apply_sequence_parallel(model, topo, backend="ring")
     layer_config = model.model.layers[1].self_attn.config = type(model.config).from_dict(model.config.to_dict())

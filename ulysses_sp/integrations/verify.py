@@ -130,13 +130,12 @@ def shrink_config(config, min_layers: int = 2):
 def _build(config, device, seed: int):
     import transformers
 
-    for implementation in ("sdpa", "eager"):  # eager takes softmax in fp32 in some families, which would blur fp64
+    try:  # sdpa where the family has it: eager takes softmax in fp32 in some, which would blur fp64
+        torch.manual_seed(seed)  # experts as a loop of matmuls: grouped_mm takes no fp64
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", experts_implementation="eager")
+    except ValueError:
         torch.manual_seed(seed)
-        try:  # experts as a loop of matmuls: grouped_mm takes no fp64
-            model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=implementation, experts_implementation="eager")
-            break
-        except ValueError:
-            continue
+        model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="eager", experts_implementation="eager")
     return model.to(device=device, dtype=torch.float64).train()
 
 
