@@ -120,6 +120,35 @@ def backend_checks() -> None:
                 return f"kernel {usp.attention.make_spec(q, k, v, topo, kernel=kernel).kernel}; errors " + " ".join(f"{e:.1e}" for e in errs)
 
 
+def mla_checks() -> None:
+    """Multi-head latent attention at DeepSeek-V3's head dims (query/key 192, value 128): V padded to 192
+    for the real kernels (flash-attn takes one head dim), bf16 against fp64 math; and
+    verify_sequence_parallel on a shrunk DeepSeek-V3 in fp64 on the GPU."""
+    topo = usp.init_sequence_parallel(1)
+    for backend in ("ulysses", "ring"):
+
+        @check(f"mla {backend} P=1 kernel=auto bf16 qk 192 / v 128")
+        def _():
+            q, k, _, _ = inputs(1024, 1024, 16, 16, 192, torch.bfloat16, seed=2)
+            v = torch.randn(2, 1024, 16, 128, device="cuda", dtype=torch.bfloat16)
+            dout = torch.randn(2, 1024, 16, 128, device="cuda", dtype=torch.bfloat16)
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = usp.sp_attention(*leaves, topo, backend=backend)
+            out.backward(dout)
+            ref_leaves = [t.double().clone().requires_grad_() for t in (q, k, v)]
+            ref = usp.sp_attention(*ref_leaves, topo, backend=backend, kernel="math")
+            ref.backward(dout.double())
+            errs = [rel(out, ref)] + [rel(a.grad, b.grad) for a, b in zip(leaves, ref_leaves)]
+            assert out.shape[-1] == 128 and max(errs) < TOL[torch.bfloat16], f"errors {errs}"
+            return "errors " + " ".join(f"{e:.1e}" for e in errs)
+
+    @check("verify_sequence_parallel DeepSeek-V3 (shrunk) fp64 on the GPU")
+    def _():
+        import transformers
+
+        return str(usp.verify_sequence_parallel(transformers.DeepseekV3Config(), topo))
+
+
 def memory_checks() -> None:
     """The memory stack on one GPU, bf16: the tiled loss, the tiled MLP and offloaded
     checkpoints give the untiled gradients, and offload really moves bytes to the host."""
@@ -277,6 +306,7 @@ def main() -> int:
     dist.init_process_group("nccl", rank=0, world_size=1)
     kernel_checks()
     backend_checks()
+    mla_checks()
     stream_checks()
     memory_checks()
     dist.destroy_process_group()
