@@ -664,7 +664,7 @@ if importlib.util.find_spec("transformers") is not None:  # else tests/test_tran
 
 from . import coverage_cases  # noqa: E402  (multi-head latent attention; with transformers: families, coverage, verify)
 
-coverage_cases.register(case, lambda env: _topo_for(env, Parity(), "zigzag"), importlib.util.find_spec("transformers") is not None)
+coverage_cases.register(case, lambda env, lay="zigzag": _topo_for(env, Parity(), lay), importlib.util.find_spec("transformers") is not None)
 
 
 # --------------------------------------------------------------------------- the auto policy

@@ -184,6 +184,7 @@ def register(case, topo_for, hf: bool) -> None:
         return
     for name in EXACT:
         case(f"families/{name}", (2, 3))(lambda env, n=name: family(topo_for(env), n))
+        case(f"families-contiguous/{name}", (2, 3))(lambda env, n=name: family(topo_for(env, "contiguous"), n))
     for backend in MLA_BACKENDS:
         case(f"families/deepseek_v3/{backend}", (2, 3, 4))(
             lambda env, be=backend: family(topo_for(env), "deepseek_v3", be, num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS))

@@ -185,6 +185,12 @@ def hf_errors(topo) -> dict:
         model = tiny_model(family, **overrides)
         usp.apply_sequence_parallel(model, topo, backend="ring")
         out[name] = raised(lambda m=model: m(input_ids=data["input_ids"], position_ids=data["position_ids"]))
+    # an additive bias passed as the mask (ALiBi-style): dropping it would be silently wrong
+    from ulysses_sp.integrations.transformers import sp_attention_forward
+
+    layer = usp.apply_sequence_parallel(tiny_model("llama"), topo, backend="ring").model.layers[0].self_attn
+    q = torch.randn(1, 4, data["input_ids"].shape[1], 8)
+    out["additive mask"] = raised(lambda: sp_attention_forward(layer, q, q[:, :2], q[:, :2], -torch.rand(1, 1, q.shape[2], q.shape[2])))
     # generation: the second step's keys include the cached ones
     model = usp.apply_sequence_parallel(tiny_model("llama"), topo, backend="ring").eval()
     cache = model(input_ids=data["input_ids"], position_ids=data["position_ids"], use_cache=True).cache

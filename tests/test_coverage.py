@@ -27,9 +27,10 @@ def _assert_exact(r, name):
 
 @hf
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("lay", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("name", EXACT)
-def test_family_is_exact(ranks, world, name):
-    for r in values(ranks(world), f"families/{name}"):
+def test_family_is_exact(ranks, world, lay, name):
+    for r in values(ranks(world), f"families{'-contiguous' if lay == 'contiguous' else ''}/{name}"):
         _assert_exact(r, name)
         assert set(r["backends"]) == {0, 1}, r["backends"]
 

@@ -80,3 +80,4 @@ def test_unsupported_features_name_themselves(ranks, world):
         assert "attention sinks (s_aux" in r["attention sinks"] and "backend 'ring'" in r["attention sinks"]
         assert "attention dropout (0.1)" in r["dropout in training"]
         assert "a KV cache with past tokens" in r["kv cache"]
+        assert "a padding attention mask or an additive bias" in r["additive mask"]

@@ -16,6 +16,7 @@ before any collective of the step that could hang.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import inspect
 import re
 
@@ -70,7 +71,9 @@ def _mixer_path(path: str) -> str:
     return ".".join(parts[:-1])
 
 
+@functools.lru_cache(maxsize=None)
 def _forward_source(cls) -> str:
+    """Once per class: a model repeats one attention class in every layer."""
     try:
         return inspect.getsource(cls.forward)
     except (OSError, TypeError):

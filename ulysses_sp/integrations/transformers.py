@@ -13,6 +13,7 @@ rotary embeddings are right on every rank) and, for packed input,
 
 from __future__ import annotations
 
+import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -22,7 +23,7 @@ from ..topology import Topology
 from .. import tiling
 from . import coverage
 
-__all__ = ["ATTN_IMPLEMENTATION", "apply_sequence_parallel", "remove_sequence_parallel", "sp_attention_forward"]
+__all__ = ["ATTN_IMPLEMENTATION", "apply_sequence_parallel", "chosen_backends", "remove_sequence_parallel", "sp_attention_forward"]
 
 ATTN_IMPLEMENTATION = "ulysses_sp"
 _STATE = "_ulysses_sp_attention"
@@ -55,8 +56,9 @@ def sp_attention_forward(module, query, key, value, attention_mask, dropout: flo
         raise _unsupported(module, "attention sinks (s_aux, as in GPT-OSS)", "use a model without attention sinks")
     if kwargs.get("position_bias") is not None:
         raise _unsupported(module, "an additive attention (position) bias", "use a model without one")
-    if attention_mask is not None and not bool(attention_mask.all()):
-        raise _unsupported(module, "a padding attention mask", "pad on the right with ulysses_sp.shard_batch and drop attention_mask")
+    # a mask is dropped here, so only one that masks nothing may pass: all True, or (additive) all 0
+    if attention_mask is not None and not bool(attention_mask.all() if attention_mask.dtype == torch.bool else (attention_mask == 0).all()):
+        raise _unsupported(module, "a padding attention mask or an additive bias", "pad on the right with ulysses_sp.shard_batch and drop attention_mask")
     past = kwargs.get("past_key_values")
     if key.shape[2] != query.shape[2] or (past is not None and past.get_seq_length() > 0):
         raise _unsupported(module, f"a KV cache with past tokens ({key.shape[2]} keys for {query.shape[2]} queries: generation)",
@@ -156,6 +158,11 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     model.config.use_cache = False
     coverage.install_guards(model, topo.sp_size)
     return model
+
+
+def chosen_backends(model) -> dict[int, list[str]]:
+    """The backends each attention layer has run so far (``auto`` may pick several per layer, one per shape)."""
+    return {m.layer_idx: sorted({b.name for b in m.__dict__[_STATE]._chosen.values()}) for m in model.modules() if _STATE in m.__dict__}
 
 
 def remove_sequence_parallel(model):

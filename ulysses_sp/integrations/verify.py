@@ -17,6 +17,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .coverage import check_coverage
+
 __all__ = ["SequenceParallelMismatch", "VerifyReport", "shrink_config", "verify_sequence_parallel"]
 
 _WIDTHS = {  # attribute: value in the small copy (only where the config has it and it is larger)
@@ -176,6 +178,8 @@ def _rel(a, b, floor: float) -> float:
 def _one_run(ref, topo, data, backend, kernel) -> tuple[float, dict[str, float], dict[int, list[str]]]:
     import ulysses_sp as usp
 
+    from .transformers import chosen_backends
+
     device = topo.device
     sp_model = copy.deepcopy(ref)
     ref.zero_grad(set_to_none=True)
@@ -189,8 +193,7 @@ def _one_run(ref, topo, data, backend, kernel) -> tuple[float, dict[str, float],
         loss = usp.sp_cross_entropy(sp_model(**usp.model_inputs(local)).logits, local["shift_labels"], topo)
         loss.backward()
     finally:
-        chosen = {layer.layer_idx: sorted({b.name for b in layer.__dict__["_ulysses_sp_attention"]._chosen.values()})
-                  for layer in sp_model.modules() if "_ulysses_sp_attention" in layer.__dict__}
+        chosen = chosen_backends(sp_model)
         usp.remove_sequence_parallel(sp_model)
     grads = {}
     for (name, p), p_ref in zip(sp_model.named_parameters(), ref.parameters()):
@@ -228,6 +231,7 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
         ref = _build(config, topo.device, seed)
     else:
         ref = copy.deepcopy(model_or_config).to(device=topo.device, dtype=torch.float64).train()
+    check_coverage(ref)  # a model SP does not cover is refused before anything runs
     seq_len = seq_len or 12 * topo.sp_size + 5
     if isinstance(backend, (list, tuple)):  # one name per layer: the copy keeps a prefix of the layers
         backend = list(backend).__getitem__

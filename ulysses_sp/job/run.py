@@ -74,14 +74,6 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set (Linux: KiB)
 
 
-def _chosen_backends(model) -> dict[int, str]:
-    return {
-        m.layer_idx: ",".join(sorted({b.name for b in m.__dict__["_ulysses_sp_attention"]._chosen.values()}))
-        for m in model.modules()
-        if "_ulysses_sp_attention" in m.__dict__
-    }
-
-
 def _checkpoint_to_load(cfg: TrainConfig) -> tuple[str, str | None] | None:
     """(directory, tag) for ``engine.load_checkpoint``, or None to start fresh."""
     if cfg.resume is None:
@@ -252,7 +244,9 @@ class Job:
             seconds = time.perf_counter() - t0
             peaks = [m[0] for m in comm.all_gather_ints((_peak_memory_bytes(topo.device) // 2**20,), dist.group.WORLD, topo.device)]
             if step == self.start:
-                say("backend per layer: " + ", ".join(f"{i}: {b}" for i, b in sorted(_chosen_backends(self.engine.module).items())))
+                from ..integrations.transformers import chosen_backends
+
+                say("backend per layer: " + ", ".join(f"{i}: {','.join(b)}" for i, b in sorted(chosen_backends(self.engine.module).items())))
             tflops = tokens_per_step * self.flops_per_token / seconds / topo.world_size / 1e12
             mfu = tflops / self.peak if self.peak else None
             say(f"step {step + 1:4d}  loss {losses[-1]:.4f}  lr {lr:.2e}  {tokens_per_step / seconds:8.0f} tokens/s  "
