@@ -154,12 +154,21 @@ def check_coverage(model) -> None:
         )
 
 
-def mark_called(module) -> None:
-    """Called by the "ulysses_sp" attention function with the layer that called it: counts the
-    call for every attention module running around it."""
+def mark_called(module, kwargs) -> None:
+    """Called by the "ulysses_sp" attention function with the layer that called it and its keyword
+    arguments: counts the call for every attention module running around it, and refuses a layer
+    that dropped the packed-document boundaries the model was given (a family whose attention does
+    not forward the model's keyword arguments would let packed documents attend to each other)."""
     calls = module.__dict__.get(_CALLS)
-    if calls is not None:
-        calls[0] += 1
+    if calls is None:
+        return
+    calls[0] += 1
+    if calls[1] and kwargs.get("cu_seq_lens_q") is None:
+        raise ValueError(
+            f"{type(module).__name__} (layer {_layer_of('', module)}) did not receive the packed documents' boundaries "
+            "(cu_seq_lens_q) that the model was given: its attention does not forward the model's keyword arguments, so "
+            "under SP packed documents would attend to each other; train it unpacked (--no-packing)"
+        )
 
 
 def _before_attention(module, args):
@@ -177,8 +186,9 @@ def _after_attention(path):
     return hook
 
 
-def _needs_positions(sp_size: int):
+def _before_model(sp_size: int, calls: list):
     def hook(model, args, kwargs):
+        calls[1] = kwargs.get("cu_seq_lens_q") is not None  # packed input: every attention call must get it
         if sp_size > 1 and kwargs.get("position_ids") is None and len(args) < 3:  # (input_ids, attention_mask, position_ids)
             raise ValueError(
                 f"{type(model).__name__} under sequence parallelism (sp_size {sp_size}) needs the global position_ids of this rank's "
@@ -192,7 +202,8 @@ def install_guards(model, sp_size: int) -> None:
     """The first-forward checks: every attention module must call our attention function,
     and the model must get global ``position_ids``."""
     remove_guards(model)
-    handles, calls = [model.register_forward_pre_hook(_needs_positions(sp_size), with_kwargs=True)], [0]
+    calls = [0, False]  # attention calls so far; whether the model was given packed-document boundaries
+    handles = [model.register_forward_pre_hook(_before_model(sp_size, calls), with_kwargs=True)]
     for path, module in attention_modules(model):
         module.__dict__[_CALLS] = calls  # one counter shared by the model's attention modules
         handles.append(module.register_forward_pre_hook(_before_attention))

@@ -49,7 +49,7 @@ def sp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     spa = module.__dict__.get(_STATE)
     if spa is None:
         raise RuntimeError(f"attn_implementation {ATTN_IMPLEMENTATION!r} needs ulysses_sp.apply_sequence_parallel(model, topo) first")
-    coverage.mark_called(module)
+    coverage.mark_called(module, kwargs)
     if dropout and module.training:
         raise _unsupported(module, f"attention dropout ({dropout})", "set config.attention_dropout = 0 for training")
     if kwargs.get("s_aux") is not None:
