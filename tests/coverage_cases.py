@@ -119,6 +119,17 @@ class _OwnShardOnly:
 usp.register_backend(_OwnShardOnly())
 
 
+def packed_dropped(topo) -> dict:
+    """StableLM's attention does not forward cu_seq_lens_q: packed input must be refused, unpacked stay exact."""
+    import transformers
+
+    from .cases import raised
+
+    config = transformers.StableLmConfig()
+    return {"packed": raised(lambda: usp.verify_sequence_parallel(config, topo)),
+            "unpacked": _summary(usp.verify_sequence_parallel(config, topo, packed=(False,)))}
+
+
 def verify_planted(topo) -> dict:
     """verify_sequence_parallel on a big Llama config (shrunk) with the planted backend: raises, naming attention parameters."""
     import transformers
@@ -191,3 +202,4 @@ def register(case, topo_for, hf: bool) -> None:
     case("families/refused", (2, 3))(lambda env: refused(topo_for(env)))
     case("coverage/planted", (2, 3))(lambda env: planted(topo_for(env)))
     case("verify/planted", (2,))(lambda env: verify_planted(topo_for(env)))
+    case("coverage/packed-dropped", (2, 3))(lambda env: packed_dropped(topo_for(env)))

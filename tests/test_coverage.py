@@ -69,6 +69,14 @@ def test_planted_uncovered_layers_raise_on_every_rank(ranks, world):
 
 
 @hf
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_layer_dropping_packed_boundaries_is_refused(ranks, world):
+    for r in values(ranks(world), "coverage/packed-dropped"):
+        assert r["packed"].startswith("ValueError: StableLmAttention (layer 0) did not receive the packed documents' boundaries"), r
+        assert r["unpacked"]["passed"] and r["unpacked"]["worst"][2] < 1e-12, r
+
+
+@hf
 def test_verify_catches_a_backend_that_sees_only_its_shard(ranks):
     for r in values(ranks(2), "verify/planted"):
         assert r["planted"].startswith("SequenceParallelMismatch: LlamaForCausalLM under SP=2"), r["planted"]
