@@ -12,7 +12,8 @@ import argparse
 import time
 import warnings
 
-REFUSALS = ("cannot run under sequence parallelism", "not supported by ulysses_sp", "ran without calling", "needs the global position_ids")
+REFUSALS = ("cannot run under sequence parallelism", "not supported by ulysses_sp", "ran without calling", "needs the global position_ids",
+            "did not receive the packed documents' boundaries")
 
 
 def _rank(rank: int, world: int, names: list, out_path: str) -> None:

@@ -3,15 +3,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+
 import torch
+import torch.distributed as dist
 from torch import nn
 
 import ulysses_sp as usp
 from ulysses_sp import kernels
+from ulysses_sp.mixers import MIXERS
 
-from .model_families import EXACT, REFUSED, config
+from .model_families import EXACT, HYBRID, REFUSED, REFUSED_AT_FORWARD, REFUSED_WITHOUT_MIXER, config
 from .reference import reference_attention
+from .cases import max_err
 
 MLA_BACKENDS = ("ulysses", "allgather", "ring", "hybrid")
 MLA_HEADS = 12
@@ -31,9 +36,70 @@ def _summary(report) -> dict:
     }
 
 
-def family(topo, name: str, backend: str = "auto", **overrides) -> dict:
+@contextlib.contextmanager
+def fp64_throughout():
+    """Test-only: the float32 that some families' own code casts to inside an fp64 model (Gated
+    DeltaNet's and Mamba2's scans, gated norms) is float64 while open, so SP and one process can be
+    compared at fp64's rounding; as shipped, they agree at float32's (``hybrids-shipped``)."""
+    saved = torch.float32, torch.float, torch.Tensor.float
+    torch.float32 = torch.float = torch.float64
+    torch.Tensor.float = torch.Tensor.double
+    try:
+        yield
+    finally:
+        torch.float32, torch.float, torch.Tensor.float = saved
+
+
+def family(topo, name: str, backend: str = "auto", lift: bool = False, **overrides) -> dict:
     """One exact family end to end through verify_sequence_parallel, on its config as built (fp64)."""
-    return _summary(usp.verify_sequence_parallel(config(name, **overrides), topo, backend=backend, shrink=False, raise_on_mismatch=False))
+    with fp64_throughout() if lift else contextlib.nullcontext():
+        report = usp.verify_sequence_parallel(config(name, **overrides), topo, backend=backend, shrink=False, raise_on_mismatch=False)
+    return dict(_summary(report), mixers=report.mixers, tolerance=report.tolerance, noise=report.rounding_noise)
+
+
+class _CausalConv(nn.Module):
+    """A depthwise causal convolution over [B, S, H]: the smallest token mixer."""
+
+    def __init__(self, hidden: int, kernel: int):
+        super().__init__()
+        self.conv = nn.Conv1d(hidden, hidden, kernel, groups=hidden, padding=kernel - 1)
+
+    def forward(self, x_bsh):
+        return self.conv(x_bsh.transpose(1, 2))[..., :x_bsh.shape[1]].transpose(1, 2)
+
+
+def mixer_allgather(topo, packed: bool) -> dict:
+    """The allgather strategy on a causal convolution against one process (documents one by one
+    when packed), forward and backward in fp64, and its bytes against (P-1) x the local input."""
+    from ulysses_sp.mixers import get_mixer
+
+    torch.manual_seed(0)
+    b, s, h = 2, 8 * topo.sp_size, 6
+    conv = _CausalConv(h, 4).double()
+    x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
+    w = torch.randn(b, s, h, dtype=torch.float64)
+    cu = torch.tensor([0, 3, 3 + s // 2, s], dtype=torch.int32) if packed else None
+    bounds = cu.tolist() if packed else [0, s]
+    ref = torch.cat([conv(x[:, a:e]) for a, e in zip(bounds, bounds[1:])], dim=1)
+    (ref * w).sum().backward()
+    ref_dx, ref_dw = x.grad.clone(), conv.conv.weight.grad.clone()
+    conv.zero_grad()
+    x_local = usp.shard_sequence(x.detach(), topo).requires_grad_()
+    mixer = get_mixer("auto", topo)
+    with usp.CommCounter() as fwd:
+        out = mixer(conv.forward, (x_local,), {}, b, x_local.shape[1], cu)
+    with usp.CommCounter() as bwd:
+        (out * usp.shard_sequence(w, topo)).sum().backward()
+    dw = conv.conv.weight.grad.clone()
+    if topo.sp_size > 1:
+        dist.all_reduce(dw, group=topo.sp_group)
+    return {
+        "errors": [max_err(out, usp.shard_sequence(ref.detach(), topo)), max_err(x_local.grad, usp.shard_sequence(ref_dx, topo)), max_err(dw, ref_dw)],
+        "bytes": (fwd.bytes_sent, bwd.bytes_sent),
+        "by_op": (sorted(fwd.by_op), sorted(bwd.by_op)),
+        "analytic": mixer.bytes(x_local.numel() * x_local.element_size()),
+        "by_hand": ((topo.sp_size - 1) * b * (s // topo.sp_size) * h * 8,) * 2,
+    }
 
 
 def refused(topo) -> dict:
@@ -46,6 +112,11 @@ def refused(topo) -> dict:
     for name in REFUSED:
         model = transformers.AutoModelForCausalLM.from_config(config(name))
         out[name] = raised(lambda m=model: usp.apply_sequence_parallel(m, topo, backend="ring"))
+    for name in REFUSED_WITHOUT_MIXER:
+        model = transformers.AutoModelForCausalLM.from_config(config(name))
+        out[name] = raised(lambda m=model: usp.apply_sequence_parallel(m, topo, backend="ring", mixer="none"))
+    for name in REFUSED_AT_FORWARD:
+        out[name] = raised(lambda n=name: usp.verify_sequence_parallel(config(n), topo, shrink=False))
     return out
 
 
@@ -119,6 +190,21 @@ class _OwnShardOnly:
 usp.register_backend(_OwnShardOnly())
 
 
+class _OwnShardMixer:
+    """A planted mixer strategy that runs the mixer on this rank's shard only."""
+
+    name = "own-shard-only"
+
+    def __init__(self, topo):
+        pass
+
+    def __call__(self, forward, args, kwargs, batch, seq_local, cu_seqlens):
+        return forward(*args, **kwargs)
+
+
+MIXERS["own-shard-only"] = _OwnShardMixer
+
+
 def packed_dropped(topo) -> dict:
     """StableLM's attention does not forward cu_seq_lens_q: packed input must be refused, unpacked stay exact."""
     import transformers
@@ -128,6 +214,16 @@ def packed_dropped(topo) -> dict:
     config = transformers.StableLmConfig()
     return {"packed": raised(lambda: usp.verify_sequence_parallel(config, topo)),
             "unpacked": _summary(usp.verify_sequence_parallel(config, topo, packed=(False,)))}
+
+
+def verify_random(topo) -> dict:
+    """verify_sequence_parallel on a built model with dropout 0.1: its copy runs without randomness
+    (one process and SP draw different dropout masks), the user's model keeps its dropout."""
+    import transformers
+
+    model = transformers.AutoModelForCausalLM.from_config(config("bert-decoder"))
+    report = usp.verify_sequence_parallel(model, topo, shrink=False, raise_on_mismatch=False)
+    return {"report": _summary(report), "kept": sorted({m.p for m in model.modules() if isinstance(m, nn.Dropout)})}
 
 
 def verify_planted(topo) -> dict:
@@ -140,6 +236,8 @@ def verify_planted(topo) -> dict:
                                    num_key_value_heads=8, vocab_size=128256)
     return {
         "planted": raised(lambda: usp.verify_sequence_parallel(big, topo, backend="own-shard-only"), errors=(AssertionError,)),
+        "planted mixer": raised(lambda: usp.verify_sequence_parallel(config("lfm2"), topo, shrink=False, mixer="own-shard-only"),
+                                errors=(AssertionError,)),
         "exact": _summary(usp.verify_sequence_parallel(big, topo)),
     }
 
@@ -185,6 +283,9 @@ def mla_errors(topo) -> dict:
 
 
 def register(case, topo_for, hf: bool) -> None:
+    for packed in (False, True):
+        case(f"mixers/allgather/{'packed' if packed else 'unpacked'}", (1, 2, 3, 4))(
+            lambda env, p=packed: mixer_allgather(topo_for(env), p))
     """The cases, on the worlds each needs; the model cases only with transformers installed."""
     for backend in MLA_BACKENDS:
         for packed in (False, True):
@@ -200,6 +301,11 @@ def register(case, topo_for, hf: bool) -> None:
         case(f"families/deepseek_v3/{backend}", (2, 3, 4))(
             lambda env, be=backend: family(topo_for(env), "deepseek_v3", be, num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS))
     case("families/refused", (2, 3))(lambda env: refused(topo_for(env)))
+    for name in HYBRID:
+        case(f"hybrids/{name}", (2, 3, 4))(lambda env, n=name: family(topo_for(env), n, lift=True))
+        case(f"hybrids-contiguous/{name}", (2, 3, 4))(lambda env, n=name: family(topo_for(env, "contiguous"), n, lift=True))
+        case(f"hybrids-shipped/{name}", (2,))(lambda env, n=name: family(topo_for(env), n))
     case("coverage/planted", (2, 3))(lambda env: planted(topo_for(env)))
     case("verify/planted", (2,))(lambda env: verify_planted(topo_for(env)))
+    case("verify/random", (2,))(lambda env: verify_random(topo_for(env)))
     case("coverage/packed-dropped", (2, 3))(lambda env: packed_dropped(topo_for(env)))

@@ -24,6 +24,19 @@ FAMILIES = {
                                              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)),
     "opt": ("OPTConfig", dict(vocab_size=64, hidden_size=32, ffn_dim=48, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
                               word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, use_cache=False)),
+    # BERT-style and Whisper decoders; BioGPT with its default dropout (verify runs without it)
+    "bert-decoder": ("BertConfig", dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                        max_position_embeddings=256, is_decoder=True, hidden_dropout_prob=0.1, attention_probs_dropout_prob=0.1)),
+    "whisper": ("WhisperConfig", dict(vocab_size=64, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=48, encoder_layers=1,
+                                      encoder_attention_heads=4, encoder_ffn_dim=48, max_target_positions=256, pad_token_id=0, bos_token_id=1,
+                                      eos_token_id=2, decoder_start_token_id=1, use_cache=False)),
+    "biogpt": ("BioGptConfig", dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                    max_position_embeddings=256, use_cache=False)),
+    # BERT without is_decoder attends both ways; BART-style decoders number positions themselves
+    "bert-bidirectional": ("BertConfig", dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                                              max_position_embeddings=256, is_decoder=False)),
+    "bart": ("BartConfig", dict(vocab_size=64, d_model=32, decoder_layers=2, decoder_attention_heads=4, decoder_ffn_dim=48, encoder_layers=1,
+                                encoder_attention_heads=4, encoder_ffn_dim=48, max_position_embeddings=256, use_cache=False)),
     # attention in the model's own code
     "bloom": ("BloomConfig", dict(vocab_size=64, hidden_size=32, n_layer=2, n_head=4, use_cache=False)),
     "falcon-alibi": ("FalconConfig", dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True, use_cache=False)),
@@ -33,19 +46,29 @@ FAMILIES = {
     "qwen3_next": ("Qwen3NextConfig", dict(_ATTN, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                                            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
                                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
+    "qwen3_5": ("Qwen3_5TextConfig", dict(_ATTN, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
+                                          linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)),
     "lfm2": ("Lfm2Config", dict(_ATTN, layer_types=["conv", "full_attention"], conv_L_cache=3)),
     "bamba": ("BambaConfig", dict(_ATTN, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
                                   mamba_d_conv=4, mamba_expand=2)),
 }
-EXACT = ("llama", "gpt2", "gpt_neox", "starcoder2", "mixtral", "gemma3", "deepseek_v3", "opt")
-REFUSED = {  # family: what the refusal names
-    "bloom": ("BloomAttention", "computes attention in its own code with ALiBi"),
-    "falcon-alibi": ("FalconAttention", "computes attention in its own code with ALiBi"),
-    "falcon-rotary": ("FalconAttention", "computes attention in its own code,"),
-    "mpt": ("MptAttention", "computes attention in its own code with ALiBi"),
-    "qwen3_next": ("Qwen3NextGatedDeltaNet", "convolution over the sequence (kernel 4)"),
-    "lfm2": ("Lfm2ShortConv", "convolution over the sequence"),
-    "bamba": ("BambaMixer", "a state-space"),
+EXACT = ("llama", "gpt2", "gpt_neox", "starcoder2", "mixtral", "gemma3", "deepseek_v3", "opt", "bert-decoder", "whisper", "biogpt")
+HYBRID = ("qwen3_next", "qwen3_5", "lfm2", "bamba")
+"""Exact under SP through a mixer strategy for their Gated DeltaNet, short-convolution and Mamba2 layers."""
+REFUSED = {  # family: the module the refusal names, and why
+    "bloom": ("BloomAttention (layer 0", "computes attention in its own code with ALiBi"),
+    "falcon-alibi": ("FalconAttention (layer 0", "computes attention in its own code with ALiBi"),
+    "falcon-rotary": ("FalconAttention (layer 0", "computes attention in its own code,"),
+    "mpt": ("MptAttention (layer 0", "computes attention in its own code with ALiBi"),
+    "bart": ("BartDecoder (no layer index, model.decoder)", "numbers token positions itself (its forward takes no position_ids)"),
+}
+REFUSED_WITHOUT_MIXER = {  # with mixer="none"
+    "qwen3_next": ("Qwen3NextGatedDeltaNet (layer 0", "convolution over the sequence (kernel 4)"),
+    "lfm2": ("Lfm2ShortConv (layer 0", "convolution over the sequence"),
+    "bamba": ("BambaMixer (layer 0", "a state-space"),
+}
+REFUSED_AT_FORWARD = {  # what only the first forward shows
+    "bert-bidirectional": ("BertSelfAttention (layer 0)", "bidirectional self-attention (is_causal=False) is not supported"),
 }
 
 

@@ -5,7 +5,8 @@ information across tokens and does not go through the ``"ulysses_sp"``
 attention function sees only that slice: the model still runs, and computes
 something else. :func:`check_coverage` finds such modules from the model's
 structure (module types, parameters, ``config.layer_types``, the source of each
-attention class's ``forward``), never from a list of model names, so families
+attention class's ``forward``, whether the embedding model's ``forward`` takes
+``position_ids``), never from a list of model names, so families
 nobody has tried are caught too; :func:`install_guards` checks at the first
 forward what the structure cannot show (an attention layer that did not call
 our function, a call without global ``position_ids``). Every check reads only
@@ -22,7 +23,7 @@ import re
 
 from torch import nn
 
-__all__ = ["Finding", "ATTENTION_LAYER_TYPES", "attention_modules", "find_uncovered", "check_coverage", "install_guards", "remove_guards"]
+__all__ = ["Finding", "ATTENTION_LAYER_TYPES", "MIXER", "attention_modules", "find_uncovered", "check_coverage", "install_guards", "remove_guards"]
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
 """``config.layer_types`` entries that are softmax attention through the attention interface."""
@@ -36,6 +37,8 @@ RECURRENT_PARAMETERS = {
 _ROUTED = ("ALL_ATTENTION_FUNCTIONS",)
 _CALLS, _SEEN = "_ulysses_sp_calls", "_ulysses_sp_calls_seen"
 _HOOKS = "_ulysses_sp_coverage_hooks"
+MIXER = "_ulysses_sp_mixer"
+"""Where :mod:`ulysses_sp.integrations.mixers` keeps a covered mixer's strategy (in the module's ``__dict__``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,6 +50,9 @@ class Finding:
     cls: str
     layer: int | None
     reason: str
+    kind: str = "mixer"
+    """``attention`` (attention in the model's own code), ``mixer`` (a convolution or recurrence a
+    mixer strategy can take), ``positions`` or ``layer_type``."""
 
     def __str__(self) -> str:
         layer = f"layer {self.layer}" if self.layer is not None else "no layer index"
@@ -102,6 +108,28 @@ def _own_attention_reason(module, config) -> str:
             "so ulysses_sp cannot route it and each rank would attend only to its own shard")
 
 
+def _forward_takes(module, name: str) -> bool:
+    try:
+        return name in inspect.signature(type(module).forward).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _own_positions(model) -> Finding | None:
+    """The model that embeds the tokens (the innermost ``PreTrainedModel`` whose forward takes
+    ``input_ids``) must take ``position_ids``: BART-style decoders take none and number positions
+    from 0 on every rank, whatever positions the caller passes."""
+    from transformers import PreTrainedModel
+
+    embedding = [(n, m) for n, m in model.named_modules() if isinstance(m, PreTrainedModel) and _forward_takes(m, "input_ids")]
+    if not embedding or _forward_takes(embedding[-1][1], "position_ids"):
+        return None
+    path, module = embedding[-1]
+    return Finding(path, type(module).__name__, None,
+                   "numbers token positions itself (its forward takes no position_ids), so each rank would number its shard's "
+                   "tokens from 0 and learned or rotary positions would go wrong", "positions")
+
+
 def find_uncovered(model) -> list[Finding]:
     """Every module of ``model`` that mixes tokens outside the attention interface, with why.
     Empty when SP covers the whole model."""
@@ -109,7 +137,7 @@ def find_uncovered(model) -> list[Finding]:
     found: dict[str, Finding] = {}
     for path, module in attention_modules(model, innermost=True):
         if not any(word in _forward_source(type(module)) for word in _ROUTED):
-            found[path] = Finding(path, type(module).__name__, _layer_of(path, module), _own_attention_reason(module, config))
+            found[path] = Finding(path, type(module).__name__, _layer_of(path, module), _own_attention_reason(module, config), "attention")
     modules, reasons = dict(model.named_modules()), {}
     for path, module in modules.items():
         reason = None
@@ -125,19 +153,27 @@ def find_uncovered(model) -> list[Finding]:
             continue
         owner = _mixer_path(path)
         reasons.setdefault(owner, []).append(reason)
+    covered_layers = set()
     for owner, why in reasons.items():
+        owner_module = modules[owner] if owner in modules else model
+        if MIXER in owner_module.__dict__:  # under a mixer strategy
+            covered_layers.add(_layer_of(owner, owner_module))
+            continue
         if owner in found:
             continue
-        owner_module = modules[owner] if owner in modules else model
         found[owner] = Finding(owner, type(owner_module).__name__, _layer_of(owner, owner_module),
                                f"mixes tokens outside attention: {'; '.join(why)}; each rank would see only its own shard")
+    numbering = _own_positions(model)
+    if numbering is not None:
+        found.setdefault(numbering.path, numbering)
     types = list(getattr(config, "layer_types", None) or [])
-    covered_layers = {f.layer for f in found.values()}
+    covered_layers |= {f.layer for f in found.values()}
     for i, kind in enumerate(types):
         if kind not in ATTENTION_LAYER_TYPES and i not in covered_layers:
             found[f"config.layer_types[{i}]"] = Finding(
                 f"config.layer_types[{i}]", type(config).__name__, i,
-                f"config.layer_types marks this layer {kind!r}, a token mixer other than softmax attention, which ulysses_sp does not split")
+                f"config.layer_types marks this layer {kind!r}, a token mixer other than softmax attention, which ulysses_sp does not split",
+                "layer_type")
     return sorted(found.values(), key=lambda f: (f.layer if f.layer is not None else -1, f.path))
 
 

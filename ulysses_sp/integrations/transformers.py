@@ -21,7 +21,7 @@ from ..attention import SequenceParallelAttention
 from ..profile import Profile
 from ..topology import Topology
 from .. import tiling
-from . import coverage
+from . import coverage, mixers
 
 __all__ = ["ATTN_IMPLEMENTATION", "apply_sequence_parallel", "chosen_backends", "remove_sequence_parallel", "sp_attention_forward"]
 
@@ -63,12 +63,13 @@ def sp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     if key.shape[2] != query.shape[2] or (past is not None and past.get_seq_length() > 0):
         raise _unsupported(module, f"a KV cache with past tokens ({key.shape[2]} keys for {query.shape[2]} queries: generation)",
                            "call remove_sequence_parallel(model) to generate")
-    causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
-    if sliding_window is not None and not causal:
-        raise _unsupported(module, f"bidirectional sliding-window attention (window {sliding_window})", "use causal attention")
+    if not (is_causal if is_causal is not None else getattr(module, "is_causal", True)):
+        # a causal LM attending to later tokens sees its labels; and under SP the right padding would be attended to
+        raise _unsupported(module, "bidirectional self-attention (is_causal=False)",
+                           "train a causal LM (BERT-style models: set config.is_decoder=True)")
     out = spa(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-        causal=causal, softmax_scale=scaling, cu_seqlens=kwargs.get("cu_seq_lens_q"), window=sliding_window, softcap=softcap,
+        causal=True, softmax_scale=scaling, cu_seqlens=kwargs.get("cu_seq_lens_q"), window=sliding_window, softcap=softcap,
     )
     return out, None
 
@@ -108,7 +109,7 @@ def _backend_per_layer(backend, layers) -> dict[int, str]:
 
 
 def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Profile | None = None, kernel: str = "auto",
-                            tiled_mlp: bool | int = False, checkpoint: str = "none"):
+                            tiled_mlp: bool | int = False, checkpoint: str = "none", mixer: str = "auto"):
     """Switch a loaded transformers model to sequence-parallel attention; returns the model.
 
     ``backend`` is one name for every layer (``"auto"`` decides per layer and
@@ -120,9 +121,12 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     attention implementation for :func:`remove_sequence_parallel` and turns the
     KV cache off (training and evaluation, not generation).
 
-    A model with a token mixer that SP does not cover (attention computed in the model's own
-    code, ALiBi, convolutions or recurrences over the sequence, non-attention ``layer_types``)
-    is refused with a ``ValueError`` naming each module (:mod:`ulysses_sp.integrations.coverage`);
+    ``mixer`` is the strategy for hybrid models' other token mixers (Gated DeltaNet, Mamba2,
+    short convolutions: :mod:`ulysses_sp.mixers`; ``auto``, ``allgather``, or ``none``). A model
+    with a token mixer that SP does not cover (attention computed in the model's own code,
+    ALiBi, a mixer with ``mixer="none"``, non-attention ``layer_types`` without a mixer module,
+    positions numbered inside the model) is refused with a ``ValueError`` naming each module
+    (:mod:`ulysses_sp.integrations.coverage`);
     the first forward also checks that every attention layer called the SP attention and that
     global ``position_ids`` were passed.
 
@@ -132,17 +136,22 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     ``"offload"`` (also keep each checkpointed layer input in pinned host memory on CUDA; the
     counters are in ``ulysses_sp.tiling.offload_store(model)``). See :mod:`ulysses_sp.tiling`.
     """
-    coverage.check_coverage(model)
-    tile_tokens = tiling.validate_options(tiled_mlp, checkpoint)
-    if checkpoint != "none" and tiling.hf_checkpointing(model):
-        raise ValueError(f"checkpoint={checkpoint!r} replaces transformers' gradient checkpointing; call model.gradient_checkpointing_disable() first "
-                         "or pass checkpoint='none'")
-    if tile_tokens is not None and not any("mlp" in layer._modules for layer in tiling.decoder_layers(model)):
-        raise ValueError(f"tiled_mlp: {type(model).__name__} has no decoder layer with an `mlp` module to tile")
-    layers = _attention_layers(model)
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no attention layers with a layer_idx; ulysses_sp cannot switch it")
-    per_layer = _backend_per_layer(backend, layers)
+    mixers.install_mixers(model, topo, mixer)
+    try:
+        coverage.check_coverage(model)
+        tile_tokens = tiling.validate_options(tiled_mlp, checkpoint)
+        if checkpoint != "none" and tiling.hf_checkpointing(model):
+            raise ValueError(f"checkpoint={checkpoint!r} replaces transformers' gradient checkpointing; call model.gradient_checkpointing_disable() "
+                             "first or pass checkpoint='none'")
+        if tile_tokens is not None and not any("mlp" in layer._modules for layer in tiling.decoder_layers(model)):
+            raise ValueError(f"tiled_mlp: {type(model).__name__} has no decoder layer with an `mlp` module to tile")
+        layers = _attention_layers(model)
+        if not layers:
+            raise ValueError(f"{type(model).__name__} has no attention layers with a layer_idx; ulysses_sp cannot switch it")
+        per_layer = _backend_per_layer(backend, layers)
+    except ValueError:
+        mixers.remove_mixers(model)
+        raise
     if _PREVIOUS not in model.__dict__:
         model.__dict__[_PREVIOUS] = (model.config._attn_implementation, model.config.use_cache)
     for layer in layers:  # plain attribute, not a submodule: state_dict and parameters stay as they were
@@ -161,8 +170,13 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
 
 
 def chosen_backends(model) -> dict[int, list[str]]:
-    """The backends each attention layer has run so far (``auto`` may pick several per layer, one per shape)."""
-    return {m.layer_idx: sorted({b.name for b in m.__dict__[_STATE]._chosen.values()}) for m in model.modules() if _STATE in m.__dict__}
+    """The backends each attention layer has run so far (``auto`` may pick several per layer, one per shape);
+    layers whose attention has not run (an encoder's, a cross-attention's under the same index) are left out."""
+    chosen: dict[int, set[str]] = {}
+    for m in model.modules():
+        if _STATE in m.__dict__ and m.__dict__[_STATE]._chosen:
+            chosen.setdefault(m.layer_idx, set()).update(b.name for b in m.__dict__[_STATE]._chosen.values())
+    return {layer: sorted(names) for layer, names in sorted(chosen.items())}
 
 
 def remove_sequence_parallel(model):
@@ -173,6 +187,7 @@ def remove_sequence_parallel(model):
     for layer in _attention_layers(model):
         layer.__dict__.pop(_STATE, None)
     coverage.remove_guards(model)
+    mixers.remove_mixers(model)
     tiling.untile_mlp(model)
     tiling.uncheckpoint_layers(model)
     attn_implementation, use_cache = previous

@@ -18,6 +18,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .coverage import check_coverage
+from .mixers import install_mixers, mixer_layers, remove_mixers
+
 
 __all__ = ["SequenceParallelMismatch", "VerifyReport", "shrink_config", "verify_sequence_parallel"]
 
@@ -25,7 +27,7 @@ _WIDTHS = {  # attribute: value in the small copy (only where the config has it 
     "intermediate_size": 32, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "ffn_dim": 32, "n_inner": 32,
     "vocab_size": 96, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
     "n_routed_experts": 4, "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
-    "max_position_embeddings": 512, "head_dim": 8,
+    "max_position_embeddings": 512, "head_dim": 8, "rotary_dim": 4,
 }
 """v_head_dim 6 against a query/key head dim of 8 + 4 keeps multi-head latent attention's
 unequal head dims in the copy."""
@@ -49,8 +51,16 @@ class VerifyReport:
     abs of the one-process gradient)."""
     backends: dict[int, list[str]]
     """The backends each attention layer ran."""
+    mixers: dict[str, str]
+    """The strategy each other token mixer (hybrid models) ran, by module path."""
     seconds: float
     tolerance: float
+    rounding_noise: float = 0.0
+    """How far the one-process gradients move when the same sums are only re-associated (the
+    loss's two halves backpropagated apart and added): about 1e-16 for a model in fp64 throughout,
+    1e-7 to 1e-5 where its own code computes in float32 (Gemma 3's norms, Gated DeltaNet and Mamba
+    scans) and 1e-8 where torch's CPU sdpa backward does. SP re-associates the same way, so its
+    error is measured against this."""
 
     @property
     def worst(self) -> tuple[str, str, float]:
@@ -66,8 +76,10 @@ class VerifyReport:
     def __str__(self) -> str:
         run, name, err = self.worst
         verdict = "exact" if self.passed else "MISMATCH"
-        return (f"{self.architecture} under SP={self.sp_size} ({self.layers} layers, backends {self.backends}): {verdict}, worst relative "
-                f"error {err:.2e} ({name}, {run}) against tolerance {self.tolerance:.0e}, in {self.seconds:.1f} s")
+        mixers = f", mixers {sorted(set(self.mixers.values()))} on {len(self.mixers)} layers" if self.mixers else ""
+        inside = f" (one-process rounding noise {self.rounding_noise:.0e})"
+        return (f"{self.architecture} under SP={self.sp_size} ({self.layers} layers, backends {self.backends}{mixers}): {verdict}, worst "
+                f"relative error {err:.2e} ({name}, {run}) against tolerance {self.tolerance:.0e}{inside}, in {self.seconds:.1f} s")
 
 
 def _layer_signature(layer) -> tuple:
@@ -102,6 +114,9 @@ def shrink_config(config, min_layers: int = 2):
             put(name, value)
     if isinstance(heads, int):
         put("hidden_size", heads * 8)
+        for name, value in (("head_dim", 8), ("num_key_value_heads", heads)):  # left None by some default configs
+            if hasattr(small, name) and getattr(small, name) is None:
+                put(name, value)
     if getattr(small, "qk_nope_head_dim", None) is not None and getattr(small, "qk_rope_head_dim", None) is not None:
         put("qk_head_dim", small.qk_nope_head_dim + small.qk_rope_head_dim)
         put("head_dim", small.qk_rope_head_dim)
@@ -112,7 +127,7 @@ def shrink_config(config, min_layers: int = 2):
     # every kind of layer: its module types on the full model (built without memory) and its layer_types entry
     n = config.num_hidden_layers
     with torch.device("meta"):
-        full = transformers.AutoModelForCausalLM.from_config(config)
+        full = transformers.AutoModelForCausalLM.from_config(small)  # small widths, all n layers
     types = list(getattr(config, "layer_types", None) or [None] * n)
     kinds = [(_layer_signature(layer), kind) for layer, kind in zip(_decoder_layers(full, n), types)] or types
     keep = next((k for k in range(min(min_layers, n), n + 1) if set(kinds[:k]) == set(kinds)), n)
@@ -122,11 +137,29 @@ def shrink_config(config, min_layers: int = 2):
             small.layer_types = types[:keep]
         except AttributeError:  # derived from other fields (Bamba's attn_layer_indices): they still hold
             pass
-    for name in ("dropout", "attention_dropout", "hidden_dropout", "resid_pdrop", "embd_pdrop", "attn_pdrop", "attention_probs_dropout_prob"):
-        if isinstance(getattr(small, name, None), float):
-            put(name, 0.0)
+    _no_randomness(small)
     small.use_cache = False
     return small
+
+
+_RANDOM = ("drop", "jitter")
+"""Config fields and module attributes of training-time randomness (dropout, layer drop, router
+jitter): one process and SP draw different random numbers, so the check runs without them."""
+
+
+def _no_randomness(config_or_model) -> None:
+    """Zero every float field named like dropout, layer drop or jitter, in a config or in each
+    module of a built model (whose ``nn.Dropout`` and functional-dropout floats it also zeroes)."""
+    objects = [config_or_model] if not isinstance(config_or_model, torch.nn.Module) else list(config_or_model.modules())
+    for obj in objects:
+        if isinstance(obj, torch.nn.Dropout):
+            obj.p = 0.0
+        for name, value in list(vars(obj).items()):
+            if isinstance(value, float) and value > 0 and any(w in name for w in _RANDOM):
+                try:
+                    setattr(obj, name, 0.0)
+                except AttributeError:  # a property derived from other fields
+                    pass
 
 
 def _build(config, device, seed: int):
@@ -153,6 +186,25 @@ def _batch(config, seq_len: int, packed: bool, seed: int) -> dict:
     return out
 
 
+def _rounding_noise(ref, data, device) -> float:
+    """The largest relative change of any one-process gradient when the loss over the first and
+    the second half of the tokens are backpropagated apart and added: the rounding of the model's
+    own arithmetic under re-association, which is all SP changes when it is exact."""
+    ids, labels = data["input_ids"].to(device), data["labels"].to(device)
+    losses = F.cross_entropy(ref(input_ids=ids).logits[0, :-1], labels[0, 1:], reduction="none")
+    half = losses.numel() // 2
+
+    def grads(loss) -> list[torch.Tensor]:
+        ref.zero_grad(set_to_none=True)
+        loss.backward(retain_graph=True)
+        return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in ref.parameters()]
+
+    whole, first, second = grads(losses.sum()), grads(losses[:half].sum()), grads(losses[half:].sum())
+    ref.zero_grad(set_to_none=True)
+    floor = 1e-6 * max(g.abs().max().item() for g in whole)
+    return max(_rel(a + b, w, floor) for a, b, w in zip(first, second, whole))
+
+
 def _one_process_loss(ref, data, device) -> torch.Tensor:
     """The mean next-token loss of one process. Packed documents run one by one: packing must
     give each document what it would get alone (some families' own forward, OPT's for one,
@@ -175,7 +227,7 @@ def _rel(a, b, floor: float) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=floor)).item()
 
 
-def _one_run(ref, topo, data, backend, kernel) -> tuple[float, dict[str, float], dict[int, list[str]]]:
+def _one_run(ref, topo, data, backend, kernel, mixer) -> tuple[float, dict[str, float], dict[int, list[str]], dict[str, str]]:
     import ulysses_sp as usp
 
     from .transformers import chosen_backends
@@ -186,14 +238,14 @@ def _one_run(ref, topo, data, backend, kernel) -> tuple[float, dict[str, float],
     ref_loss = _one_process_loss(ref, data, device)
     ref_loss.backward()
 
-    usp.apply_sequence_parallel(sp_model, topo, backend=backend, kernel=kernel)
+    usp.apply_sequence_parallel(sp_model, topo, backend=backend, kernel=kernel, mixer=mixer)
     try:
         local = usp.shard_batch(data, topo)
         local = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in local.items()}
         loss = usp.sp_cross_entropy(sp_model(**usp.model_inputs(local)).logits, local["shift_labels"], topo)
         loss.backward()
     finally:
-        chosen = chosen_backends(sp_model)
+        chosen, mixers = chosen_backends(sp_model), mixer_layers(sp_model)
         usp.remove_sequence_parallel(sp_model)
     grads = {}
     for (name, p), p_ref in zip(sp_model.named_parameters(), ref.parameters()):
@@ -205,21 +257,25 @@ def _one_run(ref, topo, data, backend, kernel) -> tuple[float, dict[str, float],
         grads[name] = (grad, torch.zeros_like(p_ref) if p_ref.grad is None else p_ref.grad)
     floor = 1e-6 * max(r.abs().max().item() for _, r in grads.values())
     errors = {name: _rel(grad, ref_grad, floor) for name, (grad, ref_grad) in grads.items()}
-    return abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), errors, chosen
+    return abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), errors, chosen, mixers
 
 
-def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: str = "auto", shrink: bool = True, seq_len: int | None = None,
-                             tolerance: float = 1e-6, packed: tuple[bool, ...] = (False, True), seed: int = 0, raise_on_mismatch: bool = True) -> VerifyReport:
+def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: str = "auto", mixer: str = "auto", shrink: bool = True, seq_len: int | None = None,
+                             tolerance: float | None = None, packed: tuple[bool, ...] = (False, True), seed: int = 0,
+                             raise_on_mismatch: bool = True) -> VerifyReport:
     """Check that SP on ``topo`` computes the same loss and gradients as one process, for the
     architecture of ``model_or_config`` (a transformers model or config), and return the
     :class:`VerifyReport`; raise :class:`SequenceParallelMismatch` naming the worst parameters
     past ``tolerance`` (relative, fp64), and ``ValueError`` from ``apply_sequence_parallel`` for
-    a model SP does not cover.
+    a model SP does not cover. ``tolerance`` defaults to 1e-6, or 10 times the model's own
+    rounding noise where that is larger (:attr:`VerifyReport.rounding_noise`: models whose code
+    computes in float32 inside the fp64 copy, such as Gated DeltaNet and Mamba scans, re-associate
+    at float32's rounding; a rank seeing only its shard is wrong at order 1 either way).
 
     ``shrink`` (default) runs a small copy of the architecture (:func:`shrink_config`) built
     from the config with random weights in fp64 on ``topo.device``; ``shrink=False`` copies
     the given model (or builds the config as it is), so keep it small. ``seq_len`` defaults to
-    ``12 * sp_size + 5`` tokens (padding included). ``backend`` and ``kernel`` are
+    ``12 * sp_size + 5`` tokens (padding included). ``backend``, ``kernel`` and ``mixer`` are
     ``apply_sequence_parallel``'s. Every rank of the SP group must call it.
     """
     started = time.perf_counter()
@@ -228,21 +284,31 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
         config = shrink_config(config)
         ref = _build(config, topo.device, seed)
     elif config is model_or_config:
+        config = copy.deepcopy(config)
+        _no_randomness(config)
         ref = _build(config, topo.device, seed)
     else:
         ref = copy.deepcopy(model_or_config).to(device=topo.device, dtype=torch.float64).train()
-    check_coverage(ref)  # a model SP does not cover is refused before anything runs
+        _no_randomness(ref)
+    install_mixers(ref, topo, mixer)  # a model SP does not cover is refused before anything runs
+    try:
+        check_coverage(ref)
+    finally:
+        remove_mixers(ref)
     seq_len = seq_len or 12 * topo.sp_size + 5
+    noise = _rounding_noise(ref, _batch(config, seq_len, False, seed + 1), topo.device)
+    if tolerance is None:
+        tolerance = max(1e-6, 10 * noise)
     if isinstance(backend, (list, tuple)):  # one name per layer: the copy keeps a prefix of the layers
         backend = list(backend).__getitem__
-    loss_error, grad_errors, backends = {}, {}, {}
+    loss_error, grad_errors, backends, mixers = {}, {}, {}, {}
     for is_packed in packed:
         run = "packed" if is_packed else "unpacked"
-        loss_error[run], grad_errors[run], chosen = _one_run(ref, topo, _batch(config, seq_len, is_packed, seed + 1), backend, kernel)
+        loss_error[run], grad_errors[run], chosen, mixers = _one_run(ref, topo, _batch(config, seq_len, is_packed, seed + 1), backend, kernel, mixer)
         for layer, names in chosen.items():
             backends[layer] = sorted(set(backends.get(layer, [])) | set(names))
-    report = VerifyReport(type(ref).__name__, topo.sp_size, config.num_hidden_layers, loss_error, grad_errors, backends,
-                          time.perf_counter() - started, tolerance)
+    report = VerifyReport(type(ref).__name__, topo.sp_size, config.num_hidden_layers, loss_error, grad_errors, backends, mixers,
+                          time.perf_counter() - started, tolerance, noise)
     if raise_on_mismatch and not report.passed:
         worst = sorted(((e, f"{name} ({run})") for run, errs in grad_errors.items() for name, e in errs.items()), reverse=True)[:5]
         shown = ", ".join(f"{name} {e:.2e}" for e, name in worst if e > tolerance)

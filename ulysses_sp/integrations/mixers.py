@@ -1,0 +1,76 @@
+"""Hybrid models' token mixers under SP: each module the coverage check finds mixing tokens
+outside attention (a convolution over the sequence, a state-space or linear-attention
+recurrence) gets a :mod:`ulysses_sp.mixers` strategy around its own forward, so the model's
+code and kernels still do the math. A model forward pre-hook records what each call needs:
+the local batch and sequence sizes and, for packed input, the global document boundaries
+(taken from the model's ``cu_seq_lens_q``, so a decoder layer that does not forward its
+keyword arguments to the mixer cannot make documents run together).
+"""
+
+from __future__ import annotations
+
+import types
+
+from torch import nn
+
+from .. import mixers as _mixers
+from .coverage import MIXER, find_uncovered
+
+__all__ = ["install_mixers", "remove_mixers", "mixer_layers"]
+
+_CONTEXT_HOOK = "_ulysses_sp_mixer_context_hook"
+
+
+def _sp_forward(self, *args, **kwargs):
+    strategy, context = self.__dict__[MIXER]
+    if context.get("batch") is None:
+        raise RuntimeError(f"{type(self).__name__} ran under sequence parallelism outside the model's forward")
+    return strategy(type(self).forward.__get__(self), args, kwargs, context["batch"], context["seq_local"], context["cu_seqlens"])
+
+
+def _record_context(context: dict):
+    def hook(model, args, kwargs):
+        ids = kwargs.get("input_ids", args[0] if args else None)
+        if ids is None:
+            ids = kwargs.get("inputs_embeds")
+        context.update(batch=ids.shape[0], seq_local=ids.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"))
+    return hook
+
+
+def install_mixers(model, topo, mixer: str = "auto") -> dict[str, str]:
+    """Put a mixer strategy around every uncovered mixer module of ``model`` (``mixer``: ``auto``,
+    a name in :data:`ulysses_sp.mixers.MIXERS`, or ``none`` for no mixer: such models are then
+    refused); returns ``{module path: strategy}``. Convolutions and recurrent networks that are
+    themselves the decoder layer's child (their input is not ``[batch, sequence, ...]``) are left
+    to the coverage check."""
+    remove_mixers(model)
+    if mixer == "none":
+        return {}
+    strategy = _mixers.get_mixer(mixer, topo)
+    modules = dict(model.named_modules())
+    context: dict = {"batch": None}
+    chosen = {}
+    for finding in find_uncovered(model):
+        module = modules.get(finding.path)
+        if finding.kind != "mixer" or module is None or module is model or isinstance(module, (nn.Conv1d, nn.RNNBase)):
+            continue
+        module.__dict__[MIXER] = (strategy, context)
+        module.__dict__["forward"] = types.MethodType(_sp_forward, module)  # deepcopy rebinds it to the copy
+        chosen[finding.path] = strategy.name
+    if chosen:
+        model.__dict__[_CONTEXT_HOOK] = model.register_forward_pre_hook(_record_context(context), with_kwargs=True)
+    return chosen
+
+
+def mixer_layers(model) -> dict[str, str]:
+    """``{module path: strategy}`` of the mixers running under SP."""
+    return {path: m.__dict__[MIXER][0].name for path, m in model.named_modules() if MIXER in m.__dict__}
+
+
+def remove_mixers(model) -> None:
+    handle = model.__dict__.pop(_CONTEXT_HOOK, None)
+    if handle is not None:
+        handle.remove()
+    for _, module in model.named_modules():
+        if module.__dict__.pop(MIXER, None) is not None:
+            module.__dict__.pop("forward", None)
