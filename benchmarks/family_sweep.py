@@ -3,7 +3,7 @@ and run through ``verify_sequence_parallel`` on 2 gloo ranks: exact, refused (th
 a named unsupported feature), MISMATCH (SP computes another model: a defect) or error (the default
 config cannot be shrunk or built). One line per family, written as it finishes.
 
-    python benchmarks/family_sweep.py [--out results/family_sweep.txt]
+    python benchmarks/family_sweep.py [--out results/family_sweep.txt] [--families llama,qwen3_next]
 """
 
 from __future__ import annotations
@@ -47,9 +47,11 @@ def main() -> None:
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default="family_sweep.txt")
+    p.add_argument("--families", default="", help="comma-separated model types (default: every causal-LM family)")
     a = p.parse_args()
     open(a.out, "w").close()
-    run_ranks(_rank, 2, sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES), a.out, timeout=3600)
+    names = a.families.split(",") if a.families else sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES)
+    run_ranks(_rank, 2, names, a.out, timeout=3600)
 
 
 if __name__ == "__main__":

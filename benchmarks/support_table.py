@@ -27,18 +27,27 @@ def _rank(rank: int, world: int, backend: str) -> dict:
     import ulysses_sp as usp
     from tests.model_families import FAMILIES, config
     from ulysses_sp.integrations.coverage import find_uncovered
+    from ulysses_sp.integrations.mixers import install_mixers
 
     topo = usp.init_sequence_parallel(world, timeout=120)
     out = {}
     for name in FAMILIES:
-        findings = find_uncovered(transformers.AutoModelForCausalLM.from_config(config(name)))
+        model = transformers.AutoModelForCausalLM.from_config(config(name))
+        install_mixers(model, topo)  # what apply_sequence_parallel does first
+        findings = find_uncovered(model)
         if findings:
             out[name] = "refused: " + "; ".join(sorted({f"{f.cls} ({_short(f.reason)})" for f in findings}))
             continue
-        report = usp.verify_sequence_parallel(config(name), topo, backend=backend, shrink=False, raise_on_mismatch=False)
+        try:
+            report = usp.verify_sequence_parallel(config(name), topo, backend=backend, shrink=False, raise_on_mismatch=False)
+        except ValueError as e:  # what only the first forward shows
+            out[name] = "refused: " + str(e).split(": ", 1)[0] + " (" + str(e).split(": ", 1)[1].split(" is not supported")[0] + ")"
+            continue
         run, param, err = report.worst
         where = param.split(".")[-2] if "." in param else param
-        out[name] = f"{'exact' if report.passed else 'MISMATCH'} {err:.0e} ({where})"
+        n = len(report.mixers)
+        mixers = f", {n} mixer{'s' if n > 1 else ''} {'/'.join(sorted(set(report.mixers.values())))}" if n else ""
+        out[name] = f"{'exact' if report.passed else 'MISMATCH'} {err:.0e} ({where}){mixers}"
     return out
 
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 
 from ulysses_sp.mixers.allgather import AllGatherMixer
 
-__all__ = ["MIXERS", "AllGatherMixer", "get_mixer"]
+__all__ = ["MIXERS", "MIXER_CHOICES", "AllGatherMixer", "get_mixer"]
 
 MIXERS = {"allgather": AllGatherMixer}
 """Mixer strategies by name; ``auto`` picks among them (only ``allgather`` so far)."""
+MIXER_CHOICES = ("auto", *MIXERS, "none")
+"""What ``apply_sequence_parallel(mixer=...)``, ``--sp-mixer`` and ``sp_mixer`` take; ``none`` refuses hybrid models."""
 
 
 def get_mixer(name: str, topo):

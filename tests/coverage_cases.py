@@ -140,6 +140,26 @@ class _OwnAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)), None
 
 
+class _ConvBiasAttention(_OwnAttention):
+    """Attention with a short convolution over its keys (so a mixer strategy runs it on the whole
+    sequence) that passes an additive position bias to the attention function, as Inkling's does."""
+
+    def __init__(self, llama_attention):
+        super().__init__(llama_attention)
+        self.k_conv = nn.Conv1d(16, 16, kernel_size=3, groups=16, padding=2)
+        self.config = llama_attention.config
+
+    def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
+        from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+        shape = (*hidden_states.shape[:-1], -1, self.head_dim)
+        k = self.k_conv(self.k_proj(hidden_states).transpose(1, 2))[..., :hidden_states.shape[1]].transpose(1, 2)
+        q, k, v = (t.view(shape).transpose(1, 2) for t in (self.q_proj(hidden_states), k, self.v_proj(hidden_states)))
+        bias = torch.zeros(1, 1, q.shape[2], k.shape[2])
+        out, _ = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation](self, q, k, v, None, position_bias=bias)
+        return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+
 def planted(topo) -> dict:
     """Deliberately uncovered layers in a Llama: the error on every rank, with class and layer named."""
     import transformers
@@ -161,6 +181,10 @@ def planted(topo) -> dict:
     model = llama()  # the config says layer 1 is not attention, whatever its modules look like
     model.config.layer_types = ["full_attention", "mamba", "full_attention"]
     out["layer type"] = raised(lambda: usp.apply_sequence_parallel(model, topo, backend="ring"))
+    model = llama()  # layer 1's attention holds a convolution (the mixer runs it whole) and passes a position bias
+    model.model.layers[1].self_attn = _ConvBiasAttention(model.model.layers[1].self_attn)
+    usp.apply_sequence_parallel(model, topo, backend="ring")
+    out["mixer attention with a bias"] = raised(lambda: model(**usp.model_inputs(data)))
     model = llama()  # layer 1 routed, but to another attention implementation: only the forward can tell
     usp.apply_sequence_parallel(model, topo, backend="ring")
     layer_config = model.model.layers[1].self_attn.config = type(model.config).from_dict(model.config.to_dict())

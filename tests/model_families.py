@@ -49,12 +49,17 @@ FAMILIES = {
     "qwen3_5": ("Qwen3_5TextConfig", dict(_ATTN, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                                           linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)),
     "lfm2": ("Lfm2Config", dict(_ATTN, layer_types=["conv", "full_attention"], conv_L_cache=3)),
+    # RWKV: a recurrence in its "attention" and a token shift in its feed-forward; Mamba2 alone: no attention, no positions
+    "rwkv": ("RwkvConfig", dict(vocab_size=64, hidden_size=32, attention_hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                context_length=256, use_cache=False)),
+    "mamba2": ("Mamba2Config", dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, expand=2, state_size=8,
+                                    n_groups=1, conv_kernel=4, use_cache=False)),
     "bamba": ("BambaConfig", dict(_ATTN, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
                                   mamba_d_conv=4, mamba_expand=2)),
 }
 EXACT = ("llama", "gpt2", "gpt_neox", "starcoder2", "mixtral", "gemma3", "deepseek_v3", "opt", "bert-decoder", "whisper", "biogpt")
-HYBRID = ("qwen3_next", "qwen3_5", "lfm2", "bamba")
-"""Exact under SP through a mixer strategy for their Gated DeltaNet, short-convolution and Mamba2 layers."""
+HYBRID = ("qwen3_next", "qwen3_5", "lfm2", "bamba", "rwkv", "mamba2")
+"""Exact under SP through a mixer strategy for their Gated DeltaNet, short-convolution, Mamba2 and RWKV layers."""
 REFUSED = {  # family: the module the refusal names, and why
     "bloom": ("BloomAttention (layer 0", "computes attention in its own code with ALiBi"),
     "falcon-alibi": ("FalconAttention (layer 0", "computes attention in its own code with ALiBi"),
@@ -66,6 +71,7 @@ REFUSED_WITHOUT_MIXER = {  # with mixer="none"
     "qwen3_next": ("Qwen3NextGatedDeltaNet (layer 0", "convolution over the sequence (kernel 4)"),
     "lfm2": ("Lfm2ShortConv (layer 0", "convolution over the sequence"),
     "bamba": ("BambaMixer (layer 0", "a state-space"),
+    "rwkv": ("RwkvFeedForward (layer 0", "a token shift (RWKV's time mix"),
 }
 REFUSED_AT_FORWARD = {  # what only the first forward shows
     "bert-bidirectional": ("BertSelfAttention (layer 0)", "bidirectional self-attention (is_causal=False) is not supported"),

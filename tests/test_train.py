@@ -212,3 +212,18 @@ def test_verify_runs_before_training_and_refusals_stop_the_job(tmp_path):
     for message in run_ranks(_verified, 2, TrainConfig(sp_size=2, seq_len=SEQ, steps=2, model=str(tmp_path / "config.json")), timeout=600):
         assert message.startswith("JobError: BloomForCausalLM cannot run under sequence parallelism"), message
         assert "BloomAttention (layer 0" in message and "ALiBi" in message, message
+
+
+def test_a_hybrid_model_trains_through_its_mixers(tmp_path):
+    """Qwen3.5 (Gated DeltaNet and attention layers): verified and trained under SP with the
+    allgather mixer; with --sp-mixer none the job refuses it, naming the Gated DeltaNet layer."""
+    from .model_families import config
+
+    config("qwen3_5", vocab_size=300).save_pretrained(tmp_path)
+    cfg = TrainConfig(sp_size=2, seq_len=SEQ, steps=2, verify=True, model=str(tmp_path / "config.json"))
+    passed, layers, worst, losses = run_ranks(_verified, 2, cfg, timeout=600)[0]
+    assert passed and layers == 2 and len(losses) == 2 and all(0 < loss < 10 for loss in losses), (worst, losses)
+    cfg = TrainConfig(sp_size=2, seq_len=SEQ, steps=2, model=str(tmp_path / "config.json"), sp_mixer="none")
+    for message in run_ranks(_verified, 2, cfg, timeout=600):
+        assert message.startswith("JobError: Qwen3_5ForCausalLM cannot run under sequence parallelism"), message
+        assert "Qwen3_5GatedDeltaNet (layer 0" in message, message

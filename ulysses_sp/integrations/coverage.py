@@ -27,6 +27,10 @@ __all__ = ["Finding", "ATTENTION_LAYER_TYPES", "MIXER", "attention_modules", "fi
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
 """``config.layer_types`` entries that are softmax attention through the attention interface."""
+CHANNEL_LAYER_TYPES = frozenset({"mlp", "moe"})
+"""``config.layer_types`` entries of layers that mix no tokens (Nemotron-H's MLP and MoE layers)."""
+_POSITIONAL = re.compile(r"position|rotary|\bwpe\b", re.IGNORECASE)
+"""Module paths or class names of position embeddings (learned, sinusoidal or rotary)."""
 
 RECURRENT_PARAMETERS = {
     "A_log": "a state-space / linear-attention decay (Mamba, Mamba2, Gated DeltaNet)",
@@ -34,6 +38,8 @@ RECURRENT_PARAMETERS = {
     "time_decay": "a recurrent time decay (RWKV)",
     "recurrent_param": "a linear recurrence (RG-LRU)",
 }
+TOKEN_SHIFT_PARAMETERS = ("time_mix", "time_maa")
+"""Parameter-name prefixes of RWKV's token shift, which mixes each token with the one before it."""
 _ROUTED = ("ALL_ATTENTION_FUNCTIONS",)
 _CALLS, _SEEN = "_ulysses_sp_calls", "_ulysses_sp_calls_seen"
 _HOOKS = "_ulysses_sp_coverage_hooks"
@@ -108,11 +114,20 @@ def _own_attention_reason(module, config) -> str:
             "so ulysses_sp cannot route it and each rank would attend only to its own shard")
 
 
+def _nested(a: str, b: str) -> bool:
+    """Whether one of the two module paths holds the other."""
+    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+
+
 def _forward_takes(module, name: str) -> bool:
     try:
         return name in inspect.signature(type(module).forward).parameters
     except (TypeError, ValueError):
         return False
+
+
+def _named_types(model):
+    return [(f"{n} {type(m).__name__}", m) for n, m in model.named_modules()]
 
 
 def _own_positions(model) -> Finding | None:
@@ -122,8 +137,8 @@ def _own_positions(model) -> Finding | None:
     from transformers import PreTrainedModel
 
     embedding = [(n, m) for n, m in model.named_modules() if isinstance(m, PreTrainedModel) and _forward_takes(m, "input_ids")]
-    if not embedding or _forward_takes(embedding[-1][1], "position_ids"):
-        return None
+    if not embedding or _forward_takes(embedding[-1][1], "position_ids") or not any(_POSITIONAL.search(n) for n, _ in _named_types(model)):
+        return None  # (a model without positions, as Mamba, has none to number)
     path, module = embedding[-1]
     return Finding(path, type(module).__name__, None,
                    "numbers token positions itself (its forward takes no position_ids), so each rank would number its shard's "
@@ -134,10 +149,6 @@ def find_uncovered(model) -> list[Finding]:
     """Every module of ``model`` that mixes tokens outside the attention interface, with why.
     Empty when SP covers the whole model."""
     config = getattr(model, "config", None)
-    found: dict[str, Finding] = {}
-    for path, module in attention_modules(model, innermost=True):
-        if not any(word in _forward_source(type(module)) for word in _ROUTED):
-            found[path] = Finding(path, type(module).__name__, _layer_of(path, module), _own_attention_reason(module, config), "attention")
     modules, reasons = dict(model.named_modules()), {}
     for path, module in modules.items():
         reason = None
@@ -145,14 +156,25 @@ def find_uncovered(model) -> list[Finding]:
             reason = f"a convolution over the sequence (kernel {module.kernel_size[0]}) at {path}"
         elif isinstance(module, nn.RNNBase):
             reason = f"a recurrent network ({type(module).__name__}) at {path}"
+        elif isinstance(module, nn.ZeroPad2d):
+            reason = f"a shift along the sequence ({type(module).__name__}) at {path}"
         else:
             params = [name for name in RECURRENT_PARAMETERS if name in module._parameters]
+            shifts = [name for name in module._parameters if name.startswith(TOKEN_SHIFT_PARAMETERS)]
             if params:
                 reason = f"{RECURRENT_PARAMETERS[params[0]]} ({path}.{params[0]})"
+            elif shifts:
+                reason = f"a token shift (RWKV's time mix: {path}.{shifts[0]})"
         if reason is None:
             continue
         owner = _mixer_path(path)
         reasons.setdefault(owner, []).append(reason)
+    found: dict[str, Finding] = {}
+    for path, module in attention_modules(model, innermost=True):
+        if MIXER in module.__dict__ or any(_nested(path, owner) for owner in reasons):
+            continue  # linear attention (Gated DeltaNet, KDA): its recurrence or convolution is the mixer found below
+        if not any(word in _forward_source(type(module)) for word in _ROUTED):
+            found[path] = Finding(path, type(module).__name__, _layer_of(path, module), _own_attention_reason(module, config), "attention")
     covered_layers = set()
     for owner, why in reasons.items():
         owner_module = modules[owner] if owner in modules else model
@@ -169,7 +191,7 @@ def find_uncovered(model) -> list[Finding]:
     types = list(getattr(config, "layer_types", None) or [])
     covered_layers |= {f.layer for f in found.values()}
     for i, kind in enumerate(types):
-        if kind not in ATTENTION_LAYER_TYPES and i not in covered_layers:
+        if kind not in ATTENTION_LAYER_TYPES | CHANNEL_LAYER_TYPES and i not in covered_layers:
             found[f"config.layer_types[{i}]"] = Finding(
                 f"config.layer_types[{i}]", type(config).__name__, i,
                 f"config.layer_types marks this layer {kind!r}, a token mixer other than softmax attention, which ulysses_sp does not split",
@@ -240,7 +262,10 @@ def install_guards(model, sp_size: int) -> None:
     remove_guards(model)
     calls = [0, False]  # attention calls so far; whether the model was given packed-document boundaries
     handles = [model.register_forward_pre_hook(_before_model(sp_size, calls), with_kwargs=True)]
+    mixed = [path for path, m in model.named_modules() if MIXER in m.__dict__]
     for path, module in attention_modules(model):
+        if any(_nested(path, m) for m in mixed):  # linear attention under a mixer strategy, or a layer holding one
+            continue
         module.__dict__[_CALLS] = calls  # one counter shared by the model's attention modules
         handles.append(module.register_forward_pre_hook(_before_attention))
         handles.append(module.register_forward_hook(_after_attention(path)))

@@ -14,9 +14,9 @@ import types
 from torch import nn
 
 from .. import mixers as _mixers
-from .coverage import MIXER, find_uncovered
+from .coverage import MIXER, check_coverage, find_uncovered
 
-__all__ = ["install_mixers", "remove_mixers", "mixer_layers"]
+__all__ = ["check_supported", "install_mixers", "remove_mixers", "mixer_layers"]
 
 _CONTEXT_HOOK = "_ulysses_sp_mixer_context_hook"
 
@@ -60,6 +60,16 @@ def install_mixers(model, topo, mixer: str = "auto") -> dict[str, str]:
     if chosen:
         model.__dict__[_CONTEXT_HOOK] = model.register_forward_pre_hook(_record_context(context), with_kwargs=True)
     return chosen
+
+
+def check_supported(model, topo, mixer: str = "auto") -> None:
+    """The coverage check as :func:`ulysses_sp.apply_sequence_parallel` will see the model (its
+    mixers under ``mixer``), without switching anything: a ``ValueError`` naming each uncovered module."""
+    install_mixers(model, topo, mixer)
+    try:
+        check_coverage(model)
+    finally:
+        remove_mixers(model)
 
 
 def mixer_layers(model) -> dict[str, str]:

@@ -57,6 +57,7 @@ from ..tiling import CHECKPOINT_MODES
 from ..topology import init_sequence_parallel
 from .deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
 from .transformers import _attention_layers, _backend_per_layer, apply_sequence_parallel, remove_sequence_parallel
+from ..mixers import MIXER_CHOICES
 from .verify import verify_sequence_parallel
 
 __all__ = ["SequenceParallelTrainingArguments", "SequenceParallelTrainer", "PREDICT_LOGITS"]
@@ -79,6 +80,8 @@ class SequenceParallelTrainingArguments(TrainingArguments):
                           "or comma-separated names, one per attention layer."},
     )
     sp_kernel: str = field(default="auto", metadata={"help": f"Local attention kernel: {', '.join(KERNEL_NAMES)}."})
+    sp_mixer: str = field(default="auto", metadata={"help": "Strategy for hybrid models' other token mixers (Gated DeltaNet, Mamba2, "
+                                                           f"short convolutions): {', '.join(MIXER_CHOICES)}; none refuses them."})
     ulysses_degree: int | None = field(default=None, metadata={"help": "What the hybrid backend means (default: sp_size)."})
     sp_profile: str | None = field(default=None, metadata={"help": "A profile JSON from sp-bench calibrate, for auto."})
     tiled_loss: bool = field(default=False, metadata={"help": "LM head + loss over tiles of tokens: no [tokens, vocab] logits in training."})
@@ -121,6 +124,8 @@ def validate_sp_arguments(args) -> None:
             get_backend(name)  # ValueError listing the known backends
     if args.sp_kernel not in KERNEL_NAMES:
         raise ValueError(f"sp_kernel must be one of {', '.join(KERNEL_NAMES)}, got {args.sp_kernel!r}")
+    if args.sp_mixer not in MIXER_CHOICES:
+        raise ValueError(f"sp_mixer must be one of {', '.join(MIXER_CHOICES)}, got {args.sp_mixer!r}")
     if args.sp_checkpoint not in CHECKPOINT_MODES:
         raise ValueError(f"sp_checkpoint must be one of {', '.join(CHECKPOINT_MODES)}, got {args.sp_checkpoint!r}")
     if args.sp_predict_logits not in PREDICT_LOGITS:
@@ -262,7 +267,7 @@ class SequenceParallelTrainer(Trainer):
         self.topo = init_sequence_parallel(args.sp_size, ulysses_degree=args.ulysses_degree, layout="zigzag", profile=args.sp_profile)
         self._sp_model = _base_model(model)
         if args.sp_verify:
-            self.verify_report = verify_sequence_parallel(self._sp_model, self.topo, backend=backend_names(args.sp_backend))
+            self.verify_report = verify_sequence_parallel(self._sp_model, self.topo, backend=backend_names(args.sp_backend), mixer=args.sp_mixer)
             if self.topo.rank == 0:
                 print(f"ulysses-sp verify: {self.verify_report}", flush=True)
         self.apply_sequence_parallel()
@@ -276,7 +281,7 @@ class SequenceParallelTrainer(Trainer):
         a = self._sp_args
         return apply_sequence_parallel(
             self._sp_model, self.topo, backend=backend_names(a.sp_backend), kernel=a.sp_kernel,
-            tiled_mlp=a.tiled_mlp, checkpoint=a.sp_checkpoint,
+            tiled_mlp=a.tiled_mlp, checkpoint=a.sp_checkpoint, mixer=a.sp_mixer,
         )
 
     def remove_sequence_parallel(self):

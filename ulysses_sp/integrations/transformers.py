@@ -17,6 +17,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from .. import kernels
 from ..attention import SequenceParallelAttention
 from ..profile import Profile
 from ..topology import Topology
@@ -31,9 +32,9 @@ _PREVIOUS = "_ulysses_sp_previous"
 
 
 def _unsupported(module, what: str, fix: str) -> ValueError:
-    spa = module.__dict__.get(_STATE)
-    backend = spa.backend if spa is not None else "?"
-    return ValueError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): {what} is not supported by ulysses_sp (backend {backend!r}); {fix}")
+    spa, mixer = module.__dict__.get(_STATE), module.__dict__.get(coverage.MIXER)
+    under = f"backend {spa.backend!r}" if spa is not None else f"mixer {mixer[0].name!r}" if mixer is not None else "backend '?'"
+    return ValueError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): {what} is not supported by ulysses_sp ({under}); {fix}")
 
 
 def sp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, sliding_window=None,
@@ -47,9 +48,11 @@ def sp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     ``attn_logit_softcapping``) caps the scaled scores at ``softcap * tanh(s / softcap)``.
     """
     spa = module.__dict__.get(_STATE)
-    if spa is None:
+    whole = spa is None and coverage.MIXER in module.__dict__  # the module runs on the gathered sequence under a mixer strategy
+    if spa is None and not whole:
         raise RuntimeError(f"attn_implementation {ATTN_IMPLEMENTATION!r} needs ulysses_sp.apply_sequence_parallel(model, topo) first")
-    coverage.mark_called(module, kwargs)
+    if not whole:
+        coverage.mark_called(module, kwargs)
     if dropout and module.training:
         raise _unsupported(module, f"attention dropout ({dropout})", "set config.attention_dropout = 0 for training")
     if kwargs.get("s_aux") is not None:
@@ -67,11 +70,24 @@ def sp_attention_forward(module, query, key, value, attention_mask, dropout: flo
         # a causal LM attending to later tokens sees its labels; and under SP the right padding would be attended to
         raise _unsupported(module, "bidirectional self-attention (is_causal=False)",
                            "train a causal LM (BERT-style models: set config.is_decoder=True)")
+    if whole:
+        return _whole_sequence_attention(query, key, value, scaling, sliding_window, softcap), None
     out = spa(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
         causal=True, softmax_scale=scaling, cu_seqlens=kwargs.get("cu_seq_lens_q"), window=sliding_window, softcap=softcap,
     )
     return out, None
+
+
+def _whole_sequence_attention(query, key, value, scaling, sliding_window, softcap):
+    """Causal attention of an attention module that a mixer strategy runs on the whole gathered
+    sequence (one document at a time when packed): ZAYA's attention, whose q/k projection holds
+    a convolution over the sequence, runs under the allgather mixer."""
+    heads = query.shape[1]
+    k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
+    out = kernels.local_attention(query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, scale=scaling,
+                                  window=sliding_window, softcap=softcap or 0.0)
+    return out
 
 
 def _no_mask(*args, config=None, use_vmap=False, **kwargs):
@@ -93,7 +109,7 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
 
 
 def _attention_layers(model):
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx")]
+    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx") and coverage.MIXER not in m.__dict__]
 
 
 def _backend_per_layer(backend, layers) -> dict[int, str]:
@@ -146,8 +162,8 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
         if tile_tokens is not None and not any("mlp" in layer._modules for layer in tiling.decoder_layers(model)):
             raise ValueError(f"tiled_mlp: {type(model).__name__} has no decoder layer with an `mlp` module to tile")
         layers = _attention_layers(model)
-        if not layers:
-            raise ValueError(f"{type(model).__name__} has no attention layers with a layer_idx; ulysses_sp cannot switch it")
+        if not layers and not mixers.mixer_layers(model):
+            raise ValueError(f"{type(model).__name__} has no attention layers with a layer_idx and no token mixer; ulysses_sp cannot switch it")
         per_layer = _backend_per_layer(backend, layers)
     except ValueError:
         mixers.remove_mixers(model)

@@ -17,8 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from .coverage import check_coverage
-from .mixers import install_mixers, mixer_layers, remove_mixers
+from .mixers import check_supported, mixer_layers
 
 
 __all__ = ["SequenceParallelMismatch", "VerifyReport", "shrink_config", "verify_sequence_parallel"]
@@ -92,6 +91,34 @@ def _decoder_layers(model, n: int) -> list:
     return list(stacks[0]) if stacks else []
 
 
+_MAMBA_HEADS = (("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim"), ("n_mamba_heads", "mamba_headdim"), ("num_heads", "head_dim"))
+_MAMBA_GROUPS = ("mamba_n_groups", "mamba_ngroups", "n_groups")
+
+
+def _shrink_mamba(small, put) -> None:
+    """Mamba2 mixers: 4 heads whose dims fill ``mamba_expand * hidden_size`` (the width the mixer
+    projects to), a state of at most 16."""
+    hidden, expand = getattr(small, "hidden_size", None), getattr(small, "mamba_expand", getattr(small, "expand", None))
+    if not isinstance(getattr(small, "mamba_d_state", getattr(small, "state_size", None)), int):
+        return  # not a Mamba config
+    for heads_name, dim_name in _MAMBA_HEADS:
+        heads = getattr(small, heads_name, None)
+        if not isinstance(heads, int):
+            continue
+        heads = min(heads, 4)
+        put(heads_name, heads)
+        if dim_name and isinstance(getattr(small, dim_name, None), int):
+            put(dim_name, expand * hidden // heads if isinstance(expand, int) and isinstance(hidden, int) else 8)
+            if isinstance(getattr(small, "mamba_d_ssm", None), int):
+                put("mamba_d_ssm", heads * getattr(small, dim_name))
+    for name in ("mamba_d_state", "state_size"):
+        if isinstance(getattr(small, name, None), int) and getattr(small, name) > 16:
+            put(name, 16)
+    for name in _MAMBA_GROUPS:  # groups must divide the 4 heads
+        if isinstance(getattr(small, name, None), int) and getattr(small, name) > 2:
+            put(name, 2)
+
+
 def shrink_config(config, min_layers: int = 2):
     """A small copy of ``config``: head counts kept (they decide which backends can run), head
     dims of 8 (query/key 12 and value 6 under multi-head latent attention), small MLPs, vocab and
@@ -112,6 +139,11 @@ def shrink_config(config, min_layers: int = 2):
         current = getattr(small, name, None)
         if isinstance(current, int) and not isinstance(current, bool) and current > value:
             put(name, value)
+    if not isinstance(heads, int) and isinstance(getattr(small, "hidden_size", None), int) and small.hidden_size > 64:
+        put("hidden_size", 64)  # no attention heads (Mamba, RWKV): a narrow width
+        for name in ("attention_hidden_size",):
+            if isinstance(getattr(small, name, None), int):
+                put(name, 64)
     if isinstance(heads, int):
         put("hidden_size", heads * 8)
         for name, value in (("head_dim", 8), ("num_key_value_heads", heads)):  # left None by some default configs
@@ -120,6 +152,7 @@ def shrink_config(config, min_layers: int = 2):
     if getattr(small, "qk_nope_head_dim", None) is not None and getattr(small, "qk_rope_head_dim", None) is not None:
         put("qk_head_dim", small.qk_nope_head_dim + small.qk_rope_head_dim)
         put("head_dim", small.qk_rope_head_dim)
+    _shrink_mamba(small, put)
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         token = getattr(small, name, None)
         if isinstance(token, int) and token >= small.vocab_size:
@@ -160,6 +193,21 @@ def _no_randomness(config_or_model) -> None:
                     setattr(obj, name, 0.0)
                 except AttributeError:  # a property derived from other fields
                     pass
+
+
+_MAX_SHRUNK_PARAMETERS = 250_000_000
+
+
+def _check_small(config) -> None:
+    """Refuse a shrunk copy that is still large (widths under names ``shrink_config`` does not
+    know), before it is built in fp64 on every rank."""
+    import transformers
+
+    with torch.device("meta"):
+        n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+    if n > _MAX_SHRUNK_PARAMETERS:
+        raise ValueError(f"the shrunk copy of {type(config).__name__} still has {n / 1e6:.0f}M parameters (its widths use names "
+                         "shrink_config does not know); pass a small config of the same architecture with shrink=False")
 
 
 def _build(config, device, seed: int):
@@ -282,6 +330,7 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
     config = getattr(model_or_config, "config", model_or_config)
     if shrink:
         config = shrink_config(config)
+        _check_small(config)
         ref = _build(config, topo.device, seed)
     elif config is model_or_config:
         config = copy.deepcopy(config)
@@ -290,11 +339,7 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
     else:
         ref = copy.deepcopy(model_or_config).to(device=topo.device, dtype=torch.float64).train()
         _no_randomness(ref)
-    install_mixers(ref, topo, mixer)  # a model SP does not cover is refused before anything runs
-    try:
-        check_coverage(ref)
-    finally:
-        remove_mixers(ref)
+    check_supported(ref, topo, mixer)  # a model SP does not cover is refused before anything runs
     seq_len = seq_len or 12 * topo.sp_size + 5
     noise = _rounding_noise(ref, _batch(config, seq_len, False, seed + 1), topo.device)
     if tolerance is None:

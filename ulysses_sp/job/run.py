@@ -109,7 +109,7 @@ class Job:
         import deepspeed
 
         from ..integrations.transformers import apply_sequence_parallel
-        from ..integrations.coverage import check_coverage
+        from ..integrations.mixers import check_supported
         from ..integrations.verify import SequenceParallelMismatch, verify_sequence_parallel
 
         self.cfg = cfg
@@ -137,7 +137,7 @@ class Job:
 
         model = build_model(cfg)
         try:  # before anything reads the config: a model SP does not cover stops here, on every rank
-            check_coverage(model)
+            check_supported(model, topo, cfg.sp_mixer)
         except ValueError as e:
             raise JobError(str(e)) from None
         if self.tokenizer is not None and len(self.tokenizer) > model.config.vocab_size:
@@ -149,11 +149,11 @@ class Job:
         self.verify_report = None
         try:
             if cfg.verify:
-                self.verify_report = verify_sequence_parallel(model.config, topo, backend=backend)
+                self.verify_report = verify_sequence_parallel(model.config, topo, backend=backend, mixer=cfg.sp_mixer)
                 if self.rank0:
                     print(f"verify: {self.verify_report}", flush=True)
             model = apply_sequence_parallel(model, topo, backend=backend, kernel=cfg.sp_kernel, tiled_mlp=self.memory["tiled_mlp"],
-                                            checkpoint=self.memory["checkpoint"])
+                                            checkpoint=self.memory["checkpoint"], mixer=cfg.sp_mixer)
         except (ValueError, SequenceParallelMismatch) as e:  # the same on every rank: uncovered layers, or SP not exact
             raise JobError(str(e)) from None
         model.train()
@@ -244,9 +244,13 @@ class Job:
             seconds = time.perf_counter() - t0
             peaks = [m[0] for m in comm.all_gather_ints((_peak_memory_bytes(topo.device) // 2**20,), dist.group.WORLD, topo.device)]
             if step == self.start:
+                from ..integrations.mixers import mixer_layers
                 from ..integrations.transformers import chosen_backends
 
                 say("backend per layer: " + ", ".join(f"{i}: {','.join(b)}" for i, b in sorted(chosen_backends(self.engine.module).items())))
+                mixers = mixer_layers(self.engine.module)
+                if mixers:
+                    say(f"token mixers: {len(mixers)} under {', '.join(sorted(set(mixers.values())))} ({', '.join(mixers)})")
             tflops = tokens_per_step * self.flops_per_token / seconds / topo.world_size / 1e12
             mfu = tflops / self.peak if self.peak else None
             say(f"step {step + 1:4d}  loss {losses[-1]:.4f}  lr {lr:.2e}  {tokens_per_step / seconds:8.0f} tokens/s  "
