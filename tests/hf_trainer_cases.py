@@ -52,9 +52,17 @@ class Samples(torch.utils.data.Dataset):
 
 
 def model_for(case: dict):
-    from .hf_cases import tiny_model
+    from .hf_cases import _CONFIGS, tiny_model
 
-    model = tiny_model(case["family"], **case.get("overrides", {}))
+    if case["family"] in _CONFIGS:
+        model = tiny_model(case["family"], **case.get("overrides", {}))
+    else:  # a hybrid of tests/model_families.py
+        import transformers
+
+        from .model_families import config
+
+        torch.manual_seed(0)
+        model = transformers.AutoModelForCausalLM.from_config(config(case["family"], **case.get("overrides", {})))
     if case.get("lora"):
         from peft import LoraConfig, get_peft_model
 
@@ -267,6 +275,7 @@ REFERENCES = {
     "qwen2-packed": dict(family="qwen2", packed=True, batch=1),
     "llama-lora": dict(family="llama", lora=True, lr=8.0),  # adapters start at B = 0: a larger step
     "llama-3heads": dict(family="llama", overrides=dict(hidden_size=24, num_attention_heads=3, num_key_value_heads=3)),
+    "qwen3_5": dict(family="qwen3_5"),  # Gated DeltaNet and attention: the DeltaNet layer under the allgather mixer
 }
 DEEPSPEED_ZERO2 = {
     "zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -283,6 +292,7 @@ SP_CASES = {  # name: (reference, case)
     "llama-lora/sp2": ("llama-lora", dict(REFERENCES["llama-lora"], save=True)),
     "llama-lora/sp2/ring": ("llama-lora", dict(REFERENCES["llama-lora"], backend="ring")),
     "llama-3heads/sp2/auto": ("llama-3heads", dict(REFERENCES["llama-3heads"], backend="auto")),
+    "qwen3_5/sp2": ("qwen3_5", dict(REFERENCES["qwen3_5"])),
 }
 
 

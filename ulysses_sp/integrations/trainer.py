@@ -58,6 +58,7 @@ from ..topology import init_sequence_parallel
 from .deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
 from .transformers import _attention_layers, _backend_per_layer, apply_sequence_parallel, remove_sequence_parallel
 from ..mixers import MIXER_CHOICES
+from .coverage import find_uncovered
 from .verify import verify_sequence_parallel
 
 __all__ = ["SequenceParallelTrainingArguments", "SequenceParallelTrainer", "PREDICT_LOGITS"]
@@ -169,8 +170,8 @@ def _check_model_and_world(args, model) -> None:
         raise ValueError(f"sp_size ({args.sp_size}) must divide the world size ({world}): world = data parallel x sp_size")
     base = _base_model(model)
     layers = _attention_layers(base)
-    if not layers:
-        raise ValueError(f"{type(base).__name__} has no attention layers with a layer_idx; ulysses_sp cannot switch it")
+    if not layers and (args.sp_mixer == "none" or not any(f.kind == "mixer" for f in find_uncovered(base))):
+        raise ValueError(f"{type(base).__name__} has no attention layers with a layer_idx and no token mixer; ulysses_sp cannot switch it")
     names = backend_names(args.sp_backend)
     _backend_per_layer(names, layers)  # a per-layer list of the wrong length raises here
     problems = _head_problems(base, names, args.sp_size, args.ulysses_degree)
