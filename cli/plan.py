@@ -1,4 +1,5 @@
-"""``sp-bench plan``: which backend ``auto`` would pick for every layer of a model, and why.
+"""``sp-bench plan``: which backend ``auto`` would pick for every layer of a model, and why (and, for
+a hybrid model's other token mixers, the mixer strategy and what it moves).
 
 Needs no ranks: it builds each layer's :class:`AttnSpec` from a Hugging Face
 config (or flags) and asks every backend's ``check()`` and ``estimate()`` on a
@@ -13,6 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ulysses_sp.integrations.coverage import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
+from ulysses_sp.mixers import get_mixer
 from ulysses_sp.profile import Profile
 from ulysses_sp.registry import choose_backend
 from ulysses_sp.spec import AttnSpec, Estimate
@@ -28,6 +31,11 @@ class LayerShape:
     head_dim: int
     window: int | None = None
     """Sliding window (``AttnSpec.window``), None for full causal attention."""
+    mixer: str | None = None
+    """A hybrid model's other token mixer (its ``layer_types`` entry, e.g. ``linear_attention``),
+    None for attention; such a layer runs a mixer strategy, not an attention backend."""
+    hidden: int = 0
+    """The model's hidden size: what a mixer strategy moves per token."""
 
 
 def parse_tokens(text: str) -> int:
@@ -60,7 +68,10 @@ def layers_from_config(path: str) -> list[LayerShape]:
     def per_layer(value):
         return value if isinstance(value, list) else [value] * n
 
-    return [LayerShape(*shape) for shape in zip(per_layer(heads), per_layer(kv), per_layer(head_dim), _windows(config, n))]
+    kinds = config.get("layer_types") or [None] * n
+    mixers = [kind if kind is not None and kind not in ATTENTION_LAYER_TYPES | CHANNEL_LAYER_TYPES else None for kind in kinds]
+    return [LayerShape(*shape, mixer=mixer, hidden=config["hidden_size"] if mixer else 0)
+            for shape, mixer in zip(zip(per_layer(heads), per_layer(kv), per_layer(head_dim), _windows(config, n)), mixers)]
 
 
 def _windows(config: dict, n: int) -> list[int | None]:
@@ -89,6 +100,13 @@ def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_d
     for index, shape in enumerate(layers):
         if rows and rows[-1][2] == shape:
             rows[-1][1] = index
+            continue
+        if shape.mixer:
+            mixer = get_mixer("auto", topo)
+            fwd, bwd = mixer.bytes(batch * (seq_len // sp_size) * shape.hidden * dtype.itemsize)
+            why = (f"{shape.mixer}: the model's own mixer on the whole gathered sequence, P x its compute; sends {_size(fwd)} forward "
+                   f"and {_size(bwd)} backward (the only mixer strategy built)")
+            rows.append([index, index, shape, mixer.name, {mixer.name: why}])
             continue
         spec = AttnSpec(
             batch=batch, seq_len=seq_len, local_seq_len=seq_len // sp_size, q_heads=shape.q_heads, kv_heads=shape.kv_heads,
@@ -120,7 +138,8 @@ def render(rows, *, title: str, sp_size: int) -> None:
         layers = f"{first}" if first == last else f"{first}-{last}"
         for i, (name, what) in enumerate(considered.items()):
             window = "" if shape.window is None else f", window {shape.window}"
-            head = (layers, f"{shape.q_heads}/{shape.kv_heads} x {shape.head_dim}{window}", split_label(chosen, sp_size)) if i == 0 else ("", "", "")
+            kind = f"{shape.mixer} (mixer)" if shape.mixer else f"{shape.q_heads}/{shape.kv_heads} x {shape.head_dim}{window}"
+            head = (layers, kind, split_label(chosen, sp_size)) if i == 0 else ("", "", "")
             mark = "[bold green]" + name if name == chosen else name
             if isinstance(what, Estimate):
                 table.add_row(*head, mark, f"{what.seconds * 1e3:.2f} ms", _size(what.comm_bytes), _size(what.peak_bytes), "")

@@ -349,3 +349,21 @@ def test_plan_reads_sliding_windows_per_layer(tmp_path, config, windows):
         expected.append((first, last, window))
         first = last + 1
     assert [(first, last, shape.window) for first, last, shape, *_ in rows] == expected
+
+
+def test_plan_gives_a_hybrids_mixer_layers_a_mixer_strategy(tmp_path):
+    """Qwen3-Next's layer_types: its linear-attention layers get the allgather mixer with its bytes
+    ((P-1) x the local hidden states each way), not an attention backend; MoE/MLP entries mix nothing."""
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen3_next", "num_hidden_layers": 5, "num_attention_heads": 16, "num_key_value_heads": 2,
+                                "head_dim": 256, "hidden_size": 2048,
+                                "layer_types": ["linear_attention", "linear_attention", "full_attention", "moe", "linear_attention"]}))
+    layers = layers_from_config(str(path))
+    assert [layer.mixer for layer in layers] == ["linear_attention", "linear_attention", None, None, "linear_attention"]
+    rows = plan_rows(layers, seq_len=128 * 1024, sp_size=8, ranks_per_node=8, profile=NVLINK_PROFILE)
+    assert [(first, last, chosen) for first, last, _, chosen, _ in rows][::2] == [(0, 1, "allgather"), (4, 4, "allgather")]
+    local = 128 * 1024 // 8 * 2048 * 2  # bf16 hidden states of one rank
+    assert f"sends {7 * local / 2**20:.1f} MiB forward and {7 * local / 2**20:.1f} MiB backward" in rows[0][4]["allgather"]
+    assert rows[1][:2] == [2, 3] and isinstance(rows[1][4]["ring"], Estimate)  # attention (and the MoE layer): the backends
+    result = CliRunner().invoke(sp_bench, ["plan", "--model-config", str(path), "--seq", "8k", "--sp-size", "4"])
+    assert result.exit_code == 0 and "linear_attention (mixer)" in result.output, result.output
