@@ -149,6 +149,30 @@ def mla_checks() -> None:
         return str(usp.verify_sequence_parallel(transformers.DeepseekV3Config(), topo))
 
 
+def hybrid_checks(topo=None, rank: int = 0) -> None:
+    """Hybrid models under the allgather mixer on the GPU: verify_sequence_parallel on shrunk
+    Qwen3-Next (Gated DeltaNet), Bamba (Mamba2) and LFM2 (short convolutions) in fp64, with
+    whatever kernels the machine has (fla, mamba_ssm and causal-conv1d when installed, else
+    transformers' torch code); on NCCL ranks, over the whole group (rank 0 prints)."""
+    import transformers
+
+    topo = topo or usp.init_sequence_parallel(1)
+    for cls in ("Qwen3NextConfig", "BambaConfig", "Lfm2Config"):
+        name = f"verify {cls[:-6]} (shrunk, allgather mixer) fp64 P={topo.sp_size} on the GPU"
+        if rank:
+            try:
+                usp.verify_sequence_parallel(getattr(transformers, cls)(), topo)
+            except Exception:  # rank 0 reports it
+                pass
+            continue
+
+        @check(name)
+        def _():
+            report = usp.verify_sequence_parallel(getattr(transformers, cls)(), topo)
+            assert report.mixers, "no mixer ran"
+            return str(report)
+
+
 def memory_checks() -> None:
     """The memory stack on one GPU, bf16: the tiled loss, the tiled MLP and offloaded
     checkpoints give the untiled gradients, and offload really moves bytes to the host."""
@@ -237,6 +261,7 @@ def parity_rank(rank: int, world: int, port: int) -> None:
                         ok = bool(errs.max() < TOL[torch.bfloat16])
                         RESULTS.append(ok)
                         print(f"{'PASS' if ok else 'FAIL'} {name}: errors out/dq/dk/dv " + " ".join(f"{e:.1e}" for e in errs.tolist()), flush=True)
+    hybrid_checks(usp.init_sequence_parallel(world), rank)
     pipeline_timing(rank, world)
     dist.destroy_process_group()
     if rank == 0:
@@ -307,6 +332,7 @@ def main() -> int:
     kernel_checks()
     backend_checks()
     mla_checks()
+    hybrid_checks()
     stream_checks()
     memory_checks()
     dist.destroy_process_group()
