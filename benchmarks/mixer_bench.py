@@ -1,8 +1,8 @@
-"""What the allgather mixer costs: one Gated DeltaNet layer (Qwen3-Next's, transformers' torch
-code) forward + backward on P gloo ranks under the allgather strategy, against the same layer on
-the whole sequence in one process and on one rank's shard alone (the compute a split of the
-mixer across ranks could reach). Median of ``--repeat`` after one warm-up, slowest rank; bytes
-each rank sent, counted.
+"""What the mixer strategies cost: one Gated DeltaNet layer (Qwen3-Next's, transformers' torch
+code) forward + backward on P gloo ranks under the allgather and the ulysses strategies, against
+the same layer on the whole sequence in one process and on one rank's shard alone (the compute
+an even split of the mixer reaches). Median of ``--repeat`` after one warm-up, slowest rank;
+bytes each rank sent, counted.
 
     python benchmarks/mixer_bench.py --seq 4096,8192,16384 --ranks 2,4
 """
@@ -53,20 +53,26 @@ def _rank(rank: int, world: int, seq: int, repeat: int) -> dict:
 
     torch.set_num_threads(1)
     topo = usp.init_sequence_parallel(world, timeout=600)
-    layer, mixer = _layer(), get_mixer("allgather", topo)
+    layer = _layer()
     x = torch.randn(1, seq // world, HIDDEN, requires_grad=True)
+    out = {}
+    for name in ("allgather", "ulysses"):
+        mixer = get_mixer(name, topo, layer)
 
-    def allgather():
-        x.grad = None
-        mixer(layer.forward, (x,), {}, 1, x.shape[1], None).sum().backward()
+        def run():
+            x.grad = None
+            mixer(layer, layer.forward, (x,), {}, 1, x.shape[1], None).sum().backward()
 
-    seconds = _time(allgather, repeat)
-    with usp.CommCounter() as counter:
-        allgather()
-    shard = _time(_fwd_bwd(layer, x), repeat)
-    slowest = torch.tensor([seconds, shard], dtype=torch.float64)
-    dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
-    return {"allgather": slowest[0].item(), "shard": slowest[1].item(), "sent": counter.bytes_sent}
+        seconds = _time(run, repeat)
+        with usp.CommCounter() as counter:
+            run()
+        slowest = torch.tensor([seconds], dtype=torch.float64)
+        dist.all_reduce(slowest, op=dist.ReduceOp.MAX)
+        out[name] = (slowest.item(), counter.bytes_sent)
+    shard = torch.tensor([_time(_fwd_bwd(layer, x), repeat)], dtype=torch.float64)
+    dist.all_reduce(shard, op=dist.ReduceOp.MAX)
+    out["shard"] = shard.item()
+    return out
 
 
 def main() -> None:
@@ -80,15 +86,15 @@ def main() -> None:
     torch.set_num_threads(1)
     print(f"Gated DeltaNet layer, hidden {HIDDEN}, {HEADS} value / {KEY_HEADS} key heads of {HEAD_DIM}, fp32, forward + backward, "
           f"median of {a.repeat} (slowest rank)\n")
-    print("| tokens | P | one process, whole sequence | allgather mixer on P ranks | one rank's shard alone | MiB sent per rank |")
+    print("| tokens | P | one process, whole sequence | allgather on P ranks (MiB sent) | ulysses on P ranks (MiB sent) | one rank's shard alone |")
     print("|---|---|---|---|---|---|")
     for seq in [int(s) for s in a.seq.split(",")]:
         layer, x = _layer(), torch.randn(1, seq, HIDDEN, requires_grad=True)
         whole = _time(_fwd_bwd(layer, x), a.repeat)
         for world in [int(w) for w in a.ranks.split(",")]:
             r = run_ranks(_rank, world, seq, a.repeat, timeout=1800)[0]
-            print(f"| {seq} | {world} | {whole * 1e3:.0f} ms | {r['allgather'] * 1e3:.0f} ms | {r['shard'] * 1e3:.0f} ms | "
-                  f"{r['sent'] / 2**20:.2f} |", flush=True)
+            cells = [f"{r[n][0] * 1e3:.0f} ms ({r[n][1] / 2**20:.2f})" for n in ("allgather", "ulysses")]
+            print(f"| {seq} | {world} | {whole * 1e3:.0f} ms | {cells[0]} | {cells[1]} | {r['shard'] * 1e3:.0f} ms |", flush=True)
 
 
 if __name__ == "__main__":

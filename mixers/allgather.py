@@ -43,7 +43,7 @@ class AllGatherMixer:
             return type(value)(self._map(v, fn, batch, seq_local, f"{what}[{i}]") for i, v in enumerate(value))
         return fn(value) if self._sequence_shaped(value, batch, seq_local, what) else value
 
-    def __call__(self, forward, args: tuple, kwargs: dict, batch: int, seq_local: int, cu_seqlens: torch.Tensor | None):
+    def __call__(self, module, forward, args: tuple, kwargs: dict, batch: int, seq_local: int, cu_seqlens: torch.Tensor | None):
         """``forward(*args, **kwargs)`` as one process would run it on the whole sequence, this
         rank's rows of its output. ``cu_seqlens`` (global, packed input) splits the run by document."""
         kwargs = {k: v for k, v in kwargs.items() if k not in _PACKING_KWARGS}

@@ -16,7 +16,6 @@ from ulysses_sp.mixers import MIXERS
 
 from .model_families import EXACT, HYBRID, REFUSED, REFUSED_AT_FORWARD, REFUSED_WITHOUT_MIXER, config
 from .reference import reference_attention
-from .cases import max_err
 
 MLA_BACKENDS = ("ulysses", "allgather", "ring", "hybrid")
 MLA_HEADS = 12
@@ -50,11 +49,62 @@ def fp64_throughout():
         torch.float32, torch.float, torch.Tensor.float = saved
 
 
-def family(topo, name: str, backend: str = "auto", lift: bool = False, **overrides) -> dict:
+def family(topo, name: str, backend: str = "auto", lift: bool = False, mixer: str = "auto", **overrides) -> dict:
     """One exact family end to end through verify_sequence_parallel, on its config as built (fp64)."""
     with fp64_throughout() if lift else contextlib.nullcontext():
-        report = usp.verify_sequence_parallel(config(name, **overrides), topo, backend=backend, shrink=False, raise_on_mismatch=False)
+        report = usp.verify_sequence_parallel(config(name, **overrides), topo, backend=backend, shrink=False, raise_on_mismatch=False,
+                                              mixer=mixer)
     return dict(_summary(report), mixers=report.mixers, tolerance=report.tolerance, noise=report.rounding_noise)
+
+
+def raised_on(fn) -> str:
+    from .cases import raised
+
+    return raised(fn)
+
+
+def mixer_ulysses(topo) -> dict:
+    """Qwen3-Next's Gated DeltaNet (4 key, 8 value heads) under the ulysses mixer, called as the
+    model would, against the layer on the whole sequence in one process (float32 lifted to
+    float64), packed in three documents; bytes against the all-to-alls by hand."""
+    import transformers
+
+    from ulysses_sp.mixers import get_mixer
+
+    from .cases import max_err
+
+    with fp64_throughout():
+        torch.manual_seed(0)
+        layer = transformers.AutoModelForCausalLM.from_config(config("qwen3_next_4kh")).double().model.layers[0].linear_attn
+        b, s, h = 2, 16 * topo.sp_size, layer.hidden_size
+        x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
+        w = torch.randn(b, s, h, dtype=torch.float64)
+        bounds = [0, 5, 5 + s // 2, s]
+        ref = torch.cat([layer(x[:, a:e]) for a, e in zip(bounds, bounds[1:])], dim=1)
+        (ref * w).sum().backward()
+        ref_grads = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
+        layer.zero_grad()
+        x_local = usp.shard_sequence(x.detach(), topo).requires_grad_()
+        mixer = get_mixer("ulysses", topo, layer)
+        with usp.CommCounter() as fwd:
+            out = mixer(layer, layer.forward, (x_local,), {}, b, x_local.shape[1], torch.tensor(bounds, dtype=torch.int32))
+        with usp.CommCounter() as bwd:
+            (out * usp.shard_sequence(w, topo)).sum().backward()
+    grads = [p.grad.clone() for p in layer.parameters()]
+    for g in grads:
+        if topo.sp_size > 1:
+            dist.all_reduce(g, group=topo.sp_group)
+    p, local = topo.sp_size, s // topo.sp_size
+    moved_in = b * local * (2 * layer.key_dim + layer.value_dim + 2 * layer.num_v_heads) * 8  # q, k, v and the gates b, a
+    moved_out = b * local * layer.value_dim * 8
+    by_hand = (p - 1) * (moved_in + moved_out) // p
+    return {
+        "errors": [max_err(out, usp.shard_sequence(ref.detach(), topo)), max_err(x_local.grad, usp.shard_sequence(ref_grads[0], topo))]
+                  + [max_err(g, r) / r.abs().max().item() for g, r in zip(grads, ref_grads[1:])],
+        "bytes": (fwd.bytes_sent, bwd.bytes_sent),
+        "by_hand": (by_hand, by_hand),
+        "ops": (sorted(fwd.by_op), sorted(bwd.by_op)),
+    }
 
 
 class _CausalConv(nn.Module):
@@ -73,6 +123,8 @@ def mixer_allgather(topo, packed: bool) -> dict:
     when packed), forward and backward in fp64, and its bytes against (P-1) x the local input."""
     from ulysses_sp.mixers import get_mixer
 
+    from .cases import max_err
+
     torch.manual_seed(0)
     b, s, h = 2, 8 * topo.sp_size, 6
     conv = _CausalConv(h, 4).double()
@@ -87,7 +139,7 @@ def mixer_allgather(topo, packed: bool) -> dict:
     x_local = usp.shard_sequence(x.detach(), topo).requires_grad_()
     mixer = get_mixer("auto", topo)
     with usp.CommCounter() as fwd:
-        out = mixer(conv.forward, (x_local,), {}, b, x_local.shape[1], cu)
+        out = mixer(conv, conv.forward, (x_local,), {}, b, x_local.shape[1], cu)
     with usp.CommCounter() as bwd:
         (out * usp.shard_sequence(w, topo)).sum().backward()
     dw = conv.conv.weight.grad.clone()
@@ -222,7 +274,7 @@ class _OwnShardMixer:
     def __init__(self, topo):
         pass
 
-    def __call__(self, forward, args, kwargs, batch, seq_local, cu_seqlens):
+    def __call__(self, module, forward, args, kwargs, batch, seq_local, cu_seqlens):
         return forward(*args, **kwargs)
 
 
@@ -329,6 +381,13 @@ def register(case, topo_for, hf: bool) -> None:
         case(f"hybrids/{name}", (2, 3, 4))(lambda env, n=name: family(topo_for(env), n, lift=True))
         case(f"hybrids-contiguous/{name}", (2, 3, 4))(lambda env, n=name: family(topo_for(env, "contiguous"), n, lift=True))
         case(f"hybrids-shipped/{name}", (2,))(lambda env, n=name: family(topo_for(env), n))
+    for lay in ("zigzag", "contiguous"):  # both strategies on Gated DeltaNet
+        case(f"hybrids-allgather/{lay}/qwen3_next", (2, 3, 4))(
+            lambda env, lay=lay: family(topo_for(env, lay), "qwen3_next", lift=True, mixer="allgather"))
+        case(f"hybrids-ulysses/{lay}/qwen3_next_4kh", (2, 4))(
+            lambda env, lay=lay: family(topo_for(env, lay), "qwen3_next_4kh", lift=True, mixer="ulysses"))
+    case("mixers/ulysses/bytes", (1, 2, 4))(lambda env: mixer_ulysses(topo_for(env)))
+    case("mixers/ulysses/refused", (3,))(lambda env: raised_on(lambda: family(topo_for(env), "qwen3_next", mixer="ulysses")))
     case("coverage/planted", (2, 3))(lambda env: planted(topo_for(env)))
     case("verify/planted", (2,))(lambda env: verify_planted(topo_for(env)))
     case("verify/random", (2,))(lambda env: verify_random(topo_for(env)))

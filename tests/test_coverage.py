@@ -11,7 +11,7 @@ import pytest
 
 from .conftest import values
 from .coverage_cases import MLA_BACKENDS
-from .model_families import EXACT, HYBRID, REFUSED, REFUSED_AT_FORWARD, REFUSED_WITHOUT_MIXER
+from .model_families import EXACT, HYBRID, REFUSED, REFUSED_AT_FORWARD, REFUSED_WITHOUT_MIXER, ULYSSES_MIXER
 
 TOL = 1e-12
 FP32_INSIDE = {"gemma3": 1e-6, "deepseek_v3": 1e-6}
@@ -70,8 +70,38 @@ def test_hybrid_family_is_exact(ranks, world, lay, name):
     the comparison is at fp64's rounding: loss and every gradient, unpacked and packed."""
     for r in values(ranks(world), f"hybrids{'-contiguous' if lay == 'contiguous' else ''}/{name}"):
         _assert_exact(r, name, HYBRID_TOL)
-        assert r["mixers"] and set(r["mixers"].values()) == {"allgather"}, r["mixers"]
+        strategy = "ulysses" if ULYSSES_MIXER.get(name, 1) % world == 0 else "allgather"  # auto: ulysses where the heads split
+        assert r["mixers"] and set(r["mixers"].values()) == {strategy}, r["mixers"]
         assert r["noise"] < HYBRID_TOL, r  # nothing left in float32: the bound is fp64's
+
+
+@hf
+@pytest.mark.parametrize("lay", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("strategy,name,worlds", [("allgather", "qwen3_next", [2, 3, 4]), ("ulysses", "qwen3_next_4kh", [2, 4])])
+def test_gated_deltanet_is_exact_under_each_mixer_strategy(ranks, lay, strategy, name, worlds):
+    for world in worlds:
+        for r in values(ranks(world), f"hybrids-{strategy}/{lay}/{name}"):
+            _assert_exact(r, name, HYBRID_TOL)
+            assert set(r["mixers"].values()) == {strategy}, r["mixers"]
+
+
+@hf
+@pytest.mark.parametrize("world", [1, 2, 4])
+def test_ulysses_mixer_on_gated_deltanet_counts_its_bytes(ranks, world):
+    """The layer as the model calls it, packed (three documents), against one process: output, input
+    gradient, every parameter's gradient (summed over the SP group); bytes: the all-to-all of q, k, v
+    and the gates in, of the output back, (P-1)/P of each, forward and again backward."""
+    for r in values(ranks(world), "mixers/ulysses/bytes"):
+        assert max(r["errors"]) < 1e-12, r
+        assert r["bytes"] == r["by_hand"], r
+        if world > 1:
+            assert r["ops"] == (["all_to_all"], ["all_to_all"]), r
+
+
+@hf
+def test_ulysses_mixer_names_heads_it_cannot_split(ranks):
+    for r in values(ranks(3), "mixers/ulysses/refused"):
+        assert r.startswith("ValueError: ulysses: Qwen3NextGatedDeltaNet's 2 heads do not divide by the SP size 3"), r
 
 
 @hf

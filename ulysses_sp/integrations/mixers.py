@@ -25,7 +25,7 @@ def _sp_forward(self, *args, **kwargs):
     strategy, context = self.__dict__[MIXER]
     if context.get("batch") is None:
         raise RuntimeError(f"{type(self).__name__} ran under sequence parallelism outside the model's forward")
-    return strategy(type(self).forward.__get__(self), args, kwargs, context["batch"], context["seq_local"], context["cu_seqlens"])
+    return strategy(self, type(self).forward.__get__(self), args, kwargs, context["batch"], context["seq_local"], context["cu_seqlens"])
 
 
 def _record_context(context: dict):
@@ -46,7 +46,7 @@ def install_mixers(model, topo, mixer: str = "auto") -> dict[str, str]:
     remove_mixers(model)
     if mixer == "none":
         return {}
-    strategy = _mixers.get_mixer(mixer, topo)
+    _mixers.get_mixer(mixer, topo)  # an unknown name fails here, whatever the model
     modules = dict(model.named_modules())
     context: dict = {"batch": None}
     chosen = {}
@@ -54,6 +54,7 @@ def install_mixers(model, topo, mixer: str = "auto") -> dict[str, str]:
         module = modules.get(finding.path)
         if finding.kind != "mixer" or module is None or module is model or isinstance(module, (nn.Conv1d, nn.RNNBase)):
             continue
+        strategy = _mixers.get_mixer(mixer, topo, module)
         module.__dict__[MIXER] = (strategy, context)
         module.__dict__["forward"] = types.MethodType(_sp_forward, module)  # deepcopy rebinds it to the copy
         chosen[finding.path] = strategy.name

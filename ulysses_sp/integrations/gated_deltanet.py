@@ -1,0 +1,63 @@
+"""The Ulysses adapter for Qwen3-Next's Gated DeltaNet (``Qwen3NextGatedDeltaNet``).
+
+The layer's input projections run on this rank's tokens for every head; q, k, v and the gates
+b, a go head-sharded over the whole sequence (one fused all-to-all); the short convolution runs
+on this rank's channels (the depthwise kernel sliced to its heads) and the gated delta rule on
+its heads, both through the module's own functions, document by document when the batch is
+packed; the output comes back sequence-sharded (one all-to-all) for the gated norm and the
+output projection. Key heads split across ranks with the value heads grouped under them, so P
+must divide the key heads. Sliced weights (convolution kernel, ``A_log``, ``dt_bias``) get
+gradients for this rank's heads only; the SP group's gradient sum completes them, as it does
+every parameter's.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import torch
+import torch.nn.functional as F
+
+from .. import comm, layout
+from ..mixers.ulysses import ADAPTERS, Adapter
+
+
+def _channels(module, rank: int, p: int, device) -> torch.Tensor:
+    """This rank's channels of the convolution over cat(q, k, v), each head's channels contiguous."""
+    kh, vh, dk, dv = module.num_k_heads // p, module.num_v_heads // p, module.head_k_dim, module.head_v_dim
+    q = torch.arange(rank * kh * dk, (rank + 1) * kh * dk)
+    v = torch.arange(rank * vh * dv, (rank + 1) * vh * dv)
+    return torch.cat([q, module.key_dim + q, 2 * module.key_dim + v]).to(device)
+
+
+def _run(module, hidden_states, topo, cu_seqlens):
+    code = sys.modules[type(module).__module__]  # the model's own convolution and recurrence
+    p, rank = topo.sp_size, topo.sp_rank
+    kh, vh, dk, dv = module.num_k_heads // p, module.num_v_heads // p, module.head_k_dim, module.head_v_dim
+    q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden_states), module.in_proj_ba(hidden_states))
+    table = layout.chunk_table(topo.layout, p)
+    q, k, v, ba = comm.seq_to_heads([q.contiguous(), k.contiguous(), v.contiguous(), torch.stack([b, a], -1)], topo.sp_group, table)
+    channels = _channels(module, rank, p, hidden_states.device)
+    weight = module.conv1d.weight.squeeze(1)[channels]
+    bias = None if module.conv1d.bias is None else module.conv1d.bias[channels]
+    heads = slice(rank * vh, (rank + 1) * vh)
+    a_log, dt_bias = module.A_log[heads], module.dt_bias[heads]
+    bounds = cu_seqlens.tolist() if cu_seqlens is not None else [0, q.shape[1]]
+    outs = []
+    for start, end in zip(bounds, bounds[1:]):  # no convolution window or state crosses a document boundary
+        mixed = torch.cat([t[:, start:end].flatten(2) for t in (q, k, v)], dim=-1).transpose(1, 2)
+        mixed = code.causal_conv1d_fn(mixed, weight, bias, activation=module.activation).transpose(1, 2)
+        qd, kd, vd = torch.split(mixed, [kh * dk, kh * dk, vh * dv], dim=-1)
+        b_doc, a_doc = ba[:, start:end].unbind(-1)
+        g = -a_log.float().exp() * F.softplus(a_doc.float() + dt_bias)
+        out, _ = code.torch_chunk_gated_delta_rule(
+            qd.unflatten(-1, (kh, dk)), kd.unflatten(-1, (kh, dk)), vd.unflatten(-1, (vh, dv)), g=g, beta=b_doc.sigmoid(),
+            initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
+        )
+        outs.append(out)
+    (out,) = comm.heads_to_seq([torch.cat(outs, dim=1).to(hidden_states.dtype).contiguous()], topo.sp_group, table)
+    out = module.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(z.shape)
+    return module.out_proj(out.flatten(2))
+
+
+ADAPTERS["Qwen3NextGatedDeltaNet"] = Adapter(heads=lambda module: module.num_k_heads, run=_run)
