@@ -106,7 +106,7 @@ def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_d
             fwd, bwd = mixer.bytes(batch * (seq_len // sp_size) * shape.hidden * dtype.itemsize)
             why = (f"{shape.mixer}: the model's own mixer on the whole gathered sequence, P x its compute; sends {_size(fwd)} forward "
                    f"and {_size(bwd)} backward (ulysses instead where the mixer class has an adapter and P divides its heads: "
-                   "Qwen3-Next's Gated DeltaNet)")
+                   "the Gated DeltaNet of Qwen3-Next and Qwen3.5)")
             rows.append([index, index, shape, mixer.name, {mixer.name: why}])
             continue
         spec = AttnSpec(

@@ -63,7 +63,7 @@ FAMILIES = {
 EXACT = ("llama", "gpt2", "gpt_neox", "starcoder2", "mixtral", "gemma3", "deepseek_v3", "opt", "bert-decoder", "whisper", "biogpt")
 HYBRID = ("qwen3_next", "qwen3_5", "lfm2", "bamba", "rwkv", "mamba2")
 """Exact under SP through a mixer strategy for their Gated DeltaNet, short-convolution, Mamba2 and RWKV layers."""
-ULYSSES_MIXER = {"qwen3_next": 2, "qwen3_next_4kh": 4}
+ULYSSES_MIXER = {"qwen3_next": 2, "qwen3_next_4kh": 4, "qwen3_5": 2}
 """Families with a Ulysses adapter for their mixer, and its key heads: ``auto`` takes ulysses where P divides them."""
 REFUSED = {  # family: the module the refusal names, and why
     "bloom": ("BloomAttention (layer 0", "computes attention in its own code with ALiBi"),

@@ -1,4 +1,5 @@
-"""The Ulysses adapter for Qwen3-Next's Gated DeltaNet (``Qwen3NextGatedDeltaNet``).
+"""The Ulysses adapters for Gated DeltaNet: Qwen3-Next's (``Qwen3NextGatedDeltaNet``) and Qwen3.5's
+(``Qwen3_5GatedDeltaNet``, ``Qwen3_5MoeGatedDeltaNet``), which differ only in their input projections.
 
 The layer's input projections run on this rank's tokens for every head; q, k, v and the gates
 b, a go head-sharded over the whole sequence (one fused all-to-all); the short convolution runs
@@ -13,6 +14,7 @@ every parameter's.
 
 from __future__ import annotations
 
+import functools
 import sys
 
 import torch
@@ -30,11 +32,24 @@ def _channels(module, rank: int, p: int, device) -> torch.Tensor:
     return torch.cat([q, module.key_dim + q, 2 * module.key_dim + v]).to(device)
 
 
-def _run(module, hidden_states, topo, cu_seqlens):
+def _qwen3_next_projections(module, hidden_states):
+    """q, k [B, S, Hk, dk]; v, z [B, S, Hv, dv]; b, a [B, S, Hv]: one fused projection, value heads
+    grouped under their key head."""
+    return module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden_states), module.in_proj_ba(hidden_states))
+
+
+def _qwen3_5_projections(module, hidden_states):
+    """The same tensors from Qwen3.5's separate projections (q, k, v concatenated by channel)."""
+    q, k, v = torch.split(module.in_proj_qkv(hidden_states), [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    return (q.unflatten(-1, (-1, module.head_k_dim)), k.unflatten(-1, (-1, module.head_k_dim)), v.unflatten(-1, (-1, module.head_v_dim)),
+            module.in_proj_z(hidden_states).unflatten(-1, (-1, module.head_v_dim)), module.in_proj_b(hidden_states), module.in_proj_a(hidden_states))
+
+
+def _run(projections, module, hidden_states, topo, cu_seqlens):
     code = sys.modules[type(module).__module__]  # the model's own convolution and recurrence
     p, rank = topo.sp_size, topo.sp_rank
     kh, vh, dk, dv = module.num_k_heads // p, module.num_v_heads // p, module.head_k_dim, module.head_v_dim
-    q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(hidden_states), module.in_proj_ba(hidden_states))
+    q, k, v, z, b, a = projections(module, hidden_states)
     table = layout.chunk_table(topo.layout, p)
     q, k, v, ba = comm.seq_to_heads([q.contiguous(), k.contiguous(), v.contiguous(), torch.stack([b, a], -1)], topo.sp_group, table)
     channels = _channels(module, rank, p, hidden_states.device)
@@ -60,4 +75,6 @@ def _run(module, hidden_states, topo, cu_seqlens):
     return module.out_proj(out.flatten(2))
 
 
-ADAPTERS["Qwen3NextGatedDeltaNet"] = Adapter(heads=lambda module: module.num_k_heads, run=_run)
+for _name, _projections in (("Qwen3NextGatedDeltaNet", _qwen3_next_projections), ("Qwen3_5GatedDeltaNet", _qwen3_5_projections),
+                            ("Qwen3_5MoeGatedDeltaNet", _qwen3_5_projections)):
+    ADAPTERS[_name] = Adapter(heads=lambda module: module.num_k_heads, run=functools.partial(_run, _projections))

@@ -49,15 +49,13 @@ def install_mixers(model, topo, mixer: str = "auto") -> dict[str, str]:
     _mixers.get_mixer(mixer, topo)  # an unknown name fails here, whatever the model
     modules = dict(model.named_modules())
     context: dict = {"batch": None}
-    chosen = {}
-    for finding in find_uncovered(model):
-        module = modules.get(finding.path)
-        if finding.kind != "mixer" or module is None or module is model or isinstance(module, (nn.Conv1d, nn.RNNBase)):
-            continue
-        strategy = _mixers.get_mixer(mixer, topo, module)
-        module.__dict__[MIXER] = (strategy, context)
+    found = [(f.path, modules.get(f.path)) for f in find_uncovered(model) if f.kind == "mixer"]
+    found = [(path, m) for path, m in found if m is not None and m is not model and not isinstance(m, (nn.Conv1d, nn.RNNBase))]
+    strategies = {path: _mixers.get_mixer(mixer, topo, m) for path, m in found}  # a named strategy that cannot run one raises here
+    for path, module in found:
+        module.__dict__[MIXER] = (strategies[path], context)
         module.__dict__["forward"] = types.MethodType(_sp_forward, module)  # deepcopy rebinds it to the copy
-        chosen[finding.path] = strategy.name
+    chosen = {path: strategy.name for path, strategy in strategies.items()}
     if chosen:
         model.__dict__[_CONTEXT_HOOK] = model.register_forward_pre_hook(_record_context(context), with_kwargs=True)
     return chosen
