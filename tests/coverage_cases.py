@@ -63,6 +63,19 @@ def raised_on(fn) -> str:
     return raised(fn)
 
 
+def ulysses_all_or_none(topo) -> dict:
+    """mixer="ulysses" on a model whose Gated DeltaNet it can split but whose second mixer (a planted
+    causal convolution) has no adapter: refused, with no layer left switched."""
+    import transformers
+
+    from ulysses_sp.integrations.mixers import mixer_layers
+
+    model = transformers.AutoModelForCausalLM.from_config(config("qwen3_next_4kh"))
+    model.model.layers[1].token_mix = _CausalConv(32, 4)
+    return {"apply": raised_on(lambda: usp.apply_sequence_parallel(model, topo, mixer="ulysses")),
+            "left": len(mixer_layers(model)) + sum("forward" in m.__dict__ for m in model.modules())}
+
+
 def mixer_ulysses(topo) -> dict:
     """Qwen3-Next's Gated DeltaNet (4 key, 8 value heads) under the ulysses mixer, called as the
     model would, against the layer on the whole sequence in one process (float32 lifted to
@@ -388,6 +401,7 @@ def register(case, topo_for, hf: bool) -> None:
             lambda env, lay=lay: family(topo_for(env, lay), "qwen3_next_4kh", lift=True, mixer="ulysses"))
     case("mixers/ulysses/bytes", (1, 2, 4))(lambda env: mixer_ulysses(topo_for(env)))
     case("mixers/ulysses/refused", (3,))(lambda env: raised_on(lambda: family(topo_for(env), "qwen3_next", mixer="ulysses")))
+    case("mixers/ulysses/all-or-none", (2,))(lambda env: ulysses_all_or_none(topo_for(env)))
     case("coverage/planted", (2, 3))(lambda env: planted(topo_for(env)))
     case("verify/planted", (2,))(lambda env: verify_planted(topo_for(env)))
     case("verify/random", (2,))(lambda env: verify_random(topo_for(env)))

@@ -102,6 +102,9 @@ def test_ulysses_mixer_on_gated_deltanet_counts_its_bytes(ranks, world):
 def test_ulysses_mixer_names_heads_it_cannot_split(ranks):
     for r in values(ranks(3), "mixers/ulysses/refused"):
         assert r.startswith("ValueError: ulysses: Qwen3NextGatedDeltaNet's 2 heads do not divide by the SP size 3"), r
+    for r in values(ranks(2), "mixers/ulysses/all-or-none"):
+        assert r["apply"].startswith("ValueError: ulysses: no adapter for _CausalConv"), r
+        assert r["left"] == 0, r
 
 
 @hf
