@@ -296,6 +296,35 @@ def test_windows_and_softcap_match_explicit_masks(config, case, monkeypatch):
     assert max(errors) < tol, f"errors out/lse/dq/dk/dv {errors}"
 
 
+@pytest.mark.parametrize("config", ["math-fp64", "torch-fp64", "torch-fp32-tiles-of-8", "flash-2.8.3"])
+@pytest.mark.parametrize("case", ["causal", "sliding"])
+def test_a_strided_last_dimension_gives_the_same_attention(config, case, monkeypatch):
+    """q, k, v, dout and out whose last dimension is strided (a view that transposed D, as a
+    convolution's output is): the same out, lse and gradients as contiguous copies. torch's CPU
+    fused op returned wrong values for such views without an error (1.9 off here), and flash-attn's
+    C interface refuses them, before the kernels copied them (``common.last_dim_contiguous``)."""
+    name, dtype, version, tile, _ = KERNEL_CONFIGS[config]
+    if tile:
+        monkeypatch.setattr(torch_kernel, "TILE", tile)
+    q, k, v = qkv(s=20, sk=20, hq=4, hkv=2, seed=3, dtype=dtype)
+    dout = torch.randn(q.shape, generator=torch.Generator().manual_seed(4)).to(dtype)
+
+    def strided(t):
+        out = t.transpose(-1, -2).contiguous().transpose(-1, -2)
+        assert out.stride(-1) != 1 and torch.equal(out, t)
+        return out
+
+    opts = dict(causal=True, scale=0.3, window=(5, 0) if case == "sliding" else None)
+    with fake_flash_attn.install(version) if version else contextlib.nullcontext():
+        kernel = kernels.get_kernel(name)
+        runs = []
+        for make in (lambda t: t, strided):
+            out, lse = kernel.block_forward(make(q), make(k), make(v), **opts)
+            runs.append([out, lse, *kernel.block_backward(make(dout), make(q), make(k), make(v), make(out), lse, **opts)])
+    for got, want in zip(*runs):
+        assert torch.equal(got, want), (config, (got.double() - want.double()).abs().max().item())
+
+
 @pytest.mark.parametrize("config", ["torch-bf16-tiles-of-8", "flash-2.8.3"])
 def test_window_shifted_by_one_fails_the_tolerance(config, monkeypatch):
     """The bf16 tolerance catches a window one key too wide or too narrow, in out and dq."""

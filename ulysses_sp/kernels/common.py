@@ -11,7 +11,7 @@ from itertools import accumulate
 
 import torch
 
-__all__ = ["Varlen", "accumulator_dtype", "merge_partials", "merge_into", "repeat_kv", "sliding_band", "check_options", "visible", "tiled_forward", "tiled_backward"]
+__all__ = ["Varlen", "accumulator_dtype", "last_dim_contiguous", "merge_partials", "merge_into", "repeat_kv", "sliding_band", "check_options", "visible", "tiled_forward", "tiled_backward"]
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -81,6 +81,14 @@ def merge_into(out, lse, block_out, block_lse) -> None:
     w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
     out.mul_(w_old).addcmul_(block_out.to(out.dtype), w_new)
     lse.copy_(new_lse)
+
+
+def last_dim_contiguous(*tensors) -> list[torch.Tensor]:
+    """The fused ops (torch's, flash-attn's C interface) read each row's last dimension as
+    contiguous: given a strided one (a view that transposed D, as a convolution's output can be),
+    torch's CPU op returns wrong values without an error and flash-attn refuses it. Such a tensor
+    is copied first, as flash-attn's own Python wrappers do; others pass as they are."""
+    return [t if t.stride(-1) == 1 else t.contiguous() for t in tensors]
 
 
 def repeat_kv(t: torch.Tensor, q_heads: int) -> torch.Tensor:

@@ -29,7 +29,7 @@ import re
 import torch
 import torch.nn.functional as F
 
-from .common import tiled_backward, tiled_forward
+from .common import last_dim_contiguous, tiled_backward, tiled_forward
 
 __all__ = ["FlashAttnKernel"]
 
@@ -112,6 +112,7 @@ class FlashAttnKernel:
         return [g[..., : q.shape[-1]] for g in grads]
 
     def block_forward(self, q, k, v, *, causal, scale, varlen=None, window=None, softcap=0.0):
+        q, k, v = last_dim_contiguous(q, k, v)
         window = window or (-1, -1)
         if not _exact(causal, window, *((varlen.max_q, varlen.max_k) if varlen else (q.shape[1], k.shape[1]))):
             return tiled_forward(self._square_forward, _tile, q, k, v, causal, scale, varlen, window, softcap)
@@ -127,6 +128,7 @@ class FlashAttnKernel:
         return out[..., :d].view(b, sq, *out.shape[1:-1], d), _to_contract(lse).view(-1, b, sq).transpose(0, 1)
 
     def block_backward(self, dout, q, k, v, out, lse, *, causal, scale, varlen=None, window=None, softcap=0.0):
+        dout, q, k, v, out = last_dim_contiguous(dout, q, k, v, out)
         window = window or (-1, -1)
         if not _exact(causal, window, *((varlen.max_q, varlen.max_k) if varlen else (q.shape[1], k.shape[1]))):
             return tiled_backward(self._square_backward, _tile, dout, q, k, v, out, lse, causal, scale, varlen, window, softcap)

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from . import math_kernel
-from .common import accumulator_dtype, merge_partials, repeat_kv, tiled_backward, tiled_forward, visible
+from .common import accumulator_dtype, last_dim_contiguous, merge_partials, repeat_kv, tiled_backward, tiled_forward, visible
 
 __all__ = ["TorchKernel"]
 
@@ -191,8 +191,8 @@ class TorchKernel:
 
     def block_forward(self, q, k, v, *, causal, scale, varlen=None, window=None, softcap=0.0):
         tile = _tile(q.device, q.dtype, softcap)
-        return tiled_forward(_square_forward, tile, q, k, v, causal, scale, varlen, window, softcap)
+        return tiled_forward(_square_forward, tile, *last_dim_contiguous(q, k, v), causal, scale, varlen, window, softcap)
 
     def block_backward(self, dout, q, k, v, out, lse, *, causal, scale, varlen=None, window=None, softcap=0.0):
         tile = _tile(q.device, q.dtype, softcap)
-        return tiled_backward(_square_backward, tile, dout, q, k, v, out, lse, causal, scale, varlen, window, softcap)
+        return tiled_backward(_square_backward, tile, *last_dim_contiguous(dout, q, k, v, out), lse, causal, scale, varlen, window, softcap)
