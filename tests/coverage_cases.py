@@ -70,14 +70,14 @@ def ulysses_all_or_none(topo) -> dict:
 
     from ulysses_sp.integrations.mixers import mixer_layers
 
-    model = transformers.AutoModelForCausalLM.from_config(config("qwen3_next_4kh"))
+    model = transformers.AutoModelForCausalLM.from_config(config("qwen3_next_12kh"))
     model.model.layers[1].token_mix = _CausalConv(32, 4)
     return {"apply": raised_on(lambda: usp.apply_sequence_parallel(model, topo, mixer="ulysses")),
             "left": len(mixer_layers(model)) + sum("forward" in m.__dict__ for m in model.modules())}
 
 
 def mixer_ulysses(topo) -> dict:
-    """Qwen3-Next's Gated DeltaNet (4 key, 8 value heads) under the ulysses mixer, called as the
+    """Qwen3-Next's Gated DeltaNet (12 key, 24 value heads) under the ulysses mixer, called as the
     model would, against the layer on the whole sequence in one process (float32 lifted to
     float64), packed in three documents; bytes against the all-to-alls by hand."""
     import transformers
@@ -88,7 +88,7 @@ def mixer_ulysses(topo) -> dict:
 
     with fp64_throughout():
         torch.manual_seed(0)
-        layer = transformers.AutoModelForCausalLM.from_config(config("qwen3_next_4kh")).double().model.layers[0].linear_attn
+        layer = transformers.AutoModelForCausalLM.from_config(config("qwen3_next_12kh")).double().model.layers[0].linear_attn
         b, s, h = 2, 16 * topo.sp_size, layer.hidden_size
         x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
         w = torch.randn(b, s, h, dtype=torch.float64)
@@ -205,14 +205,16 @@ class _OwnAttention(nn.Module):
         return self.o_proj(out.transpose(1, 2).reshape(*hidden_states.shape[:-1], -1)), None
 
 
-class _ConvBiasAttention(_OwnAttention):
-    """Attention with a short convolution over its keys (so a mixer strategy runs it on the whole
-    sequence) that passes an additive position bias to the attention function, as Inkling's does."""
+class _ConvAttention(_OwnAttention):
+    """GQA attention (4 q, 2 kv heads) with a short convolution over its keys, as ZAYA's, so a mixer
+    strategy runs it on the whole sequence; with ``bias``, it passes an additive position bias to the
+    attention function, as Inkling's does."""
 
-    def __init__(self, llama_attention):
+    def __init__(self, llama_attention, bias: bool):
         super().__init__(llama_attention)
         self.k_conv = nn.Conv1d(16, 16, kernel_size=3, groups=16, padding=2)
-        self.config = llama_attention.config
+        self.config, self.bias, self.is_causal = llama_attention.config, bias, True
+        self.num_key_value_groups = llama_attention.num_key_value_groups  # what the one-process sdpa repeats k, v by
 
     def forward(self, hidden_states, position_embeddings=None, attention_mask=None, **kwargs):
         from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
@@ -220,9 +222,21 @@ class _ConvBiasAttention(_OwnAttention):
         shape = (*hidden_states.shape[:-1], -1, self.head_dim)
         k = self.k_conv(self.k_proj(hidden_states).transpose(1, 2))[..., :hidden_states.shape[1]].transpose(1, 2)
         q, k, v = (t.view(shape).transpose(1, 2) for t in (self.q_proj(hidden_states), k, self.v_proj(hidden_states)))
-        bias = torch.zeros(1, 1, q.shape[2], k.shape[2])
+        bias = torch.zeros(1, 1, q.shape[2], k.shape[2]) if self.bias else None
         out, _ = ALL_ATTENTION_FUNCTIONS[self.config._attn_implementation](self, q, k, v, None, position_bias=bias)
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
+
+
+def conv_attention(topo) -> dict:
+    """A Llama whose layer 1 attention holds a convolution (the allgather mixer runs it whole, its
+    attention call plain causal GQA attention over the gathered sequence): exact against one process."""
+    import transformers
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config("llama", num_hidden_layers=3), attn_implementation="sdpa")
+    model.model.layers[1].self_attn = _ConvAttention(model.model.layers[1].self_attn, bias=False)
+    report = usp.verify_sequence_parallel(model, topo, shrink=False, raise_on_mismatch=False)
+    return dict(_summary(report), mixers=report.mixers)
 
 
 def planted(topo) -> dict:
@@ -247,7 +261,7 @@ def planted(topo) -> dict:
     model.config.layer_types = ["full_attention", "mamba", "full_attention"]
     out["layer type"] = raised(lambda: usp.apply_sequence_parallel(model, topo, backend="ring"))
     model = llama()  # layer 1's attention holds a convolution (the mixer runs it whole) and passes a position bias
-    model.model.layers[1].self_attn = _ConvBiasAttention(model.model.layers[1].self_attn)
+    model.model.layers[1].self_attn = _ConvAttention(model.model.layers[1].self_attn, bias=True)
     usp.apply_sequence_parallel(model, topo, backend="ring")
     out["mixer attention with a bias"] = raised(lambda: model(**usp.model_inputs(data)))
     model = llama()  # layer 1 routed, but to another attention implementation: only the forward can tell
@@ -397,12 +411,14 @@ def register(case, topo_for, hf: bool) -> None:
     for lay in ("zigzag", "contiguous"):  # both strategies on Gated DeltaNet
         case(f"hybrids-allgather/{lay}/qwen3_next", (2, 3, 4))(
             lambda env, lay=lay: family(topo_for(env, lay), "qwen3_next", lift=True, mixer="allgather"))
-        case(f"hybrids-ulysses/{lay}/qwen3_next_4kh", (2, 4))(
-            lambda env, lay=lay: family(topo_for(env, lay), "qwen3_next_4kh", lift=True, mixer="ulysses"))
-    case("mixers/ulysses/bytes", (1, 2, 4))(lambda env: mixer_ulysses(topo_for(env)))
+        case(f"hybrids-ulysses/{lay}/qwen3_next_12kh", (2, 3, 4))(
+            lambda env, lay=lay: family(topo_for(env, lay), "qwen3_next_12kh", lift=True, mixer="ulysses"))
+    case("mixers/ulysses/bytes", (1, 2, 3, 4))(lambda env: mixer_ulysses(topo_for(env)))
     case("mixers/ulysses/refused", (3,))(lambda env: raised_on(lambda: family(topo_for(env), "qwen3_next", mixer="ulysses")))
     case("mixers/ulysses/all-or-none", (2,))(lambda env: ulysses_all_or_none(topo_for(env)))
     case("coverage/planted", (2, 3))(lambda env: planted(topo_for(env)))
+    case("coverage/conv-attention", (2, 3))(lambda env: conv_attention(topo_for(env)))
+    case("coverage-contiguous/conv-attention", (2, 3))(lambda env: conv_attention(topo_for(env, "contiguous")))
     case("verify/planted", (2,))(lambda env: verify_planted(topo_for(env)))
     case("verify/random", (2,))(lambda env: verify_random(topo_for(env)))
     case("coverage/packed-dropped", (2, 3))(lambda env: packed_dropped(topo_for(env)))

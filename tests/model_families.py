@@ -46,9 +46,9 @@ FAMILIES = {
     "qwen3_next": ("Qwen3NextConfig", dict(_ATTN, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                                            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
                                            num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
-    "qwen3_next_4kh": ("Qwen3NextConfig", dict(_ATTN, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=8,
-                                               linear_num_key_heads=4, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
-                                               num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
+    "qwen3_next_12kh": ("Qwen3NextConfig", dict(_ATTN, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=24,
+                                                linear_num_key_heads=12, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,
+                                                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)),
     "qwen3_5": ("Qwen3_5TextConfig", dict(_ATTN, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                                           linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4)),
     "lfm2": ("Lfm2Config", dict(_ATTN, layer_types=["conv", "full_attention"], conv_L_cache=3)),
@@ -63,7 +63,7 @@ FAMILIES = {
 EXACT = ("llama", "gpt2", "gpt_neox", "starcoder2", "mixtral", "gemma3", "deepseek_v3", "opt", "bert-decoder", "whisper", "biogpt")
 HYBRID = ("qwen3_next", "qwen3_5", "lfm2", "bamba", "rwkv", "mamba2")
 """Exact under SP through a mixer strategy for their Gated DeltaNet, short-convolution, Mamba2 and RWKV layers."""
-ULYSSES_MIXER = {"qwen3_next": 2, "qwen3_next_4kh": 4, "qwen3_5": 2}
+ULYSSES_MIXER = {"qwen3_next": 2, "qwen3_next_12kh": 12, "qwen3_5": 2}
 """Families with a Ulysses adapter for their mixer, and its key heads: ``auto`` takes ulysses where P divides them."""
 REFUSED = {  # family: the module the refusal names, and why
     "bloom": ("BloomAttention (layer 0", "computes attention in its own code with ALiBi"),

@@ -77,7 +77,7 @@ def test_hybrid_family_is_exact(ranks, world, lay, name):
 
 @hf
 @pytest.mark.parametrize("lay", ["zigzag", "contiguous"])
-@pytest.mark.parametrize("strategy,name,worlds", [("allgather", "qwen3_next", [2, 3, 4]), ("ulysses", "qwen3_next_4kh", [2, 4])])
+@pytest.mark.parametrize("strategy,name,worlds", [("allgather", "qwen3_next", [2, 3, 4]), ("ulysses", "qwen3_next_12kh", [2, 3, 4])])
 def test_gated_deltanet_is_exact_under_each_mixer_strategy(ranks, lay, strategy, name, worlds):
     for world in worlds:
         for r in values(ranks(world), f"hybrids-{strategy}/{lay}/{name}"):
@@ -86,7 +86,7 @@ def test_gated_deltanet_is_exact_under_each_mixer_strategy(ranks, lay, strategy,
 
 
 @hf
-@pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
 def test_ulysses_mixer_on_gated_deltanet_counts_its_bytes(ranks, world):
     """The layer as the model calls it, packed (three documents), against one process: output, input
     gradient, every parameter's gradient (summed over the SP group); bytes: the all-to-all of q, k, v
@@ -131,11 +131,20 @@ def test_allgather_mixer_is_exact_and_counts_its_bytes(ranks, world, packed):
 
 @hf
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("lay", ["zigzag", "contiguous"])
+def test_attention_run_whole_by_a_mixer_is_exact(ranks, world, lay):
+    for r in values(ranks(world), f"coverage{'-contiguous' if lay == 'contiguous' else ''}/conv-attention"):
+        _assert_exact(r, "conv-attention")
+        assert r["mixers"] == {"model.layers.1.self_attn": "allgather"}, r
+
+
+@hf
+@pytest.mark.parametrize("world", [2, 3])
 def test_planted_uncovered_layers_raise_on_every_rank(ranks, world):
     results = values(ranks(world), "coverage/planted")  # every rank returned: nothing hung
     assert len(results) == world
     for r in results:
-        assert r["mixer attention with a bias"] == ("ValueError: _ConvBiasAttention (layer 1): an additive attention (position) bias is not "
+        assert r["mixer attention with a bias"] == ("ValueError: _ConvAttention (layer 1): an additive attention (position) bias is not "
                                                     "supported by ulysses_sp (mixer 'allgather'); use a model without one"), r
     for r in results:
         assert "_OwnAttention (layer 1, model.layers.1.self_attn): computes attention in its own code" in r["own attention"], r

@@ -51,7 +51,8 @@ def _run(projections, module, hidden_states, topo, cu_seqlens):
     kh, vh, dk, dv = module.num_k_heads // p, module.num_v_heads // p, module.head_k_dim, module.head_v_dim
     q, k, v, z, b, a = projections(module, hidden_states)
     table = layout.chunk_table(topo.layout, p)
-    q, k, v, ba = comm.seq_to_heads([q.contiguous(), k.contiguous(), v.contiguous(), torch.stack([b, a], -1)], topo.sp_group, table)
+    # one fused all-to-all; its packing copies the (strided) projection views, so nothing is copied before
+    q, k, v, b, a = comm.seq_to_heads([q, k, v, b.unsqueeze(-1), a.unsqueeze(-1)], topo.sp_group, table)
     channels = _channels(module, rank, p, hidden_states.device)
     weight = module.conv1d.weight.squeeze(1)[channels]
     bias = None if module.conv1d.bias is None else module.conv1d.bias[channels]
@@ -63,14 +64,14 @@ def _run(projections, module, hidden_states, topo, cu_seqlens):
         mixed = torch.cat([t[:, start:end].flatten(2) for t in (q, k, v)], dim=-1).transpose(1, 2)
         mixed = code.causal_conv1d_fn(mixed, weight, bias, activation=module.activation).transpose(1, 2)
         qd, kd, vd = torch.split(mixed, [kh * dk, kh * dk, vh * dv], dim=-1)
-        b_doc, a_doc = ba[:, start:end].unbind(-1)
+        b_doc, a_doc = b[:, start:end, :, 0], a[:, start:end, :, 0]
         g = -a_log.float().exp() * F.softplus(a_doc.float() + dt_bias)
         out, _ = code.torch_chunk_gated_delta_rule(
             qd.unflatten(-1, (kh, dk)), kd.unflatten(-1, (kh, dk)), vd.unflatten(-1, (vh, dv)), g=g, beta=b_doc.sigmoid(),
             initial_state=None, output_final_state=False, use_qk_l2norm_in_kernel=True,
         )
         outs.append(out)
-    (out,) = comm.heads_to_seq([torch.cat(outs, dim=1).to(hidden_states.dtype).contiguous()], topo.sp_group, table)
+    (out,) = comm.heads_to_seq([torch.cat(outs, dim=1)], topo.sp_group, table)
     out = module.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(z.shape)
     return module.out_proj(out.flatten(2))
 

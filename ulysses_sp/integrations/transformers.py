@@ -82,12 +82,9 @@ def sp_attention_forward(module, query, key, value, attention_mask, dropout: flo
 def _whole_sequence_attention(query, key, value, scaling, sliding_window, softcap):
     """Causal attention of an attention module that a mixer strategy runs on the whole gathered
     sequence (one document at a time when packed): ZAYA's attention, whose q/k projection holds
-    a convolution over the sequence, runs under the allgather mixer."""
-    heads = query.shape[1]
-    k, v = (t.repeat_interleave(heads // t.shape[1], dim=1) for t in (key, value))
-    out = kernels.local_attention(query.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, scale=scaling,
-                                  window=sliding_window, softcap=softcap or 0.0)
-    return out
+    a convolution over the sequence, runs under the allgather mixer. The kernels take GQA as it is."""
+    return kernels.local_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=True, scale=scaling,
+                                   window=sliding_window, softcap=softcap or 0.0)
 
 
 def _no_mask(*args, config=None, use_vmap=False, **kwargs):
