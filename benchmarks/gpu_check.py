@@ -150,27 +150,33 @@ def mla_checks() -> None:
 
 
 def hybrid_checks(topo=None, rank: int = 0) -> None:
-    """Hybrid models under the allgather mixer on the GPU: verify_sequence_parallel on shrunk
-    Qwen3-Next (Gated DeltaNet), Bamba (Mamba2) and LFM2 (short convolutions) in fp64, with
-    whatever kernels the machine has (fla, mamba_ssm and causal-conv1d when installed, else
-    transformers' torch code); on NCCL ranks, over the whole group (rank 0 prints)."""
+    """Hybrid models under each mixer strategy on the GPU: verify_sequence_parallel on shrunk
+    Qwen3-Next (Gated DeltaNet) and Bamba (Mamba2) under ulysses and allgather, LFM2 (short
+    convolutions) under halo and allgather, in fp64, with whatever kernels the machine has (fla,
+    mamba_ssm and causal-conv1d when installed, which transformers picks for the functions the
+    adapters call; else transformers' torch code); on NCCL ranks, over the whole group (rank 0 prints)."""
     import transformers
 
     topo = topo or usp.init_sequence_parallel(1)
-    for cls in ("Qwen3NextConfig", "BambaConfig", "Lfm2Config"):
-        name = f"verify {cls[:-6]} (shrunk, allgather mixer) fp64 P={topo.sp_size} on the GPU"
-        if rank:
-            try:
-                usp.verify_sequence_parallel(getattr(transformers, cls)(), topo)
-            except Exception:  # rank 0 reports it
-                pass
-            continue
+    models = {"Qwen3NextConfig": ({}, ("ulysses", "allgather")), "BambaConfig": ({}, ("ulysses", "allgather")),
+              "Lfm2Config": ({"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}, ("halo", "allgather"))}
+    for cls, (overrides, strategies) in models.items():
+        for mixer in strategies:
+            def run(cls=cls, overrides=overrides, mixer=mixer):
+                return usp.verify_sequence_parallel(getattr(transformers, cls)(**overrides), topo, mixer=mixer)
 
-        @check(name)
-        def _():
-            report = usp.verify_sequence_parallel(getattr(transformers, cls)(), topo)
-            assert report.mixers, "no mixer ran"
-            return str(report)
+            if rank:
+                try:
+                    run()
+                except Exception:  # rank 0 reports it
+                    pass
+                continue
+
+            @check(f"verify {cls[:-6]} (shrunk, {mixer} mixer) fp64 P={topo.sp_size} on the GPU")
+            def _(run=run, mixer=mixer):
+                report = run()
+                assert report.mixers and set(report.mixers.values()) == {mixer}, report.mixers
+                return str(report)
 
 
 def memory_checks() -> None:

@@ -170,6 +170,42 @@ def _bench_rank(rank, world, cells, entries, options):
         return measure_rank(cells, entries, **options)
 
 
+@main.command("mixers")
+@click.option("--mixers", "kinds", default="gdn,mamba2,conv", show_default=True, help="comma list of gdn, mamba2, conv")
+@click.option("--seq", default="4k,8k,16k", show_default=True, help="global tokens, comma list")
+@click.option("--nproc", default="2,4", show_default=True, help="gloo ranks, comma list")
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="every row as measured")
+def mixers(kinds, seq, nproc, repeat, json_path):
+    """Time one hybrid-model mixer layer of each kind under every mixer strategy that can run it."""
+    import json
+
+    from .mixers import HIDDEN, LAYERS, rows
+    from .plan import _size, parse_tokens
+
+    kinds_ = _csv(kinds)
+    for kind in kinds_:
+        if kind not in LAYERS:
+            raise click.BadParameter(f"unknown mixer {kind!r}; known: {', '.join(LAYERS)}", param_hint="--mixers")
+    try:
+        seqs = [parse_tokens(s) for s in _csv(seq)]
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--seq") from None
+    click.echo(f"hidden {HIDDEN}, fp32, forward + backward, median of {repeat} (slowest rank); a strategy's cell: time (rank 0's bytes sent, forward and backward)\n")
+    click.echo("| mixer | tokens | P | one process, whole sequence | halo | ulysses | allgather | one rank's shard alone |\n|---|---|---|---|---|---|---|---|")
+    measured = []
+    for row in rows(kinds_, seqs, _csv(nproc, int), repeat):
+        measured.append(row)
+        cells = [f"{s['seconds'] * 1e3:.0f} ms ({_size(s['bytes_sent'])})" if (s := row["strategies"].get(n)) else "-"
+                 for n in ("halo", "ulysses", "allgather")]
+        click.echo(f"| {row['mixer']} | {row['tokens']} | {row['ranks']} | {row['one_process_s'] * 1e3:.0f} ms | {' | '.join(cells)} "
+                   f"| {row['shard_s'] * 1e3:.0f} ms |")
+    click.echo("\n" + "\n".join(f"- {kind}: {LAYERS[kind]}" for kind in kinds_))
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump(measured, f, indent=1)
+
+
 @main.command("run")
 @click.option("--backends", default="ulysses,allgather,ring,hybrid,halo,auto", show_default=True, help="comma list of registered backends (and auto); halo runs windowed cells only")
 @click.option("--peers", is_flag=False, flag_value="all", default="", metavar="[NAMES]",

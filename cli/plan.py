@@ -10,15 +10,15 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ulysses_sp.integrations.coverage import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
-from ulysses_sp.mixers import get_mixer
+from ulysses_sp.mixers import AUTO_ORDER, MIXERS, get_mixer
 from ulysses_sp.profile import Profile
 from ulysses_sp.registry import choose_backend
-from ulysses_sp.spec import AttnSpec, Estimate
+from ulysses_sp.spec import AttnSpec, Estimate, MixerEstimate
 from ulysses_sp.topology import Topology
 
 __all__ = ["LayerShape", "layers_from_config", "plan_rows", "parse_tokens"]
@@ -36,6 +36,8 @@ class LayerShape:
     None for attention; such a layer runs a mixer strategy, not an attention backend."""
     hidden: int = 0
     """The model's hidden size: what a mixer strategy moves per token."""
+    module: object = field(default=None, compare=False)
+    """The mixer module transformers builds for the layer (on the meta device), None without transformers."""
 
 
 def parse_tokens(text: str) -> int:
@@ -68,10 +70,40 @@ def layers_from_config(path: str) -> list[LayerShape]:
     def per_layer(value):
         return value if isinstance(value, list) else [value] * n
 
-    kinds = config.get("layer_types") or [None] * n
+    kinds = config.get("layer_types") or getattr(_hf_config(config), "layer_types", None) or [None] * n  # Bamba's come from attn_layer_indices
     mixers = [kind if kind is not None and kind not in ATTENTION_LAYER_TYPES | CHANNEL_LAYER_TYPES else None for kind in kinds]
-    return [LayerShape(*shape, mixer=mixer, hidden=config["hidden_size"] if mixer else 0)
-            for shape, mixer in zip(zip(per_layer(heads), per_layer(kv), per_layer(head_dim), _windows(config, n)), mixers)]
+    modules = _mixer_modules(config) if any(mixers) else {}
+    return [LayerShape(*shape, mixer=mixer, hidden=config["hidden_size"] if mixer else 0, module=modules.get(i) if mixer else None)
+            for i, (shape, mixer) in enumerate(zip(zip(per_layer(heads), per_layer(kv), per_layer(head_dim), _windows(config, n)), mixers))]
+
+
+def _hf_config(config: dict):
+    """The transformers config of ``config``; None where transformers is not installed or does not know the model."""
+    try:
+        import transformers
+
+        return transformers.AutoConfig.for_model(**config)
+    except (ImportError, ValueError, KeyError, TypeError):
+        return None
+
+
+def _mixer_modules(config: dict) -> dict:
+    """Layer index -> the token-mixer module transformers builds for the config, on the meta
+    device (no memory); {} where transformers cannot build it."""
+    hf_config = _hf_config(config)
+    if hf_config is None:
+        return {}
+    import transformers
+
+    from ulysses_sp.integrations.coverage import find_uncovered
+
+    try:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(hf_config)
+    except (ValueError, KeyError, TypeError):
+        return {}
+    modules = dict(model.named_modules())
+    return {f.layer: modules[f.path] for f in find_uncovered(model) if f.kind == "mixer" and f.layer is not None and f.path in modules}
 
 
 def _windows(config: dict, n: int) -> list[int | None]:
@@ -102,12 +134,7 @@ def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_d
             rows[-1][1] = index
             continue
         if shape.mixer:
-            mixer = get_mixer("auto", topo)
-            fwd, bwd = mixer.bytes(batch * (seq_len // sp_size) * shape.hidden * dtype.itemsize)
-            why = (f"{shape.mixer}: the model's own mixer on the whole gathered sequence, P x its compute; sends {_size(fwd)} forward "
-                   f"and {_size(bwd)} backward (ulysses instead where the mixer class has an adapter and P divides its heads: "
-                   "the Gated DeltaNet of Qwen3-Next and Qwen3.5)")
-            rows.append([index, index, shape, mixer.name, {mixer.name: why}])
+            rows.append([index, index, shape, get_mixer("auto", topo, shape.module).name, _mixer_estimates(shape, topo, batch, seq_len, dtype)])
             continue
         spec = AttnSpec(
             batch=batch, seq_len=seq_len, local_seq_len=seq_len // sp_size, q_heads=shape.q_heads, kv_heads=shape.kv_heads,
@@ -116,6 +143,20 @@ def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_d
         chosen, considered = choose_backend(spec, topo, profile)
         rows.append([index, index, shape, chosen.name, considered])
     return rows
+
+
+def _mixer_estimates(shape: LayerShape, topo, batch: int, seq_len: int, dtype) -> dict:
+    """Each mixer strategy's :class:`MixerEstimate` for the layer, or why it cannot run it."""
+    out = {}
+    for name in AUTO_ORDER:
+        strategy = MIXERS[name](topo)
+        if shape.module is None and name != "allgather":
+            out[name] = f"needs the mixer's class ({shape.mixer}): install transformers, which builds it from the config"
+        elif why := strategy.check(shape.module):
+            out[name] = why
+        else:
+            out[name] = strategy.estimate(shape.module, batch, seq_len // topo.sp_size, shape.hidden, dtype.itemsize)
+    return out
 
 
 def split_label(name: str, sp_size: int) -> str:
@@ -144,6 +185,8 @@ def render(rows, *, title: str, sp_size: int) -> None:
             mark = "[bold green]" + name if name == chosen else name
             if isinstance(what, Estimate):
                 table.add_row(*head, mark, f"{what.seconds * 1e3:.2f} ms", _size(what.comm_bytes), _size(what.peak_bytes), "")
+            elif isinstance(what, MixerEstimate):
+                table.add_row(*head, mark, f"{what.compute:.3g} x the mixer's compute", _size(what.comm_bytes), "", "")
             else:
                 table.add_row(*head, mark, "", "", "", what)
     Console(width=None if sys.stdout.isatty() else 150).print(table)

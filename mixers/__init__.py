@@ -4,32 +4,41 @@ way :mod:`ulysses_sp.backends` holds attention's. A strategy runs one mixer call
 mixer's own forward and the call's arguments as this rank holds them (``[B, S_local, ...]``)
 and returns this rank's rows of what one process would compute on the whole sequence.
 
+``halo`` sends each chunk the few tokens before it, for short convolutions used alone;
 ``ulysses`` splits the mixer's heads across ranks where an adapter for its class exists;
 ``allgather`` is the universal fallback: exact for any mixer, at P times the mixer's compute.
-``auto`` takes ulysses where it can, else allgather, per mixer.
+``auto`` takes the first of these that can run the mixer, in that order (by what each moves and
+computes: O(kernel) tokens, (P-1)/P of the mixer's inner tensors at 1/P of its compute, (P-1) x
+its input at P x its compute; each strategy's ``estimate()`` gives the figures, which
+``sp-bench plan`` shows).
 """
 
 from __future__ import annotations
 
 from ulysses_sp.mixers.allgather import AllGatherMixer
+from ulysses_sp.mixers.halo import HaloMixer
 from ulysses_sp.mixers.ulysses import UlyssesMixer
 
-__all__ = ["MIXERS", "MIXER_CHOICES", "AllGatherMixer", "UlyssesMixer", "get_mixer"]
+__all__ = ["AUTO_ORDER", "MIXERS", "MIXER_CHOICES", "AllGatherMixer", "HaloMixer", "UlyssesMixer", "get_mixer"]
 
-MIXERS = {"allgather": AllGatherMixer, "ulysses": UlyssesMixer}
+MIXERS = {"halo": HaloMixer, "ulysses": UlyssesMixer, "allgather": AllGatherMixer}
 """Mixer strategies by name."""
+AUTO_ORDER = ("halo", "ulysses", "allgather")
+"""What ``auto`` considers, first that can run the mixer wins: each moves fewer bytes than the
+next at no more compute, or (ulysses against allgather) does 1/P of its compute."""
 MIXER_CHOICES = ("auto", *MIXERS, "none")
 """What ``apply_sequence_parallel(mixer=...)``, ``--sp-mixer`` and ``sp_mixer`` take; ``none`` refuses hybrid models."""
 
 
 def get_mixer(name: str, topo, module=None):
-    """The strategy ``name`` for ``topo``; ``auto``: ulysses if it can run ``module``, else allgather.
-    A named strategy that cannot run ``module`` raises ``ValueError`` with the reason."""
+    """The strategy ``name`` for ``topo``; ``auto``: the first of :data:`AUTO_ORDER` that can run
+    ``module``. A named strategy that cannot run ``module`` raises ``ValueError`` with the reason."""
     if name not in MIXERS and name != "auto":
         raise ValueError(f"mixer must be 'auto', 'none' or one of {sorted(MIXERS)}, got {name!r}")
     if name == "auto":
-        ulysses = UlyssesMixer(topo)
-        return ulysses if module is not None and ulysses.check(module) is None else AllGatherMixer(topo)
+        if module is None:
+            return AllGatherMixer(topo)
+        return next(s for s in (MIXERS[n](topo) for n in AUTO_ORDER) if s.check(module) is None)
     strategy = MIXERS[name](topo)
     why = strategy.check(module) if module is not None and hasattr(strategy, "check") else None
     if why:

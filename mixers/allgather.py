@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from ulysses_sp.data import gather_sequence, shard_sequence
+from ulysses_sp.spec import MixerEstimate
 
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """The global packed row's boundaries: each document runs alone here, so the mixer gets none."""
@@ -22,11 +23,14 @@ class AllGatherMixer:
     def __init__(self, topo):
         self.topo = topo
 
-    def bytes(self, input_bytes: int) -> tuple[int, int]:
-        """(forward, backward) bytes one rank sends for a gathered input of ``input_bytes`` locally
-        (the all-gather, then the reduce-scatter of its gradient): (P-1) x ``input_bytes`` each."""
-        moved = (self.topo.sp_size - 1) * input_bytes
-        return moved, moved
+    def check(self, module) -> str | None:
+        return None  # any mixer that maps a sequence to a sequence
+
+    def estimate(self, module, batch: int, seq_local: int, hidden: int, itemsize: int) -> MixerEstimate:
+        """The whole sequence's compute on every rank; the all-gather of the ``[batch, seq_local,
+        hidden]`` input and the reduce-scatter of its gradient: (P-1) x its bytes each."""
+        moved = (self.topo.sp_size - 1) * batch * seq_local * hidden * itemsize
+        return MixerEstimate(1.0, moved, moved)
 
     def _sequence_shaped(self, t, batch: int, seq_local: int, what: str) -> bool:
         if not isinstance(t, torch.Tensor) or t.dim() < 2:

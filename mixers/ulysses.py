@@ -2,9 +2,11 @@
 head-sharded after its input projections, run the model's own convolution and recurrence on the
 whole sequence for 1/P of the heads, and all-to-all the output back before its output projection.
 Exact by construction, 1/P of the mixer's compute per rank, and the bytes of Ulysses attention
-over the tensors moved. Each mixer class needs an adapter that splits its forward at those
-boundaries (:data:`ADAPTERS`, filled by ``ulysses_sp.integrations``); a mixer without one, or whose
-heads P does not divide, is not taken (``auto`` gives it the allgather fallback).
+over the tensors moved. Inputs shared by a group of heads (Gated DeltaNet's key heads, Mamba2's
+B/C groups) are split by group, or replicated when there are fewer groups than ranks, as
+Ulysses attention does with KV heads. Each mixer class needs an adapter that splits its forward
+at those boundaries (:data:`ADAPTERS`, filled by ``ulysses_sp.integrations``); a mixer without
+one, or whose heads P does not divide, is not taken (``auto`` gives it the allgather fallback).
 """
 
 from __future__ import annotations
@@ -12,16 +14,22 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
-__all__ = ["ADAPTERS", "Adapter", "UlyssesMixer", "adapters"]
+from ulysses_sp.spec import MixerEstimate
+
+__all__ = ["ADAPTERS", "Adapter", "UlyssesMixer", "adapters", "rank_groups"]
 
 
 @dataclasses.dataclass(frozen=True)
 class Adapter:
     heads: Callable
-    """``heads(module) -> int``: the head count split across ranks (P must divide it)."""
+    """``heads(module) -> (heads, groups)``: the heads split across ranks (P must divide them) and
+    the groups of heads that share inputs (P and the groups must divide one another)."""
     run: Callable
     """``run(module, hidden_states, topo, cu_seqlens) -> output``: the mixer's forward with the
     all-to-alls at its projection boundaries (``cu_seqlens``: global document boundaries or None)."""
+    sent: Callable
+    """``sent(module, p, itemsize) -> (in, out)``: bytes per token of what goes head-sharded (groups
+    replicated as ``run`` does) and of what comes back."""
 
 
 ADAPTERS: dict[str, Adapter] = {}
@@ -31,8 +39,16 @@ ADAPTERS: dict[str, Adapter] = {}
 def adapters() -> dict[str, Adapter]:
     """Every adapter, the built-in ones (which import nothing beyond torch) registered on first use."""
     import ulysses_sp.integrations.gated_deltanet  # noqa: F401
+    import ulysses_sp.integrations.mamba2  # noqa: F401
 
     return ADAPTERS
+
+
+def rank_groups(groups: int, p: int, rank: int) -> range:
+    """The head groups rank ``rank`` of ``p`` runs: its share when ``p`` divides ``groups``, else the
+    one group its heads belong to (each replicated ``p / groups`` times by ``comm.replicate_kv_for_scatter``)."""
+    first, count = rank * groups // p, max(groups // p, 1)
+    return range(first, first + count)
 
 
 class UlyssesMixer:
@@ -45,13 +61,21 @@ class UlyssesMixer:
         """None if this strategy can run ``module`` on the topology, else why not."""
         adapter = adapters().get(type(module).__name__)
         if adapter is None:
-            return (f"ulysses: no adapter for {type(module).__name__} (adapters: {', '.join(sorted(adapters())) or 'none'}); "
-                    "mixer='auto' takes allgather there")
-        heads = adapter.heads(module)
-        if heads % self.topo.sp_size:
-            return (f"ulysses: {type(module).__name__}'s {heads} heads do not divide by the SP size {self.topo.sp_size}; "
+            return (f"ulysses: no adapter for {type(module).__name__} (there are adapters for the Gated DeltaNet and Mamba2 "
+                    "mixers of transformers); mixer='auto' takes allgather there")
+        (heads, groups), p, name = adapter.heads(module), self.topo.sp_size, type(module).__name__
+        if heads % p:
+            return f"ulysses: {name}'s {heads} heads do not divide by the SP size {p}; mixer='auto' takes allgather there"
+        if groups % p and p % groups:
+            return (f"ulysses: {name}'s {groups} head groups and the SP size {p} must divide one another; "
                     "mixer='auto' takes allgather there")
         return None
+
+    def estimate(self, module, batch: int, seq_local: int, hidden: int, itemsize: int) -> MixerEstimate:
+        """1/P of the mixer's compute; (P-1)/P of the tensors moved each way, again in the backward."""
+        p = self.topo.sp_size
+        moved = batch * seq_local * sum(adapters()[type(module).__name__].sent(module, p, itemsize)) * (p - 1) // p
+        return MixerEstimate(1 / p, moved, moved)
 
     def __call__(self, module, forward, args: tuple, kwargs: dict, batch: int, seq_local: int, cu_seqlens):
         hidden = args[0] if args else kwargs.get("hidden_states")

@@ -18,6 +18,14 @@ from .model_families import EXACT, HYBRID, REFUSED, REFUSED_AT_FORWARD, REFUSED_
 from .reference import reference_attention
 
 MLA_BACKENDS = ("ulysses", "allgather", "ring", "hybrid")
+STRATEGY_FAMILIES = (  # each strategy on each kind of mixer it can run, beside what auto takes (hybrids/)
+    ("allgather", "qwen3_next", (2, 3, 4)), ("ulysses", "qwen3_next_12kh", (2, 3, 4)), ("ulysses", "bamba_12h", (2, 3, 4)),
+    ("ulysses", "bamba", (2, 4)), ("allgather", "bamba", (2, 3, 4)), ("allgather", "lfm2", (2, 3, 4)),
+)
+MIXER_LAYER_CASES = (  # strategy, family, worlds: the layer alone, its bytes counted
+    ("ulysses", "qwen3_next_12kh", (1, 2, 3, 4)), ("ulysses", "bamba_12h", (1, 2, 3, 4)), ("ulysses", "bamba", (1, 2, 4)),
+    ("halo", "lfm2", (1, 2, 3, 4)),
+)
 MLA_HEADS = 12
 """DeepSeek-V3's KV heads equal its q heads; 12 divide by 2, 3 and 4, so Ulysses runs at every P."""
 
@@ -57,6 +65,22 @@ def family(topo, name: str, backend: str = "auto", lift: bool = False, mixer: st
     return dict(_summary(report), mixers=report.mixers, tolerance=report.tolerance, noise=report.rounding_noise)
 
 
+MAMBA2_ADAPTED = {  # the other classes the Mamba2 adapter takes, on their transformers default configs (shrunk)
+    "granitemoehybrid": {}, "nemotron_h": {}, "falcon_h1": {}, "falcon_h1-norm": {"mamba_rms_norm": True},
+}
+
+
+def adapted_default(topo, name: str) -> dict:
+    """A family whose mixer the Mamba2 adapter takes, from its default config shrunk by verify, under
+    mixer="ulysses" with float32 lifted to float64."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    with fp64_throughout():
+        report = usp.verify_sequence_parallel(CONFIG_MAPPING[name.split("-")[0]](**MAMBA2_ADAPTED[name]), topo, mixer="ulysses",
+                                              raise_on_mismatch=False)
+    return dict(_summary(report), mixers=report.mixers)
+
+
 def raised_on(fn) -> str:
     from .cases import raised
 
@@ -76,10 +100,35 @@ def ulysses_all_or_none(topo) -> dict:
             "left": len(mixer_layers(model)) + sum("forward" in m.__dict__ for m in model.modules())}
 
 
-def mixer_ulysses(topo) -> dict:
-    """Qwen3-Next's Gated DeltaNet (12 key, 24 value heads) under the ulysses mixer, called as the
-    model would, against the layer on the whole sequence in one process (float32 lifted to
-    float64), packed in three documents; bytes against the all-to-alls by hand."""
+MIXER_LAYERS = {  # family: its first layer's mixer
+    "qwen3_next_12kh": lambda model: model.model.layers[0].linear_attn,
+    "bamba": lambda model: model.model.layers[0].mamba,
+    "bamba_12h": lambda model: model.model.layers[0].mamba,
+    "lfm2": lambda model: model.model.layers[0].conv,
+}
+
+
+def _by_hand(layer, strategy: str, topo, b: int, local: int, itemsize: int) -> tuple[int, int]:
+    """What one rank sends forward and backward, from the layer's dimensions."""
+    p, r = topo.sp_size, topo.sp_rank
+    if strategy == "halo":  # the kernel - 1 tokens before each chunk whose predecessor another rank holds; their gradients back
+        zigzag = topo.layout == "zigzag"  # rank r holds chunks r and 2P-1-r: successors r+1 (rank r+1) and 2P-r (rank r-1)
+        sent, received = (r < p - 1) + (r >= 1 and zigzag), (r >= 1) + (r < p - 1 and zigzag)
+        return tuple(n * (layer.conv_kernel_size - 1) * b * layer.conv.in_channels * itemsize for n in (sent, received))
+    if hasattr(layer, "num_k_heads"):  # Gated DeltaNet: q, k, v and the gates b, a in; the output back
+        keys = 2 * layer.key_dim * (1 if layer.num_k_heads % p == 0 else p // layer.num_k_heads)
+        per_token = (keys + layer.value_dim + 2 * layer.num_v_heads) * itemsize + layer.value_dim * itemsize
+    else:  # Mamba2: x, B, C (each group replicated to P/groups ranks when fewer than P) and dt in; the scan's output back
+        groups = layer.n_groups if layer.n_groups % p == 0 else p
+        per_token = (layer.intermediate_size + 2 * groups * layer.ssm_state_size + layer.num_heads) * itemsize + layer.intermediate_size * 8
+    return ((p - 1) * b * local * per_token // p,) * 2
+
+
+def mixer_layer(topo, name: str, strategy: str) -> dict:
+    """One hybrid family's mixer under ``strategy``, called as the model would, packed in three
+    documents, against the layer on each document alone in one process (float32 lifted to
+    float64): output, input gradient and every parameter's gradient (summed over the SP group);
+    the bytes sent against the strategy's estimate and a count by hand from the layer's dimensions."""
     import transformers
 
     from ulysses_sp.mixers import get_mixer
@@ -88,8 +137,8 @@ def mixer_ulysses(topo) -> dict:
 
     with fp64_throughout():
         torch.manual_seed(0)
-        layer = transformers.AutoModelForCausalLM.from_config(config("qwen3_next_12kh")).double().model.layers[0].linear_attn
-        b, s, h = 2, 16 * topo.sp_size, layer.hidden_size
+        layer = MIXER_LAYERS[name](transformers.AutoModelForCausalLM.from_config(config(name)).double())
+        b, s, h = 2, 16 * topo.sp_size, layer.out_proj.out_features
         x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
         w = torch.randn(b, s, h, dtype=torch.float64)
         bounds = [0, 5, 5 + s // 2, s]
@@ -98,26 +147,54 @@ def mixer_ulysses(topo) -> dict:
         ref_grads = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
         layer.zero_grad()
         x_local = usp.shard_sequence(x.detach(), topo).requires_grad_()
-        mixer = get_mixer("ulysses", topo, layer)
+        mixer = get_mixer(strategy, topo, layer)
         with usp.CommCounter() as fwd:
             out = mixer(layer, layer.forward, (x_local,), {}, b, x_local.shape[1], torch.tensor(bounds, dtype=torch.int32))
         with usp.CommCounter() as bwd:
             (out * usp.shard_sequence(w, topo)).sum().backward()
+        estimate = mixer.estimate(layer, b, x_local.shape[1], h, 8)
     grads = [p.grad.clone() for p in layer.parameters()]
     for g in grads:
         if topo.sp_size > 1:
             dist.all_reduce(g, group=topo.sp_group)
-    p, local = topo.sp_size, s // topo.sp_size
-    moved_in = b * local * (2 * layer.key_dim + layer.value_dim + 2 * layer.num_v_heads) * 8  # q, k, v and the gates b, a
-    moved_out = b * local * layer.value_dim * 8
-    by_hand = (p - 1) * (moved_in + moved_out) // p
+    by_hand = _by_hand(layer, strategy, topo, b, s // topo.sp_size, 8)
     return {
         "errors": [max_err(out, usp.shard_sequence(ref.detach(), topo)), max_err(x_local.grad, usp.shard_sequence(ref_grads[0], topo))]
                   + [max_err(g, r) / r.abs().max().item() for g, r in zip(grads, ref_grads[1:])],
         "bytes": (fwd.bytes_sent, bwd.bytes_sent),
-        "by_hand": (by_hand, by_hand),
+        "by_hand": by_hand,
+        "estimate": (estimate.comm_bytes, estimate.bwd_comm_bytes, estimate.compute),
         "ops": (sorted(fwd.by_op), sorted(bwd.by_op)),
     }
+
+
+def mixer_low_precision(topo, name: str, strategy: str) -> dict:
+    """The mixer in bf16 (float32 inside, as shipped) under ``strategy``, against the same layer in
+    float64 (float32 lifted) on the same bf16 inputs: relative RMS of the output and the input gradient."""
+    import copy
+
+    import transformers
+
+    from ulysses_sp.mixers import get_mixer
+
+    from .cases import rel_rms
+
+    torch.manual_seed(0)
+    layer = MIXER_LAYERS[name](transformers.AutoModelForCausalLM.from_config(config(name))).bfloat16()
+    exact = copy.deepcopy(layer).double()
+    b, s, h = 2, 48, layer.out_proj.out_features
+    x = torch.randn(b, s, h).bfloat16().double()
+    w = torch.randn(b, s, h).bfloat16().double()
+    with fp64_throughout():
+        x_ref = x.clone().requires_grad_()
+        ref = exact(x_ref)
+        (ref * w).sum().backward()
+    x_local = usp.shard_sequence(x, topo).bfloat16().requires_grad_()
+    out = get_mixer(strategy, topo, layer)(layer, layer.forward, (x_local,), {}, b, x_local.shape[1], None)
+    (out * usp.shard_sequence(w, topo).bfloat16()).sum().backward()
+    with torch.no_grad():
+        return {"out": rel_rms(usp.gather_sequence(out, topo).double(), ref),
+                "dx": rel_rms(usp.gather_sequence(x_local.grad, topo).double(), x_ref.grad)}
 
 
 class _CausalConv(nn.Module):
@@ -162,7 +239,7 @@ def mixer_allgather(topo, packed: bool) -> dict:
         "errors": [max_err(out, usp.shard_sequence(ref.detach(), topo)), max_err(x_local.grad, usp.shard_sequence(ref_dx, topo)), max_err(dw, ref_dw)],
         "bytes": (fwd.bytes_sent, bwd.bytes_sent),
         "by_op": (sorted(fwd.by_op), sorted(bwd.by_op)),
-        "analytic": mixer.bytes(x_local.numel() * x_local.element_size()),
+        "analytic": (lambda e: (e.comm_bytes, e.bwd_comm_bytes))(mixer.estimate(conv, b, x_local.shape[1], h, 8)),
         "by_hand": ((topo.sp_size - 1) * b * (s // topo.sp_size) * h * 8,) * 2,
     }
 
@@ -408,13 +485,20 @@ def register(case, topo_for, hf: bool) -> None:
         case(f"hybrids/{name}", (2, 3, 4))(lambda env, n=name: family(topo_for(env), n, lift=True))
         case(f"hybrids-contiguous/{name}", (2, 3, 4))(lambda env, n=name: family(topo_for(env, "contiguous"), n, lift=True))
         case(f"hybrids-shipped/{name}", (2,))(lambda env, n=name: family(topo_for(env), n))
-    for lay in ("zigzag", "contiguous"):  # both strategies on Gated DeltaNet
-        case(f"hybrids-allgather/{lay}/qwen3_next", (2, 3, 4))(
-            lambda env, lay=lay: family(topo_for(env, lay), "qwen3_next", lift=True, mixer="allgather"))
-        case(f"hybrids-ulysses/{lay}/qwen3_next_12kh", (2, 3, 4))(
-            lambda env, lay=lay: family(topo_for(env, lay), "qwen3_next_12kh", lift=True, mixer="ulysses"))
-    case("mixers/ulysses/bytes", (1, 2, 3, 4))(lambda env: mixer_ulysses(topo_for(env)))
-    case("mixers/ulysses/refused", (3,))(lambda env: raised_on(lambda: family(topo_for(env), "qwen3_next", mixer="ulysses")))
+    for lay in ("zigzag", "contiguous"):
+        for strategy, name, worlds in STRATEGY_FAMILIES:
+            case(f"hybrids-{strategy}/{lay}/{name}", worlds)(
+                lambda env, lay=lay, s=strategy, n=name: family(topo_for(env, lay), n, lift=True, mixer=s))
+        for strategy, name, worlds in MIXER_LAYER_CASES:
+            case(f"mixers/{strategy}/{lay}/{name}", worlds)(lambda env, lay=lay, s=strategy, n=name: mixer_layer(topo_for(env, lay), n, s))
+    for strategy, name, _ in MIXER_LAYER_CASES:
+        case(f"mixers-bf16/{strategy}/{name}", (1, 2, 4))(lambda env, s=strategy, n=name: mixer_low_precision(topo_for(env), n, s))
+    for name in MAMBA2_ADAPTED:
+        case(f"hybrids-adapted/{name}", (2, 4))(lambda env, n=name: adapted_default(topo_for(env), n))
+    case("mixers/ulysses/refused", (3,))(lambda env: {what: raised_on(lambda s=s: family(topo_for(env), "qwen3_next", mixer=s))
+                                                      for what, s in (("heads", "ulysses"), ("halo", "halo"))})
+    case("mixers/ulysses/refused-groups", (4,))(
+        lambda env: raised_on(lambda: family(topo_for(env), "bamba_12h", mixer="ulysses", mamba_n_groups=6)))
     case("mixers/ulysses/all-or-none", (2,))(lambda env: ulysses_all_or_none(topo_for(env)))
     case("coverage/planted", (2, 3))(lambda env: planted(topo_for(env)))
     case("coverage/conv-attention", (2, 3))(lambda env: conv_attention(topo_for(env)))

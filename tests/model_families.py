@@ -59,12 +59,27 @@ FAMILIES = {
                                     n_groups=1, conv_kernel=4, use_cache=False)),
     "bamba": ("BambaConfig", dict(_ATTN, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
                                   mamba_d_conv=4, mamba_expand=2)),
+    # 12 Mamba2 heads in 12 groups: ulysses splits both at P = 2, 3 and 4
+    "bamba_12h": ("BambaConfig", dict(_ATTN, attn_layer_indices=[1], mamba_n_heads=12, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=12,
+                                      mamba_d_conv=4, mamba_expand=3)),
 }
 EXACT = ("llama", "gpt2", "gpt_neox", "starcoder2", "mixtral", "gemma3", "deepseek_v3", "opt", "bert-decoder", "whisper", "biogpt")
 HYBRID = ("qwen3_next", "qwen3_5", "lfm2", "bamba", "rwkv", "mamba2")
 """Exact under SP through a mixer strategy for their Gated DeltaNet, short-convolution, Mamba2 and RWKV layers."""
-ULYSSES_MIXER = {"qwen3_next": 2, "qwen3_next_12kh": 12, "qwen3_5": 2}
-"""Families with a Ulysses adapter for their mixer, and its key heads: ``auto`` takes ulysses where P divides them."""
+MIXER_HEADS = {"qwen3_next": (4, 2), "qwen3_next_12kh": (24, 12), "qwen3_5": (4, 2), "bamba": (4, 1), "bamba_12h": (12, 12), "mamba2": (4, 1)}
+"""Families with a Ulysses adapter for their mixer: its (heads, head groups): value and key heads
+for Gated DeltaNet, heads and B/C groups for Mamba2."""
+HALO_MIXER = ("lfm2",)
+"""Families whose mixer is a short convolution the halo strategy runs."""
+
+
+def auto_mixer(family: str, p: int) -> str:
+    """The strategy ``mixer="auto"`` takes for the family's mixers at SP size ``p``: halo for a short
+    convolution, ulysses where P divides the heads and P and the groups divide one another, else allgather."""
+    if family in HALO_MIXER:
+        return "halo"
+    heads, groups = MIXER_HEADS.get(family, (1, 0))
+    return "ulysses" if groups and heads % p == 0 and (groups % p == 0 or p % groups == 0) else "allgather"
 REFUSED = {  # family: the module the refusal names, and why
     "bloom": ("BloomAttention (layer 0", "computes attention in its own code with ALiBi"),
     "falcon-alibi": ("FalconAttention (layer 0", "computes attention in its own code with ALiBi"),

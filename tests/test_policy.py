@@ -1,5 +1,6 @@
 """The auto policy, profiles and `sp-bench plan` (no ranks needed)."""
 
+import importlib.util
 import itertools
 import json
 
@@ -11,7 +12,7 @@ import ulysses_sp as usp
 from ulysses_sp.integrations.transformers import _backend_per_layer
 from ulysses_sp.profile import COLLECTIVES, CPU_GLOO_PROFILE, CPU_GLOO_PROFILE_P4, NVLINK_PROFILE, LinkCost, Profile, default_profile
 from ulysses_sp.registry import choose_backend, get_backend
-from ulysses_sp.spec import AttnSpec, Estimate
+from ulysses_sp.spec import AttnSpec, Estimate, MixerEstimate
 from ulysses_sp.topology import HybridGroups, Topology
 
 from ulysses_sp.cli.calibrate import _excess_over, _fit
@@ -352,10 +353,11 @@ def test_plan_reads_sliding_windows_per_layer(tmp_path, config, windows):
 
 
 def test_plan_gives_a_hybrids_mixer_layers_a_mixer_strategy(tmp_path):
-    """Qwen3-Next's layer_types: its linear-attention layers get the allgather mixer with its bytes
-    ((P-1) x the local hidden states each way), not an attention backend; MoE/MLP entries mix nothing."""
+    """A hybrid's layer_types: its mixer layers get a mixer strategy, not an attention backend, with
+    each strategy's estimate (compute share, bytes); MoE/MLP entries mix nothing. A model transformers
+    cannot build gets the allgather fallback ((P-1) x the local hidden states each way)."""
     path = tmp_path / "config.json"
-    path.write_text(json.dumps({"model_type": "qwen3_next", "num_hidden_layers": 5, "num_attention_heads": 16, "num_key_value_heads": 2,
+    path.write_text(json.dumps({"model_type": "my_hybrid", "num_hidden_layers": 5, "num_attention_heads": 16, "num_key_value_heads": 2,
                                 "head_dim": 256, "hidden_size": 2048,
                                 "layer_types": ["linear_attention", "linear_attention", "full_attention", "moe", "linear_attention"]}))
     layers = layers_from_config(str(path))
@@ -363,7 +365,33 @@ def test_plan_gives_a_hybrids_mixer_layers_a_mixer_strategy(tmp_path):
     rows = plan_rows(layers, seq_len=128 * 1024, sp_size=8, ranks_per_node=8, profile=NVLINK_PROFILE)
     assert [(first, last, chosen) for first, last, _, chosen, _ in rows][::2] == [(0, 1, "allgather"), (4, 4, "allgather")]
     local = 128 * 1024 // 8 * 2048 * 2  # bf16 hidden states of one rank
-    assert f"sends {7 * local / 2**20:.1f} MiB forward and {7 * local / 2**20:.1f} MiB backward" in rows[0][4]["allgather"]
+    assert rows[0][4]["allgather"] == MixerEstimate(1.0, 7 * local, 7 * local)
+    assert rows[0][4]["ulysses"].startswith("needs the mixer's class (linear_attention): install transformers"), rows[0][4]
     assert rows[1][:2] == [2, 3] and isinstance(rows[1][4]["ring"], Estimate)  # attention (and the MoE layer): the backends
     result = CliRunner().invoke(sp_bench, ["plan", "--model-config", str(path), "--seq", "8k", "--sp-size", "4"])
-    assert result.exit_code == 0 and "linear_attention (mixer)" in result.output, result.output
+    assert result.exit_code == 0 and "linear_attention" in result.output and "mixer" in result.output, result.output
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="builds the mixer from the config with transformers")
+def test_plan_estimates_each_mixer_strategy_from_the_models_own_layers(tmp_path):
+    """Qwen3-Next (Gated DeltaNet: 16 key, 32 value heads of 128) and LFM2 (short convolution, kernel 3)
+    at 128k tokens on 8 ranks: auto takes ulysses and halo, at 1/8 of the mixer's compute; bytes by
+    hand: q, k, v, the gates and the output, 7/8 of each; the 2 tokens before each chunk held elsewhere."""
+    tokens, p, bf16 = 128 * 1024, 8, 2
+    path = tmp_path / "qwen3_next.json"
+    path.write_text(json.dumps({"model_type": "qwen3_next", "num_hidden_layers": 2, "hidden_size": 2048, "num_attention_heads": 16,
+                                "num_key_value_heads": 2, "head_dim": 256, "linear_num_key_heads": 16, "linear_num_value_heads": 32,
+                                "linear_key_head_dim": 128, "linear_value_head_dim": 128, "num_experts": 4,
+                                "layer_types": ["linear_attention", "full_attention"]}))
+    (first, last, _, chosen, considered), _ = plan_rows(layers_from_config(str(path)), seq_len=tokens, sp_size=p, profile=NVLINK_PROFILE)
+    per_token = (2 * 16 * 128 + 32 * 128 + 2 * 32) * bf16 + 32 * 128 * bf16
+    moved = tokens // p * per_token * (p - 1) // p
+    assert chosen == "ulysses" and considered["ulysses"] == MixerEstimate(1 / p, moved, moved), considered
+    assert considered["allgather"].compute == 1.0 and considered["halo"].startswith("halo: no reach registered"), considered
+    path = tmp_path / "lfm2.json"
+    path.write_text(json.dumps({"model_type": "lfm2", "num_hidden_layers": 2, "hidden_size": 1024, "num_attention_heads": 16,
+                                "num_key_value_heads": 8, "conv_L_cache": 3, "layer_types": ["conv", "full_attention"]}))
+    (_, _, _, chosen, considered), _ = plan_rows(layers_from_config(str(path)), seq_len=tokens, sp_size=p, profile=NVLINK_PROFILE)
+    chunk = tokens // (2 * p)  # zigzag: two chunks a rank, each but chunk 0 after another rank's
+    assert chosen == "halo" and considered["halo"] == MixerEstimate((2 * chunk + 2 * 2) / tokens, 2 * 2 * 1024 * bf16, 2 * 2 * 1024 * bf16)
+    assert considered["ulysses"].startswith("ulysses: no adapter for Lfm2ShortConv"), considered

@@ -12,7 +12,7 @@ import torch
 
 from .kernels import accumulator_dtype
 
-__all__ = ["AttnSpec", "Estimate"]
+__all__ = ["AttnSpec", "Estimate", "MixerEstimate"]
 
 
 @dataclass(frozen=True)
@@ -81,6 +81,19 @@ class AttnSpec:
         bounds = self.cu_seqlens or (0, self.seq_len)
         pairs = sum(self.visible_pairs(b - a) for a, b in zip(bounds, bounds[1:]))
         return 4 * self.batch * pairs * self.q_heads * self.head_dim / ranks
+
+
+@dataclass(frozen=True)
+class MixerEstimate:
+    """A mixer strategy's cost for one layer of a hybrid model, per rank (the slowest rank's)."""
+
+    compute: float
+    """Share of one process's mixer compute this rank does: about 1/P when the work splits, 1 when
+    every rank runs the whole sequence."""
+    comm_bytes: int
+    """Bytes this rank sends in the forward."""
+    bwd_comm_bytes: int
+    """Bytes this rank sends in the backward."""
 
 
 @dataclass(frozen=True)

@@ -6,8 +6,9 @@ b, a go head-sharded over the whole sequence (one fused all-to-all); the short c
 on this rank's channels (the depthwise kernel sliced to its heads) and the gated delta rule on
 its heads, both through the module's own functions, document by document when the batch is
 packed; the output comes back sequence-sharded (one all-to-all) for the gated norm and the
-output projection. Key heads split across ranks with the value heads grouped under them, so P
-must divide the key heads. Sliced weights (convolution kernel, ``A_log``, ``dt_bias``) get
+output projection. Key heads split across ranks with the value heads grouped under them (P must
+divide the value heads); when there are fewer key heads than ranks, each is replicated to the
+ranks whose value heads use it. Sliced weights (convolution kernel, ``A_log``, ``dt_bias``) get
 gradients for this rank's heads only; the SP group's gradient sum completes them, as it does
 every parameter's.
 """
@@ -21,13 +22,13 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm, layout
-from ..mixers.ulysses import ADAPTERS, Adapter
+from ..mixers.ulysses import ADAPTERS, Adapter, rank_groups
 
 
-def _channels(module, rank: int, p: int, device) -> torch.Tensor:
+def _channels(module, key_heads: range, rank: int, p: int, device) -> torch.Tensor:
     """This rank's channels of the convolution over cat(q, k, v), each head's channels contiguous."""
-    kh, vh, dk, dv = module.num_k_heads // p, module.num_v_heads // p, module.head_k_dim, module.head_v_dim
-    q = torch.arange(rank * kh * dk, (rank + 1) * kh * dk)
+    vh, dk, dv = module.num_v_heads // p, module.head_k_dim, module.head_v_dim
+    q = torch.arange(key_heads.start * dk, key_heads.stop * dk)
     v = torch.arange(rank * vh * dv, (rank + 1) * vh * dv)
     return torch.cat([q, module.key_dim + q, 2 * module.key_dim + v]).to(device)
 
@@ -48,12 +49,14 @@ def _qwen3_5_projections(module, hidden_states):
 def _run(projections, module, hidden_states, topo, cu_seqlens):
     code = sys.modules[type(module).__module__]  # the model's own convolution and recurrence
     p, rank = topo.sp_size, topo.sp_rank
-    kh, vh, dk, dv = module.num_k_heads // p, module.num_v_heads // p, module.head_k_dim, module.head_v_dim
+    key_heads = rank_groups(module.num_k_heads, p, rank)
+    kh, vh, dk, dv = len(key_heads), module.num_v_heads // p, module.head_k_dim, module.head_v_dim
     q, k, v, z, b, a = projections(module, hidden_states)
+    q, k = comm.replicate_kv_for_scatter(q, k, p)
     table = layout.chunk_table(topo.layout, p)
     # one fused all-to-all; its packing copies the (strided) projection views, so nothing is copied before
     q, k, v, b, a = comm.seq_to_heads([q, k, v, b.unsqueeze(-1), a.unsqueeze(-1)], topo.sp_group, table)
-    channels = _channels(module, rank, p, hidden_states.device)
+    channels = _channels(module, key_heads, rank, p, hidden_states.device)
     weight = module.conv1d.weight.squeeze(1)[channels]
     bias = None if module.conv1d.bias is None else module.conv1d.bias[channels]
     heads = slice(rank * vh, (rank + 1) * vh)
@@ -76,6 +79,12 @@ def _run(projections, module, hidden_states, topo, cu_seqlens):
     return module.out_proj(out.flatten(2))
 
 
+def _sent(module, p: int, itemsize: int) -> tuple[int, int]:
+    """q and k (key heads as sent), v, the gates b and a; the output."""
+    keys = 2 * comm.kv_heads_sent(module.num_k_heads, p) * module.head_k_dim
+    return (keys + module.value_dim + 2 * module.num_v_heads) * itemsize, module.value_dim * itemsize
+
+
 for _name, _projections in (("Qwen3NextGatedDeltaNet", _qwen3_next_projections), ("Qwen3_5GatedDeltaNet", _qwen3_5_projections),
                             ("Qwen3_5MoeGatedDeltaNet", _qwen3_5_projections)):
-    ADAPTERS[_name] = Adapter(heads=lambda module: module.num_k_heads, run=functools.partial(_run, _projections))
+    ADAPTERS[_name] = Adapter(heads=lambda module: (module.num_v_heads, module.num_k_heads), run=functools.partial(_run, _projections), sent=_sent)

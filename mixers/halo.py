@@ -1,0 +1,157 @@
+"""Halo for short convolutions used alone (LFM2's conv layers): a mixer whose output at a token
+depends only on that token and the ``reach`` tokens before it (per-token projections around a
+causal convolution of kernel ``reach + 1``) needs, for each of this rank's chunks, only the
+``reach`` tokens before the chunk. Those are fixed by the layout (zigzag chunks have two
+neighbours; a predecessor already held here is not sent), so every rank knows what to send to
+whom: one point-to-point exchange of the mixer's input forward, its gradient sent back in the
+backward. The mixer's own forward then runs on each chunk with its halo in front, document by
+document when the batch is packed (no window crosses a document boundary), and the halo's rows
+are dropped. Bytes per rank: O(reach), independent of the sequence length; compute: the chunk
+plus ``reach`` rows. Each mixer class needs its reach registered in :data:`REACH` (filled by
+``ulysses_sp.integrations``), since only its code says how far it looks back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ulysses_sp import comm, layout
+from ulysses_sp.backends.halo import halo_ranges
+from ulysses_sp.spec import MixerEstimate
+
+__all__ = ["REACH", "HaloMixer", "reaches"]
+
+REACH: dict[str, Callable] = {}
+"""``reach(module) -> int`` by mixer class name: how many tokens before its own each output sees."""
+
+_INPUT_TAG, _GRAD_TAG = 2, 3
+
+
+def reaches() -> dict[str, Callable]:
+    """Every registered reach, the built-in ones (which import nothing beyond torch) registered on first use."""
+    import ulysses_sp.integrations.short_conv  # noqa: F401
+
+    return REACH
+
+
+@dataclass(frozen=True, eq=False)
+class _Plan:
+    sends: list
+    """``(dst, local rows)`` this rank sends to each peer."""
+    recvs: list
+    """``(src, tokens)`` this rank receives from each peer, in the order of the received tensor."""
+    chunks: list
+    """Per local chunk: ``(rows, lo, start)``: rows of cat(local, received) holding global tokens
+    ``[lo, end)`` in order, where ``[start, end)`` is the chunk itself."""
+
+
+def _plan(table: list[list[int]], rank: int, chunk: int, reach: int, device) -> _Plan:
+    ranges = halo_ranges(table, chunk, reach + 1)
+    slot = {c: i for i, c in enumerate(table[rank])}
+
+    def local_rows(rs):
+        return [slot[g // chunk] * chunk + g % chunk for a, b in rs for g in range(a, b)]
+
+    sends = [(dst, torch.tensor(local_rows(rs), dtype=torch.long, device=device)) for (src, dst), rs in sorted(ranges.items()) if src == rank]
+    incoming = sorted((src, rs) for (src, dst), rs in ranges.items() if dst == rank)
+    where = {}  # global token -> row of cat(local, received)
+    for c in table[rank]:
+        where.update((g, slot[c] * chunk + g % chunk) for g in range(c * chunk, (c + 1) * chunk))
+    row = len(table[rank]) * chunk
+    for _, rs in incoming:
+        for a, b in rs:
+            for g in range(a, b):
+                where[g], row = row, row + 1
+    chunks = []
+    for c in table[rank]:
+        start, end = c * chunk, (c + 1) * chunk
+        lo = max(0, start - reach)
+        chunks.append((torch.tensor([where[g] for g in range(lo, end)], dtype=torch.long, device=device), lo, start))
+    return _Plan(sends, [(src, sum(b - a for a, b in rs)) for src, rs in incoming], chunks)
+
+
+class _Exchange(torch.autograd.Function):
+    """The halo rows in, their gradients back to the ranks that own them."""
+
+    @staticmethod
+    def forward(ctx, x, group, plan):
+        sends = [(dst, x.index_select(1, rows)) for dst, rows in plan.sends]
+        recvs = [(src, x.new_empty(x.shape[0], n, *x.shape[2:])) for src, n in plan.recvs]
+        received, wait = comm.exchange(sends, recvs, group, tag=_INPUT_TAG)
+        wait()
+        ctx.group, ctx.plan, ctx.shape = group, plan, x.shape
+        return torch.cat(received, dim=1) if received else x.new_empty(x.shape[0], 0, *x.shape[2:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        plan, start, sends = ctx.plan, 0, []
+        for src, n in plan.recvs:
+            sends.append((src, grad[:, start : start + n]))
+            start += n
+        recvs = [(dst, grad.new_empty(grad.shape[0], len(rows), *grad.shape[2:])) for dst, rows in plan.sends]
+        received, wait = comm.exchange(sends, recvs, ctx.group, tag=_GRAD_TAG)
+        wait()
+        dx = grad.new_zeros(ctx.shape)
+        for (_, rows), part in zip(plan.sends, received):
+            dx.index_add_(1, rows, part)
+        return dx, None, None
+
+
+class HaloMixer:
+    name = "halo"
+
+    def __init__(self, topo):
+        self.topo = topo
+
+    def check(self, module) -> str | None:
+        """None if this strategy can run ``module``, else why not."""
+        if module is not None and type(module).__name__ not in reaches():
+            return (f"halo: no reach registered for {type(module).__name__} (it is, for LFM2's short convolutions); "
+                    "mixer='auto' takes another strategy there")
+        return None
+
+    def _plan(self, module, seq_local: int, device) -> _Plan:
+        p, rank, reach = self.topo.sp_size, self.topo.sp_rank, REACH[type(module).__name__](module)
+        table = layout.chunk_table(self.topo.layout, p)
+        chunk = seq_local // len(table[rank])
+        return self.topo.cached(("halo-mixer", self.topo.layout, p, rank, chunk, reach, str(device)),
+                                lambda: _plan(table, rank, chunk, reach, device))
+
+    def estimate(self, module, batch: int, seq_local: int, hidden: int, itemsize: int) -> MixerEstimate:
+        """The slowest rank's: its rows plus the halos its chunks run with; the halo rows of
+        ``[batch, seq_local, hidden]`` it sends forward, and the gradients it sends back."""
+        p, reach = self.topo.sp_size, reaches()[type(module).__name__](module)
+        table = layout.chunk_table(self.topo.layout, p)
+        plans = [_plan(table, r, seq_local // len(table[r]), reach, "cpu") for r in range(p)]
+        per_token = batch * hidden * itemsize
+        return MixerEstimate(max(sum(len(rows) for rows, _, _ in plan.chunks) for plan in plans) / (p * seq_local),
+                             max(sum(len(rows) for _, rows in plan.sends) for plan in plans) * per_token,
+                             max(sum(n for _, n in plan.recvs) for plan in plans) * per_token)
+
+    def __call__(self, module, forward, args: tuple, kwargs: dict, batch: int, seq_local: int, cu_seqlens):
+        kwargs = dict(kwargs)
+        x = args[0] if args else kwargs.pop("hidden_states")
+        mask = kwargs.pop("attention_mask", None)
+        if mask is not None and not bool(mask.all()):
+            raise ValueError(f"{type(module).__name__}: a padding attention_mask is not supported by the halo mixer; pad on the right "
+                             "with ulysses_sp.shard_batch and drop attention_mask")
+        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
+            raise ValueError(f"{type(module).__name__}: a cache (generation) is not supported under sequence parallelism; "
+                             "call remove_sequence_parallel(model) to generate")
+        kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}  # packing boundaries and the like: handled here
+        plan = self._plan(module, seq_local, x.device)
+        source = torch.cat([x, _Exchange.apply(x, self.topo.sp_group, plan)], dim=1) if self.topo.sp_size > 1 else x
+        bounds = cu_seqlens.tolist() if cu_seqlens is not None else []
+        outs = []
+        for rows, lo, start in plan.chunks:
+            end = lo + len(rows)
+            ext = source.index_select(1, rows)
+            cuts = sorted({lo, end, *(b for b in bounds if lo < b < end)})
+            for s0, s1 in zip(cuts, cuts[1:]):  # one run per document: no window crosses a boundary
+                if s1 > start:
+                    out = forward(ext[:, s0 - lo : s1 - lo], **kwargs)
+                    outs.append(out[:, max(s0, start) - s0 :])
+        return torch.cat(outs, dim=1)
