@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import torch
 
-from ulysses_sp import comm, layout
+from ulysses_sp import comm
 from dataclasses import dataclass
 
 from ulysses_sp.blocks import blocks_backward, blocks_forward, cached_plan, chunk_segments, first_writes
@@ -63,7 +63,7 @@ def _plan(q, spec: AttnSpec, topo) -> _Plan:
     order, then rank r+1's); the plan reads each chunk's global position from the chunk
     table, so nothing is reordered (under zigzag a query chunk may need one more call where
     its visible keys are not adjacent in that order)."""
-    table = layout.chunk_table(spec.layout, topo.sp_size)
+    table = spec.chunk_table(topo.sp_size)
     mine = table[topo.sp_rank]
     c = q.shape[1] // len(mine)
     tail = tail_tokens(spec, c)
@@ -180,8 +180,8 @@ class AllGatherBackend:
 
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
         p = topo.sp_size
-        chunk = spec.local_seq_len // layout.chunks_per_rank(spec.layout)
-        gathered_tokens = tail_tokens(spec, chunk) * layout.required_multiple(spec.layout, p)
+        chunk = spec.local_seq_len // spec.chunks_per_rank(topo.sp_size)
+        gathered_tokens = tail_tokens(spec, chunk) * spec.chunks_per_rank(p) * p
         kv_local = 2 * spec.head_bytes * spec.kv_heads
         sent = kv_local * gathered_tokens // spec.seq_len  # this rank's tails (every token without a window)
         acc = spec.accumulator_ratio

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ulysses_sp import comm, layout
+from ulysses_sp import comm
 from ulysses_sp.blocks import blocks_backward, blocks_forward, cached_plan, chunk_segments, first_writes
 from ulysses_sp.kernels import accumulator_dtype
 from ulysses_sp.profile import Profile
@@ -84,7 +84,7 @@ def _local_positions(table_row, chunk: int, ranges, device) -> torch.Tensor:
 
 
 def _plan(q, spec: AttnSpec, topo) -> _Plan:
-    table = layout.chunk_table(spec.layout, topo.sp_size)
+    table = spec.chunk_table(topo.sp_size)
     r = topo.sp_rank
     chunk = q.shape[1] // len(table[r])
 
@@ -164,7 +164,7 @@ class HaloBackend:
 
     def _tokens(self, spec: AttnSpec, topo) -> tuple[int, int]:
         """(tokens this rank sends, tokens it receives)."""
-        table = layout.chunk_table(spec.layout, topo.sp_size)
+        table = spec.chunk_table(topo.sp_size)
         ranges = halo_ranges(table, spec.local_seq_len // len(table[0]), spec.window)
         count = {"sent": 0, "recv": 0}
         for (src, dst), rs in ranges.items():
@@ -182,7 +182,7 @@ class HaloBackend:
         transfer = link.seconds(max(comm_bytes, recv * token_bytes), 1) + link.seconds(max(bwd_bytes, int(sent * token_bytes * acc)), 1)
         seconds = profile.overlapped(profile.attention_fwd_bwd_seconds(spec, topo.sp_size), transfer)
         q_bytes = spec.head_bytes * spec.q_heads
-        chunk = spec.local_seq_len // layout.chunks_per_rank(spec.layout)
+        chunk = spec.local_seq_len // spec.chunks_per_rank(topo.sp_size)
         peak = int(q_bytes * (2 + acc) + 2 * spec.head_bytes * spec.kv_heads + recv * token_bytes * (1 + acc))
         peak += spec.kernel_workspace_bytes(spec.q_heads, chunk, min(chunk + spec.window, spec.seq_len))
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=bwd_bytes)

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import torch
 
-from ulysses_sp import comm, layout
+from ulysses_sp import comm
 from ulysses_sp.ring_pass import ring_attention, ring_hops, ring_plans
 from ulysses_sp.profile import Profile
 from ulysses_sp.spec import AttnSpec, Estimate
@@ -23,7 +23,7 @@ __all__ = ["HybridBackend"]
 
 def _group_chunks(spec: AttnSpec, topo, split) -> tuple[list[list[int]], list[list[int]]]:
     """(chunk tables of this rank's Ulysses group, sorted chunks of every ring rank's Ulysses group)."""
-    table = layout.chunk_table(spec.layout, topo.sp_size)
+    table = spec.chunk_table(topo.sp_size)
     u = split.ulysses_degree
     groups = [table[j * u : (j + 1) * u] for j in range(split.ring_degree)]
     return groups[split.ring_rank], [sorted(c for rank in g for c in rank) for g in groups]

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import torch
 
-from ulysses_sp import layout
 from ulysses_sp.ring_pass import ring_attention, ring_hops, ring_plans
 from ulysses_sp.profile import Profile
 from ulysses_sp.spec import AttnSpec, Estimate
@@ -26,7 +25,7 @@ class RingBackend:
 
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
         p = topo.sp_size
-        table = layout.chunk_table(spec.layout, p)
+        table = spec.chunk_table(p)
         hops = ring_hops(table, spec.local_seq_len // len(table[0]), spec)
         kv_bytes = 2 * spec.head_bytes * spec.kv_heads
         acc = spec.accumulator_ratio
@@ -42,5 +41,5 @@ class RingBackend:
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=bwd_bytes)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
-        plans = ring_plans(topo, layout.chunk_table(spec.layout, topo.sp_size), topo.sp_rank, spec, q)
+        plans = ring_plans(topo, spec.chunk_table(topo.sp_size), topo.sp_rank, spec, q)
         return ring_attention(q, k, v, topo.sp_group, plans, kernel=spec.kernel, spec=spec)

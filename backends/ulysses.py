@@ -17,7 +17,7 @@ from contextlib import contextmanager
 
 import torch
 
-from ulysses_sp import comm, kernels, layout
+from ulysses_sp import comm, kernels
 from ulysses_sp.profile import Profile, profile_for
 from ulysses_sp.spec import AttnSpec, Estimate
 from ulysses_sp.streams import CommStream
@@ -207,7 +207,7 @@ class UlyssesBackend:
         if p == 1:
             return _attend(q, k, v, spec, topo)
         k, v = comm.replicate_kv_for_scatter(k, v, p)
-        table = layout.chunk_table(spec.layout, p)
+        table = spec.chunk_table(p)
         groups = self.groups(spec, topo)
         if groups > 1:
             into, back = (topo.cached((f"comm-stream-{way}", str(q.device)), lambda: CommStream(q.device)) for way in ("into", "back"))

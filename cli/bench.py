@@ -152,7 +152,8 @@ def _entry(name: str, cell: Cell, topo_for, kernel: str = "auto"):
     topo = topo_for(cell.layout)
     if name.startswith("peer:"):
         peer = PEERS[name[5:]]
-        reason = "peers are run without a sliding window" if cell.window else peer.problem(cell, topo)
+        reason = ("peers are run without a sliding window" if cell.window else
+                  "peers run the zigzag and contiguous layouts only" if cell.layout == "balanced" else peer.problem(cell, topo))
         if reason:
             return None, None, reason
         shard_topo = topo_for(peer.shard_layout(cell.layout))
@@ -239,7 +240,7 @@ def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat:
                 results[(index, name)] = {"skipped": reason}
                 _advance(bar, warmup + repeat, name, cell)
                 continue
-            shards = [usp.shard_sequence(t, shard_topo) for t in full]
+            shards = [usp.shard_sequence(t, shard_topo, cu_seqlens=(0, t.shape[1])) for t in full]
             ready[name] = fn, shards, shard_topo
             results[(index, name)] = {"runs": []}
             for _ in range(warmup):
@@ -278,7 +279,7 @@ def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat:
                 result["analytic_bytes"] = (estimate.comm_bytes, estimate.bwd_comm_bytes)
             if check:
                 out, grads = last[name]
-                mine = [usp.shard_sequence(t, shard_topo) for t in reference]
+                mine = [usp.shard_sequence(t, shard_topo, cu_seqlens=(0, t.shape[1])) for t in reference]
                 result["max_error"] = max((a.double() - b).abs().max().item() for a, b in zip([out, *grads], mine))
     if bar is not None:
         bar.close()

@@ -118,7 +118,7 @@ def calibrate(nproc, out, repeat, seq, backend_seq):
 @click.option("--batch", type=int, default=1, show_default=True)
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--causal/--no-causal", default=True, show_default=True)
-@click.option("--layout", type=click.Choice(["zigzag", "contiguous"]), default="zigzag", show_default=True)
+@click.option("--layout", type=click.Choice(["zigzag", "contiguous", "balanced"]), default="zigzag", show_default=True)
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False), help="from sp-bench calibrate (default: built-in NVLink GPU figures)")
 def plan(model_config, heads, kv_heads, head_dim, layers, window, seq, sp_size, ulysses_degree, gpus_per_node, batch, dtype, causal, layout, profile_path):
     """Show, per layer, the backend auto would choose and every alternative's estimate or reason."""
@@ -218,7 +218,7 @@ def mixers(kinds, seq, nproc, repeat, json_path):
 @click.option("--dtype", default="float32", show_default=True, help="comma list of float32, bfloat16, float16")
 @click.option("--causal/--no-causal", default=True, show_default=True)
 @click.option("--window", "windows", default="none", show_default=True, help="sliding windows, comma list (none: full attention; needs --causal)")
-@click.option("--layout", type=click.Choice(["zigzag", "contiguous"]), default="zigzag", show_default=True)
+@click.option("--layout", type=click.Choice(["zigzag", "contiguous", "balanced"]), default="zigzag", show_default=True)
 @click.option("--kernel", type=click.Choice(KERNEL_NAMES), default="auto", show_default=True,
               help="local attention kernel of our backends and of the one-rank baseline")
 @click.option("--fake-flash-attn", is_flag=True,
@@ -299,7 +299,7 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, w
                    topo_args={"ulysses_degree": ulysses_degree, "profile": profile_path, "timeout": 3600})
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if launched else nproc
-    multiple = world * (2 if layout == "zigzag" else 1)
+    multiple = world * (1 if layout == "contiguous" else 2)
     if world < 1 or any(c.seq % multiple for c in grid):
         raise click.BadParameter(f"every length must divide by {multiple} ({world} ranks, {layout} layout)", param_hint="--seq")
     device, threshold = torch.device("cpu"), None

@@ -125,7 +125,7 @@ def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_d
     """One row per group of consecutive identical layers (shape and window): (first, last, shape,
     chosen name, considered)."""
     topo = Topology.for_planning(sp_size, ulysses_degree=ulysses_degree, ranks_per_node=ranks_per_node, layout=layout, profile=profile)
-    multiple = sp_size * (2 if layout == "zigzag" else 1)
+    multiple = sp_size * (1 if layout == "contiguous" else 2)
     if seq_len % multiple:
         raise ValueError(f"sequence length {seq_len} must be a multiple of {multiple} for {layout} over {sp_size} ranks")
     rows = []

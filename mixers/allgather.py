@@ -55,7 +55,7 @@ class AllGatherMixer:
 
         def gather(t):
             gathered.append(t)
-            return gather_sequence(t, self.topo, dim=1)
+            return gather_sequence(t, self.topo, dim=1, cu_seqlens=cu_seqlens)
 
         args = tuple(self._map(a, gather, batch, seq_local, f"argument {i}") for i, a in enumerate(args))
         kwargs = {k: self._map(v, gather, batch, seq_local, k) for k, v in kwargs.items()}
@@ -75,7 +75,7 @@ class AllGatherMixer:
                 outs.append(forward(*(self._map(x, cut, batch, full, "argument") for x in args),
                                     **{k: self._map(v, cut, batch, full, k) for k, v in kwargs.items()}))
             out = _concat(outs)
-        return _local_rows(out, self.topo, batch, seq_local * self.topo.sp_size)
+        return _local_rows(out, self.topo, batch, seq_local * self.topo.sp_size, cu_seqlens)
 
 
 def _first(out):
@@ -95,10 +95,10 @@ def _check_output(out) -> None:
         raise ValueError(f"the allgather mixer handles a mixer returning a tensor (or a tuple of one tensor and Nones), got {type(out).__name__}")
 
 
-def _local_rows(out, topo, batch: int, seq_full: int):
+def _local_rows(out, topo, batch: int, seq_full: int, cu_seqlens):
     _check_output(out)
     hidden = _first(out)
     if hidden.shape[:2] != (batch, seq_full):
         raise ValueError(f"the mixer returned shape {tuple(hidden.shape)}, not [batch {batch}, sequence {seq_full}, ...]")
-    local = shard_sequence(hidden, topo, dim=1)
+    local = shard_sequence(hidden, topo, dim=1, cu_seqlens=cu_seqlens)
     return (local,) + tuple(out[1:]) if isinstance(out, (tuple, list)) else local

@@ -113,18 +113,18 @@ class HaloMixer:
                     "mixer='auto' takes another strategy there")
         return None
 
-    def _plan(self, module, seq_local: int, device) -> _Plan:
+    def _plan(self, module, seq_local: int, cu_seqlens, device) -> _Plan:
         p, rank, reach = self.topo.sp_size, self.topo.sp_rank, REACH[type(module).__name__](module)
-        table = layout.chunk_table(self.topo.layout, p)
+        table = layout.chunk_table(self.topo.layout, p, seq_local * p, cu_seqlens)
         chunk = seq_local // len(table[rank])
-        return self.topo.cached(("halo-mixer", self.topo.layout, p, rank, chunk, reach, str(device)),
+        return self.topo.cached(("halo-mixer", tuple(map(tuple, table)), rank, chunk, reach, str(device)),
                                 lambda: _plan(table, rank, chunk, reach, device))
 
     def estimate(self, module, batch: int, seq_local: int, hidden: int, itemsize: int) -> MixerEstimate:
         """The slowest rank's: its rows plus the halos its chunks run with; the halo rows of
         ``[batch, seq_local, hidden]`` it sends forward, and the gradients it sends back."""
         p, reach = self.topo.sp_size, reaches()[type(module).__name__](module)
-        table = layout.chunk_table(self.topo.layout, p)
+        table = layout.chunk_table(self.topo.layout, p, seq_local * p)
         plans = [_plan(table, r, seq_local // len(table[r]), reach, "cpu") for r in range(p)]
         per_token = batch * hidden * itemsize
         return MixerEstimate(max(sum(len(rows) for rows, _, _ in plan.chunks) for plan in plans) / (p * seq_local),
@@ -142,9 +142,10 @@ class HaloMixer:
             raise ValueError(f"{type(module).__name__}: a cache (generation) is not supported under sequence parallelism; "
                              "call remove_sequence_parallel(model) to generate")
         kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}  # packing boundaries and the like: handled here
-        plan = self._plan(module, seq_local, x.device)
+        bounds = cu_seqlens.tolist() if cu_seqlens is not None else None
+        plan = self._plan(module, seq_local, bounds, x.device)
         source = torch.cat([x, _Exchange.apply(x, self.topo.sp_group, plan)], dim=1) if self.topo.sp_size > 1 else x
-        bounds = cu_seqlens.tolist() if cu_seqlens is not None else []
+        bounds = bounds or []
         outs = []
         for rows, lo, start in plan.chunks:
             end = lo + len(rows)

@@ -244,26 +244,31 @@ def _parity_run(env: Env, name: str, cfg: Parity) -> dict:
                               softcap=cfg.softcap or 0.0)
     ref.backward(dout)
 
+    docs = cfg.cu_seqlens or (0, cfg.seq)  # the balanced layout places tokens by document
+
     def local(t):
-        t = usp.shard_sequence(t, topo).to(cfg.dtype)
+        t = usp.shard_sequence(t, topo, cu_seqlens=docs).to(cfg.dtype)
         return t.transpose(1, 2).contiguous().transpose(1, 2) if cfg.strided else t
+
+    def gather(t):
+        return usp.gather_sequence(t, topo, cu_seqlens=docs)
 
     shards = {n: local(t).requires_grad_(n in cfg.grads) for n, t in zip("qkv", (q, k, v))}
     run_topo = dataclasses.replace(topo, layout=cfg.claim_layout) if cfg.claim_layout else topo
     attn = usp.SequenceParallelAttention(run_topo, backend=cfg.backend, layer_idx=0, kernel=cfg.kernel, profile=cfg.profile)
     out = attn(*shards.values(), causal=cfg.causal, softmax_scale=cfg.scale, cu_seqlens=cfg.cu_seqlens, window=cfg.window,
                softcap=cfg.softcap)
-    (out * usp.shard_sequence(dout, topo).to(cfg.dtype)).sum().backward()
+    (out * usp.shard_sequence(dout, topo, cu_seqlens=docs).to(cfg.dtype)).sum().backward()
 
     with torch.no_grad():
-        result = {"out": max_err(usp.gather_sequence(out, topo).double(), ref), "out_dtype": str(out.dtype)}
+        result = {"out": max_err(gather(out).double(), ref), "out_dtype": str(out.dtype)}
         result["out_scale"] = ref.abs().max().item()
-        result["out_rms"] = rel_rms(usp.gather_sequence(out, topo).double(), ref)
+        result["out_rms"] = rel_rms(gather(out).double(), ref)
         for n, shard in shards.items():
             got = shard.grad
-            result[f"d{n}"] = None if got is None else max_err(usp.gather_sequence(got, topo).double(), leaves[n].grad)
+            result[f"d{n}"] = None if got is None else max_err(gather(got).double(), leaves[n].grad)
             if got is not None:  # window 1: dq is 0 in exact arithmetic, and then the norm of ours is the error
-                full_grad = usp.gather_sequence(got, topo).double()
+                full_grad = gather(got).double()
                 result[f"d{n}_rms"] = rel_rms(full_grad, leaves[n].grad) if leaves[n].grad.norm() > 0 else full_grad.norm().item()
             result[f"d{n}_is_none"] = got is None
             result[f"d{n}_dtype"] = None if got is None else str(got.dtype)
@@ -328,7 +333,7 @@ def halo_bytes(env: Env, lay: str, window: int) -> dict:
     b, s, d = BYTES_SHAPE
     gen = generator("halo-bytes")
     full = [torch.randn(b, s, h, d, generator=gen) for h in (12, 4, 4)]
-    shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full]
+    shards = [usp.shard_sequence(t, topo, cu_seqlens=(0, s)).requires_grad_() for t in full]
     result = {}
     for backend in ("halo", "ring", "allgather", "hybrid"):
         fwd, bwd, estimate = _counted(topo, backend, shards, window=window)
@@ -498,8 +503,8 @@ def comm_seq_heads(env: Env) -> dict:
         topo = env.topo(layout=lay)
         gen = generator("s2h-" + lay)
         full = [torch.randn(2, 8 * p, h, 3, generator=gen, dtype=torch.float64) for h in (2 * p, p, 3 * p)]
-        shards = [usp.shard_sequence(t, topo) for t in full]
-        table = layout.chunk_table(lay, p)
+        shards = [usp.shard_sequence(t, topo, cu_seqlens=(0, 8 * p)) for t in full]
+        table = layout.chunk_table(lay, p, 8 * p)
         with usp.CommCounter() as c:
             heads = comm.seq_to_heads(shards, topo.sp_group, table)
         h_err = max(max_err(hd, t.chunk(p, dim=2)[env.rank]) for hd, t in zip(heads, full))
@@ -518,16 +523,16 @@ def data_shard_gather(env: Env) -> dict:
     for lay in layout.LAYOUTS:
         topo = env.topo(layout=lay)
         x = torch.randn(3, 4 * p, 5, generator=generator("sg"), dtype=torch.float64)
-        local = usp.shard_sequence(x, topo).requires_grad_()
-        positions = layout.positions(lay, 4 * p, p, r)
-        full = usp.gather_sequence(local, topo)
+        local = usp.shard_sequence(x, topo, cu_seqlens=(0, 4 * p)).requires_grad_()
+        positions = layout.positions(lay, 4 * p, p, r, (0, 4 * p))
+        full = usp.gather_sequence(local, topo, cu_seqlens=(0, 4 * p))
         w = torch.randn(full.shape, generator=generator("sg-w"), dtype=torch.float64)  # same on every rank
         (full * w).sum().backward()
         out[lay] = {
             "shard_err": max_err(local, x[:, positions]),
             "roundtrip_err": max_err(full, x),
             "grad_err": max_err(local.grad, p * w[:, positions]),
-            "dim0_err": max_err(usp.gather_sequence(usp.shard_sequence(x.transpose(0, 1), topo, dim=0), topo, dim=0), x.transpose(0, 1)),
+            "dim0_err": max_err(usp.gather_sequence(usp.shard_sequence(x.transpose(0, 1), topo, dim=0, cu_seqlens=(0, 4 * p)), topo, dim=0, cu_seqlens=(0, 4 * p)), x.transpose(0, 1)),
         }
     return out
 
@@ -589,7 +594,7 @@ def data_shard_batch(env: Env) -> dict:
         for kind in TINY_BATCHES:
             batch = make_batch(kind)
             local = usp.shard_batch(batch, topo)
-            full = {k: usp.gather_sequence(v, topo) for k, v in local.items() if k != "cu_seqlens"}
+            full = {k: usp.gather_sequence(v, topo, cu_seqlens=local.get("cu_seqlens")) for k, v in local.items() if k != "cu_seqlens"}
             s = batch["input_ids"].shape[1]
             valid_total = int(comm.all_reduce_sum((local["shift_labels"] != -100).sum(), topo.sp_group))
             out[(lay, kind)] = {

@@ -22,6 +22,8 @@ STRATEGY_FAMILIES = (  # each strategy on each kind of mixer it can run, beside 
     ("allgather", "qwen3_next", (2, 3, 4)), ("ulysses", "qwen3_next_12kh", (2, 3, 4)), ("ulysses", "bamba_12h", (2, 3, 4)),
     ("ulysses", "bamba", (2, 4)), ("allgather", "bamba", (2, 3, 4)), ("allgather", "lfm2", (2, 3, 4)),
 )
+BALANCED_FAMILIES = ("llama", "gemma3", "deepseek_v3", "qwen3_next", "qwen3_next_12kh", "lfm2", "bamba_12h", "rwkv")
+"""Through verify under the balanced layout: GQA, sliding windows, MLA, and every mixer strategy."""
 MIXER_LAYER_CASES = (  # strategy, family, worlds: the layer alone, its bytes counted
     ("ulysses", "qwen3_next_12kh", (1, 2, 3, 4)), ("ulysses", "bamba_12h", (1, 2, 3, 4)), ("ulysses", "bamba", (1, 2, 4)),
     ("halo", "lfm2", (1, 2, 3, 4)),
@@ -481,6 +483,8 @@ def register(case, topo_for, hf: bool) -> None:
         case(f"families/deepseek_v3/{backend}", (2, 3, 4))(
             lambda env, be=backend: family(topo_for(env), "deepseek_v3", be, num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS))
     case("families/refused", (2, 3))(lambda env: refused(topo_for(env)))
+    for name in BALANCED_FAMILIES:  # the balanced layout: attention backends and mixer strategies from the batch's documents
+        case(f"families-balanced/{name}", (2, 3, 4))(lambda env, n=name: family(topo_for(env, "balanced"), n, lift=n not in EXACT))
     for name in HYBRID:
         case(f"hybrids/{name}", (2, 3, 4))(lambda env, n=name: family(topo_for(env), n, lift=True))
         case(f"hybrids-contiguous/{name}", (2, 3, 4))(lambda env, n=name: family(topo_for(env, "contiguous"), n, lift=True))

@@ -288,6 +288,7 @@ SP_CASES = {  # name: (reference, case)
     "llama/sp2/zero2": ("llama", dict(family="llama", args=dict(deepspeed=DEEPSPEED_ZERO2))),
     "llama/sp2/zero3": ("llama", dict(family="llama", args=dict(deepspeed={**DEEPSPEED_ZERO2, "zero_optimization": {"stage": 3}}))),
     "qwen2-packed/sp2/ring": ("qwen2-packed", dict(REFERENCES["qwen2-packed"], backend="ring")),
+    "qwen2-packed/sp2/ring/balanced": ("qwen2-packed", dict(REFERENCES["qwen2-packed"], backend="ring", args=dict(sp_layout="balanced"))),
     "llama/sp2/unscaled": ("llama", dict(family="llama", unscaled=True)),
     "llama-lora/sp2": ("llama-lora", dict(REFERENCES["llama-lora"], save=True)),
     "llama-lora/sp2/ring": ("llama-lora", dict(REFERENCES["llama-lora"], backend="ring")),

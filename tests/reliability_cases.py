@@ -50,7 +50,7 @@ def _grads(shards) -> dict:
     return {f"d{n}": t.grad for n, t in zip("qkv", shards)}
 
 
-def _errors(topo, got: dict, want: dict, dim: int = 1) -> dict:
+def _errors(topo, got: dict, want: dict, dim: int = 1, cu_seqlens=None) -> dict:
     """Per name, this rank's tensor against its shard of the full reference (no communication,
     so a rank with a wrong gradient cannot hang the others)."""
     errs = {}
@@ -59,7 +59,7 @@ def _errors(topo, got: dict, want: dict, dim: int = 1) -> dict:
         if g is None or w is None:
             errs[n] = 0.0 if g is None and w is None else ("missing gradient" if g is None else "gradient for a frozen input")
         else:
-            errs[n] = max_err(g.double(), usp.shard_sequence(w, topo, dim)) / max(1.0, w.abs().max().item())
+            errs[n] = max_err(g.double(), usp.shard_sequence(w, topo, dim, cu_seqlens)) / max(1.0, w.abs().max().item())
     return errs
 
 
@@ -194,7 +194,7 @@ def fuzz_configs(draw, world: int) -> dict:
     lay = draw(st.sampled_from(layout.LAYOUTS))
     divisors = [u for u in range(1, world + 1) if world % u == 0]
     ulysses_degree = draw(st.sampled_from(divisors)) if backend == "hybrid" else (2 if world % 2 == 0 else 1)
-    seq = world * layout.chunks_per_rank(lay) * draw(st.integers(1, 4))  # global tokens = P * local
+    seq = layout.required_multiple(lay, world) * draw(st.integers(1, 4))  # global tokens = P * local
     hkv = draw(st.integers(1, 4))
     cuts = draw(st.none() | st.lists(st.integers(1, seq - 1), unique=True, max_size=4)) if seq > 1 else None
     return {
@@ -212,13 +212,14 @@ def _fuzz_one(env: Env, cfg: dict, seed: int):
     full = [torch.randn(cfg["batch"], cfg["seq"], h, cfg["head_dim"], generator=gen, dtype=torch.float64) for h in (cfg["hq"], cfg["hkv"], cfg["hkv"])]
     dout = torch.randn(full[0].shape, generator=gen, dtype=torch.float64)
     kw = {"causal": cfg["causal"], "cu_seqlens": cfg["cu_seqlens"]}
-    shards = [usp.shard_sequence(t, topo).requires_grad_(n in cfg["grads"]) for n, t in zip("qkv", full)]
+    docs = cfg["cu_seqlens"] or (0, cfg["seq"])  # the balanced layout places tokens by document
+    shards = [usp.shard_sequence(t, topo, cu_seqlens=docs).requires_grad_(n in cfg["grads"]) for n, t in zip("qkv", full)]
     spec = usp.attention.make_spec(*shards, topo, softmax_scale=cfg["scale"], **kw)
     if usp.get_backend(cfg["backend"]).check(spec, topo) is not None:
         return None
     out = usp.sp_attention(*shards, topo, backend=cfg["backend"], softmax_scale=cfg["scale"], **kw)
-    (out * usp.shard_sequence(dout, topo)).sum().backward()
-    return _errors(topo, {"out": out, **_grads(shards)}, _reference(full, dout, cfg["grads"], scale=cfg["scale"], **kw))
+    (out * usp.shard_sequence(dout, topo, cu_seqlens=docs)).sum().backward()
+    return _errors(topo, {"out": out, **_grads(shards)}, _reference(full, dout, cfg["grads"], scale=cfg["scale"], **kw), cu_seqlens=docs)
 
 
 @case("fuzz/parity")

@@ -11,7 +11,7 @@ import pytest
 
 from .conftest import values
 from .coverage_cases import MLA_BACKENDS
-from .coverage_cases import MAMBA2_ADAPTED, MIXER_LAYER_CASES, STRATEGY_FAMILIES
+from .coverage_cases import BALANCED_FAMILIES, MAMBA2_ADAPTED, MIXER_LAYER_CASES, STRATEGY_FAMILIES
 from .model_families import EXACT, HYBRID, REFUSED, REFUSED_AT_FORWARD, REFUSED_WITHOUT_MIXER, auto_mixer
 
 TOL = 1e-12
@@ -85,6 +85,19 @@ def test_hybrid_family_is_exact_under_each_mixer_strategy(ranks, lay, strategy, 
         for r in values(ranks(world), f"hybrids-{strategy}/{lay}/{name}"):
             _assert_exact(r, name, HYBRID_TOL)
             assert set(r["mixers"].values()) == {strategy}, r["mixers"]
+
+
+@hf
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("name", BALANCED_FAMILIES)
+def test_family_is_exact_under_the_balanced_layout(ranks, world, name):
+    """The balanced layout places packed documents by work (verify packs four); the backends and
+    mixer strategies read the placement from the batch's document boundaries: loss and every
+    gradient against one process, unpacked and packed."""
+    for r in values(ranks(world), f"families-balanced/{name}"):
+        _assert_exact(r, name, None if name in EXACT else HYBRID_TOL)
+        if r.get("mixers"):
+            assert set(r["mixers"].values()) == {auto_mixer(name, world)}, r["mixers"]
 
 
 @hf

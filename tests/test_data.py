@@ -27,7 +27,7 @@ def test_tiny_model_loss_and_gradients_match_one_process(ranks, world, backend, 
 def test_shard_batch_round_trip_and_targets(ranks, world):
     for r in values(ranks(world), "data/shard_batch"):
         for (lay, kind), got in r.items():
-            multiple = world * (2 if lay == "zigzag" else 1)
+            multiple = world * (1 if lay == "contiguous" else 2)
             assert got["ids_roundtrip"]
             assert got["padded_len"] == -(-45 // multiple) * multiple
             # labels shifted before sharding: no target lost at a shard boundary
@@ -36,8 +36,9 @@ def test_shard_batch_round_trip_and_targets(ranks, world):
                 docs = [0, 5, 14, 15, 32, 45]
                 assert got["cu_seqlens"] == docs + ([got["padded_len"]] if got["padded_len"] > 45 else [])
                 assert got["positions"][:45] == [p for a, b in zip(docs, docs[1:]) for p in range(b - a)]
-            else:
-                assert got["cu_seqlens"] is None and got["positions"] == list(range(got["padded_len"]))
+            else:  # balanced: one document, which carries the placement
+                assert got["cu_seqlens"] == ([0, got["padded_len"]] if lay == "balanced" else None), (lay, got["cu_seqlens"])
+                assert got["positions"] == list(range(got["padded_len"]))
 
 
 def test_sampler_sp_groups_share_and_dp_groups_split(ranks):

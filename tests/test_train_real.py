@@ -51,7 +51,7 @@ def _run_job(cfg, *, steps_then_stop=None):
     else:
         losses = [job.step(s) for s in range(steps_then_stop)]
         job.save(steps_then_stop)
-    result = {"losses": losses, "eval": job.evaluate() if job.has_eval else None}
+    result = {"losses": losses, "eval": job.evaluate() if job.has_eval else None, "layout": job.layout}
     return job, result
 
 
@@ -139,9 +139,11 @@ def _close(a, b, tol):
 
 def test_packed_run_with_accumulation_equals_one_process(runs):
     """A DeepSpeed config (accumulation 2, lr "auto" from --lr, DeepSpeed's AdamW), packed
-    documents, SP=2 against one rank: loss per step within 1e-4, falling; eval loss within 1e-5."""
+    documents (under the balanced layout, auto's for rows packed from --data), SP=2 against one
+    rank: loss per step within 1e-4, falling; eval loss within 1e-5."""
     _, _, out = runs
     sp2, single = out[2][0]["packed"], out[1][0]["packed"]
+    assert sp2["layout"] == "balanced", sp2["layout"]
     assert out[2][0]["packed"] == out[2][1]["packed"]
     _close(sp2["losses"], single["losses"], 1e-4)
     assert sp2["losses"][-1] < 0.9 * sp2["losses"][0], sp2["losses"]

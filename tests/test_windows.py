@@ -26,7 +26,7 @@ TOKEN = 2 * B * HKV * D * ELT  # K and V of one token
 
 
 def _owned(lay, p):
-    return [set(layout.positions(lay, N, p, r).tolist()) for r in range(p)]
+    return [set(layout.positions(lay, N, p, r, (0, N)).tolist()) for r in range(p)]
 
 
 def _sees(i, j, w):
@@ -49,9 +49,9 @@ def expected(backend, lay, p, w):
         bwd = fwd + (hops + 1) * TOKEN * N // p if hops else 0
         a2a = B * N // p * D * ELT * (2 * 12 + 2 * HKV) * (u - 1) // u
         return [((fwd + a2a, fwd + a2a), (bwd + a2a, bwd + a2a))] * p
-    chunk = N // layout.required_multiple(lay, p)
+    chunk = N // (layout.chunks_per_rank(lay, N, p) * p)
     tail = chunk if w > chunk else w - 1
-    fwd = TOKEN * tail * layout.chunks_per_rank(lay) * (p - 1)
+    fwd = TOKEN * tail * layout.chunks_per_rank(lay, N, p) * (p - 1)
     return [((fwd, fwd), (2 * fwd, 2 * fwd))] * p
 
 
@@ -76,5 +76,5 @@ def test_halo_sends_what_the_window_needs_not_the_sequence(ranks, world, lay):
     assert sum(s["halo"]["fwd"][0] for s in small) > 0  # (contiguous: the last rank sends nothing)
     for s, l in zip(small, large):
         assert s["halo"]["fwd"][0] <= l["halo"]["fwd"][0]
-        assert s["halo"]["fwd"][0] <= 4 * TOKEN * layout.chunks_per_rank(lay)
+        assert s["halo"]["fwd"][0] <= 4 * TOKEN * layout.chunks_per_rank(lay, N, world)
         assert s["halo"]["fwd"][0] <= s["allgather"]["fwd"][0] and s["halo"]["fwd"][0] < s["ring"]["fwd"][0]

@@ -90,7 +90,7 @@ def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=Non
     hkv = k.shape[2]
     if hkv == 0 or hq % hkv:
         raise ValueError(f"q heads ({hq}) must be a multiple of kv heads ({hkv}) (MHA, GQA or MQA)")
-    multiple = _layout.chunks_per_rank(topo.layout)
+    multiple = _layout.required_multiple(topo.layout, topo.sp_size) // topo.sp_size
     if s % multiple:
         raise ValueError(
             f"local sequence length {s} must divide by {multiple} for the {topo.layout!r} layout "

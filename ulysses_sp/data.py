@@ -34,30 +34,33 @@ __all__ = [
 IGNORE_INDEX = -100
 
 
-def shard_sequence(x: torch.Tensor, topo: Topology, dim: int = 1) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, topo: Topology, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
     """This rank's shard of the full tensor ``x`` along ``dim``, in ``topo.layout``.
 
     Local slicing, no communication; differentiable. The length along ``dim``
-    must divide by ``sp_size`` (``2 * sp_size`` for zigzag): pad with
-    ``pad_to_multiple`` first.
+    must divide by ``sp_size`` (``2 * sp_size`` for zigzag and balanced): pad with
+    ``pad_to_multiple`` first. The ``balanced`` layout places tokens by document:
+    pass the global ``cu_seqlens`` (``shard_batch`` returns them).
     """
-    return _layout.shard(x, topo.layout, topo.sp_size, topo.sp_rank, dim)
+    return _layout.shard(x, topo.layout, topo.sp_size, topo.sp_rank, dim, cu_seqlens)
 
 
-def gather_sequence(x_local: torch.Tensor, topo: Topology, dim: int = 1) -> torch.Tensor:
-    """Inverse of :func:`shard_sequence`: the full tensor in global token order, on every rank.
+def gather_sequence(x_local: torch.Tensor, topo: Topology, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
+    """Inverse of :func:`shard_sequence`: the full tensor in global token order, on every rank
+    (``balanced``: pass the ``cu_seqlens`` it was sharded with).
 
     Differentiable; the backward sums the gradients of every rank's use of the
     result and returns this rank's shard of the sum (a reduce-scatter), i.e. the
     gradient of the sum of the ranks' losses.
     """
     dim = dim % x_local.dim()
+    seq_len = x_local.shape[dim] * topo.sp_size
+    _layout.check_seq_len(seq_len, topo.layout, topo.sp_size)
+    held = [_layout.positions(topo.layout, seq_len, topo.sp_size, r, cu_seqlens) for r in range(topo.sp_size)]  # before any collective
     full = comm.all_gather(x_local, topo.sp_group, dim)
-    if _layout.chunks_per_rank(topo.layout) == 1:
+    if topo.layout == "contiguous":
         return full
-    seq_len = full.shape[dim]
-    held = torch.cat([_layout.positions(topo.layout, seq_len, topo.sp_size, r) for r in range(topo.sp_size)])
-    return full.index_select(dim, torch.argsort(held).to(full.device))
+    return full.index_select(dim, torch.argsort(torch.cat(held)).to(full.device))
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
@@ -100,7 +103,9 @@ def shard_batch(batch: dict, topo: Topology, *, pad_token_id: int = 0) -> dict:
     are given (labels shifted by one **before** sharding, so the last token of
     each shard keeps its target; padding, the last token and, in packed input, the
     last token of each document get -100), and
-    ``cu_seqlens`` (global, the same on every rank) when the input is packed.
+    ``cu_seqlens`` (global, the same on every rank) when the input is packed, and
+    always under the ``balanced`` layout, whose placement they carry (pass them to
+    :func:`gather_sequence`).
 
     The sequence is padded at the end to what the layout needs (ids with
     ``pad_token_id``, labels with -100, mask with 0; packed input gets the
@@ -135,9 +140,12 @@ def shard_batch(batch: dict, topo: Topology, *, pad_token_id: int = 0) -> dict:
     position_ids = position_ids.expand(b, s)
     tail = torch.arange(extra, device=input_ids.device) + (0 if packed else s)
     out["position_ids"] = torch.cat([position_ids, tail.expand(b, extra).to(position_ids.dtype)], dim=1)
-    sharded = {k: shard_sequence(v, topo) for k, v in out.items()}
-    if packed:
-        sharded["cu_seqlens"] = cu_seqlens_from_position_ids(out["position_ids"])
+    cu_seqlens = cu_seqlens_from_position_ids(out["position_ids"]) if packed else None
+    if cu_seqlens is None and topo.layout == "balanced":  # the placement reads the documents: here, one
+        cu_seqlens = torch.tensor([0, s + extra], dtype=torch.int32, device=input_ids.device)
+    sharded = {k: shard_sequence(v, topo, cu_seqlens=None if cu_seqlens is None else cu_seqlens.tolist()) for k, v in out.items()}
+    if cu_seqlens is not None:
+        sharded["cu_seqlens"] = cu_seqlens
     return sharded
 
 

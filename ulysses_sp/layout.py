@@ -7,11 +7,24 @@ accepts every layout.
 * ``contiguous``: the sequence is cut into P chunks; rank r holds chunk r.
 * ``zigzag``: the sequence is cut into 2P chunks; rank r holds chunks r and
   2P-1-r, so under a causal mask every rank has the same amount of work.
+* ``balanced``: for packed rows, where zigzag balances nothing (a rank's causal
+  work is the sum over its tokens of their position in their document + 1, and
+  one long document dominates the chunks it falls in). The sequence is cut into
+  k P equal chunks (k: the largest of 8 .. 2 that divides; :func:`chunks_per_rank`)
+  and each rank gets k of them by work, longest processing time first: the chunk
+  with the most work goes to the least-loaded rank that still has room. The
+  placement is a pure function of the global document boundaries, the same on
+  every rank with no collective, so the batch's ``cu_seqlens`` carries it: every
+  function here takes them for this layout. Chunks need not align with documents.
 
-Everything here is pure tensor slicing: no communication.
+Every layout is a chunk table (:func:`chunk_table`: the equal chunks each rank
+holds), which is all the backends read. Everything here is pure tensor slicing:
+no communication.
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 import torch.nn.functional as F
@@ -19,7 +32,9 @@ import torch.nn.functional as F
 __all__ = [
     "LAYOUTS",
     "check_layout",
+    "BALANCED_MAX_CHUNKS",
     "chunks_per_rank",
+    "chunk_work",
     "required_multiple",
     "chunk_table",
     "positions",
@@ -28,7 +43,10 @@ __all__ = [
     "pad_to_multiple",
 ]
 
-LAYOUTS = ("contiguous", "zigzag")
+LAYOUTS = ("contiguous", "zigzag", "balanced")
+BALANCED_MAX_CHUNKS = 8
+"""Chunks per rank under ``balanced`` where the length allows: more balance a long document
+finer, and each is a kernel call per chunk pair in the ring and all-gather plans."""
 
 
 def check_layout(layout: str) -> str:
@@ -37,31 +55,78 @@ def check_layout(layout: str) -> str:
     return layout
 
 
-def chunks_per_rank(layout: str) -> int:
-    """How many contiguous chunks of the global sequence one rank holds."""
-    return 2 if check_layout(layout) == "zigzag" else 1
+def chunks_per_rank(layout: str, seq_len: int | None = None, sp_size: int | None = None) -> int:
+    """How many contiguous chunks of the global sequence one rank holds (``balanced``: the
+    largest k <= BALANCED_MAX_CHUNKS that divides ``seq_len`` into k * ``sp_size`` chunks)."""
+    if check_layout(layout) != "balanced":
+        return 2 if layout == "zigzag" else 1
+    if seq_len is None or sp_size is None:
+        raise ValueError("the balanced layout's chunks per rank depend on the sequence length and SP size: pass both")
+    return next((k for k in range(BALANCED_MAX_CHUNKS, 2, -1) if seq_len % (k * sp_size) == 0), 2)
 
 
 def required_multiple(layout: str, sp_size: int) -> int:
     """The global sequence length must be a multiple of this."""
-    return chunks_per_rank(layout) * sp_size
+    return (1 if check_layout(layout) == "contiguous" else 2) * sp_size
 
 
-def chunk_table(layout: str, sp_size: int) -> list[list[int]]:
+def chunk_table(layout: str, sp_size: int, seq_len: int | None = None, cu_seqlens=None) -> list[list[int]]:
     """``table[r]`` lists, in local order, the global chunk indices rank r holds.
 
-    Chunks are numbered 0 .. required_multiple-1 along the global sequence.
+    Chunks are numbered along the global sequence, ``chunks_per_rank * sp_size`` of them.
+    ``balanced`` needs ``seq_len`` and the global document boundaries ``cu_seqlens`` (None:
+    one document).
     """
-    if chunks_per_rank(layout) == 1:
+    if check_layout(layout) == "contiguous":
         return [[r] for r in range(sp_size)]
-    return [[r, 2 * sp_size - 1 - r] for r in range(sp_size)]
+    if layout == "zigzag":
+        return [[r, 2 * sp_size - 1 - r] for r in range(sp_size)]
+    if seq_len is None:
+        raise ValueError("the balanced layout's chunk table depends on the sequence length: pass seq_len")
+    bounds = (0, seq_len) if cu_seqlens is None else tuple(int(b) for b in cu_seqlens)
+    if bounds[0] != 0 or bounds[-1] != seq_len:
+        raise ValueError(f"cu_seqlens must run from 0 to the sequence length {seq_len}, got {bounds[0]} .. {bounds[-1]}")
+    return [list(row) for row in _balanced_table(seq_len, sp_size, bounds)]
 
 
-def positions(layout: str, seq_len: int, sp_size: int, rank: int) -> torch.Tensor:
-    """Global token positions held by ``rank``, in local order (int64)."""
+def chunk_work(seq_len: int, chunks: int, cu_seqlens) -> list[int]:
+    """Causal attention work of each of ``chunks`` equal chunks: the sum over its tokens of their
+    position in their document + 1 (the keys each token's query sees)."""
+    c, bounds, work = seq_len // chunks, list(cu_seqlens), []
+    for i in range(chunks):
+        s, e, total = i * c, (i + 1) * c, 0
+        for a, b in zip(bounds, bounds[1:]):
+            lo, hi = max(a, s) - a, min(b, e) - a  # positions in the document, [lo, hi)
+            if hi > lo:
+                total += (hi * (hi + 1) - lo * (lo + 1)) // 2
+        work.append(total)
+    return work
+
+
+@functools.lru_cache(maxsize=1024)
+def _balanced_table(seq_len: int, sp_size: int, cu_seqlens: tuple) -> tuple[tuple[int, ...], ...]:
+    k = chunks_per_rank("balanced", seq_len, sp_size)
+    work = chunk_work(seq_len, k * sp_size, cu_seqlens)
+    load, table = [0] * sp_size, [[] for _ in range(sp_size)]
+    for chunk in sorted(range(k * sp_size), key=lambda i: (-work[i], i)):  # longest processing time first
+        rank = min((r for r in range(sp_size) if len(table[r]) < k), key=lambda r: (load[r], r))
+        table[rank].append(chunk)
+        load[rank] += work[chunk]
+    return tuple(tuple(sorted(row)) for row in table)
+
+
+def _needs_documents(layout: str, cu_seqlens) -> None:
+    if layout == "balanced" and cu_seqlens is None:
+        raise ValueError("the balanced layout places tokens by document: pass cu_seqlens, the global document boundaries "
+                         "([0, seq_len] for one document; shard_batch returns them in the local batch)")
+
+
+def positions(layout: str, seq_len: int, sp_size: int, rank: int, cu_seqlens=None) -> torch.Tensor:
+    """Global token positions held by ``rank``, in local order (int64); ``balanced`` needs ``cu_seqlens``."""
     check_seq_len(seq_len, layout, sp_size)
-    c = seq_len // required_multiple(layout, sp_size)
-    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunk_table(layout, sp_size)[rank]])
+    _needs_documents(layout, cu_seqlens)
+    c = seq_len // (chunks_per_rank(layout, seq_len, sp_size) * sp_size)
+    return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunk_table(layout, sp_size, seq_len, cu_seqlens)[rank]])
 
 
 def check_seq_len(seq_len: int, layout: str, sp_size: int) -> None:
@@ -70,17 +135,19 @@ def check_seq_len(seq_len: int, layout: str, sp_size: int) -> None:
         raise ValueError(
             f"sequence length {seq_len} must be a positive multiple of {multiple} "
             f"(layout {layout!r} over {sp_size} ranks: "
-            f"{'2 * sp_size' if layout == 'zigzag' else 'sp_size'}); "
+            f"{'sp_size' if layout == 'contiguous' else '2 * sp_size'}); "
             f"pad it with ulysses_sp.pad_to_multiple(x, {multiple}, dim=...)"
         )
 
 
-def shard(x: torch.Tensor, layout: str, sp_size: int, rank: int, dim: int = 1) -> torch.Tensor:
-    """This rank's part of ``x`` along ``dim`` (differentiable; a view for contiguous)."""
+def shard(x: torch.Tensor, layout: str, sp_size: int, rank: int, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
+    """This rank's part of ``x`` along ``dim`` (differentiable; a view for contiguous);
+    ``balanced`` needs the global document boundaries ``cu_seqlens``."""
     seq_len = x.shape[dim]
     check_seq_len(seq_len, layout, sp_size)
-    c = seq_len // required_multiple(layout, sp_size)
-    parts = [x.narrow(dim, i * c, c) for i in chunk_table(layout, sp_size)[rank]]
+    _needs_documents(layout, cu_seqlens)
+    c = seq_len // (chunks_per_rank(layout, seq_len, sp_size) * sp_size)
+    parts = [x.narrow(dim, i * c, c) for i in chunk_table(layout, sp_size, seq_len, cu_seqlens)[rank]]
     return parts[0] if len(parts) == 1 else torch.cat(parts, dim=dim)
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import layout as _layout
 from .kernels import accumulator_dtype
 
 __all__ = ["AttnSpec", "Estimate", "MixerEstimate"]
@@ -40,6 +41,13 @@ class AttnSpec:
     (causal only); None: every earlier key."""
     softcap: float = 0.0
     """Logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``; 0: none."""
+
+    def chunk_table(self, sp_size: int) -> list[list[int]]:
+        """The layout's chunk table for this call (``balanced`` reads the documents)."""
+        return _layout.chunk_table(self.layout, sp_size, self.seq_len, self.cu_seqlens)
+
+    def chunks_per_rank(self, sp_size: int) -> int:
+        return _layout.chunks_per_rank(self.layout, self.seq_len, sp_size)
 
     def visible_pairs(self, length: int) -> float:
         """Query-key pairs one sequence of ``length`` tokens computes: length**2, halved

@@ -53,7 +53,7 @@ def _run(projections, module, hidden_states, topo, cu_seqlens):
     kh, vh, dk, dv = len(key_heads), module.num_v_heads // p, module.head_k_dim, module.head_v_dim
     q, k, v, z, b, a = projections(module, hidden_states)
     q, k = comm.replicate_kv_for_scatter(q, k, p)
-    table = layout.chunk_table(topo.layout, p)
+    table = layout.chunk_table(topo.layout, p, hidden_states.shape[1] * p, cu_seqlens)
     # one fused all-to-all; its packing copies the (strided) projection views, so nothing is copied before
     q, k, v, b, a = comm.seq_to_heads([q, k, v, b.unsqueeze(-1), a.unsqueeze(-1)], topo.sp_group, table)
     channels = _channels(module, key_heads, rank, p, hidden_states.device)

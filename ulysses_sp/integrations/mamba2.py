@@ -42,7 +42,7 @@ def _run(module, hidden_states, topo, cu_seqlens):
     mine, own = heads // p, rank_groups(groups, p, rank)
     gate, x, b, c, dt = _projections(module, hidden_states).split([inner, inner, groups * n, groups * n, heads], dim=-1)
     b, c = comm.replicate_kv_for_scatter(b.unflatten(-1, (groups, n)), c.unflatten(-1, (groups, n)), p)
-    table = layout.chunk_table(topo.layout, p)
+    table = layout.chunk_table(topo.layout, p, hidden_states.shape[1] * p, cu_seqlens)
     x, b, c, dt = comm.seq_to_heads([x.unflatten(-1, (heads, d)), b, c, dt.unsqueeze(-1)], topo.sp_group, table)
     device = hidden_states.device
     x_ch = torch.arange(rank * mine * d, (rank + 1) * mine * d)

@@ -54,6 +54,7 @@ from ..kernels import KERNEL_NAMES
 from ..loss import causal_lm_loss
 from ..registry import get_backend, list_backends
 from ..tiling import CHECKPOINT_MODES
+from ..layout import LAYOUTS
 from ..topology import init_sequence_parallel
 from .deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
 from .transformers import _attention_layers, _backend_per_layer, apply_sequence_parallel, remove_sequence_parallel
@@ -83,6 +84,9 @@ class SequenceParallelTrainingArguments(TrainingArguments):
     sp_kernel: str = field(default="auto", metadata={"help": f"Local attention kernel: {', '.join(KERNEL_NAMES)}."})
     sp_mixer: str = field(default="auto", metadata={"help": "Strategy for hybrid models' other token mixers (Gated DeltaNet, Mamba2, "
                                                            f"short convolutions): {', '.join(MIXER_CHOICES)}; none refuses them."})
+    sp_layout: str = field(default="zigzag", metadata={"help": "Tokens of each sequence across the SP ranks: zigzag, contiguous, or "
+                                                               "balanced (packed documents placed so every rank does the same causal "
+                                                               "attention work)."})
     ulysses_degree: int | None = field(default=None, metadata={"help": "What the hybrid backend means (default: sp_size)."})
     sp_profile: str | None = field(default=None, metadata={"help": "A profile JSON from sp-bench calibrate, for auto."})
     tiled_loss: bool = field(default=False, metadata={"help": "LM head + loss over tiles of tokens: no [tokens, vocab] logits in training."})
@@ -125,6 +129,8 @@ def validate_sp_arguments(args) -> None:
             get_backend(name)  # ValueError listing the known backends
     if args.sp_kernel not in KERNEL_NAMES:
         raise ValueError(f"sp_kernel must be one of {', '.join(KERNEL_NAMES)}, got {args.sp_kernel!r}")
+    if args.sp_layout not in LAYOUTS:
+        raise ValueError(f"sp_layout must be one of {', '.join(LAYOUTS)}, got {args.sp_layout!r}")
     if args.sp_mixer not in MIXER_CHOICES:
         raise ValueError(f"sp_mixer must be one of {', '.join(MIXER_CHOICES)}, got {args.sp_mixer!r}")
     if args.sp_checkpoint not in CHECKPOINT_MODES:
@@ -265,7 +271,7 @@ class SequenceParallelTrainer(Trainer):
         _ensure_process_group()
         _check_model_and_world(args, model)
         self._sp_args = args
-        self.topo = init_sequence_parallel(args.sp_size, ulysses_degree=args.ulysses_degree, layout="zigzag", profile=args.sp_profile)
+        self.topo = init_sequence_parallel(args.sp_size, ulysses_degree=args.ulysses_degree, layout=args.sp_layout, profile=args.sp_profile)
         self._sp_model = _base_model(model)
         if args.sp_verify:
             self.verify_report = verify_sequence_parallel(self._sp_model, self.topo, backend=backend_names(args.sp_backend), mixer=args.sp_mixer)
@@ -496,10 +502,11 @@ class SequenceParallelTrainer(Trainer):
                     weight += size
                 if not prediction_loss_only:
                     seq = inputs["input_ids"].shape[1]
+                    cu = local.get("cu_seqlens")
                     if args.sp_predict_logits == "argmax":
-                        full = gather_sequence(logits.argmax(-1), self.topo)[:, :seq]
+                        full = gather_sequence(logits.argmax(-1), self.topo, cu_seqlens=cu)[:, :seq]
                     else:
-                        full = gather_sequence(logits, self.topo)[:, :seq]
+                        full = gather_sequence(logits, self.topo, cu_seqlens=cu)[:, :seq]
                     labels = inputs.get("labels")
                     if self.preprocess_logits_for_metrics is not None:
                         full = self.preprocess_logits_for_metrics(full, labels)

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import torch
 
 from ..kernels import KERNEL_NAMES
-from ..layout import required_multiple
+from ..layout import LAYOUTS, required_multiple
 from ..mixers import MIXER_CHOICES
 from ..registry import get_backend, list_backends
 from ..tasks import passkey_sample
@@ -81,6 +81,8 @@ class TrainConfig:
     """``bf16``, ``fp16`` or ``fp32``; None: the DeepSpeed config's, else bf16 on CUDA, fp32 on CPU."""
     sp_kernel: str = "auto"
     sp_mixer: str = "auto"
+    layout: str = "auto"
+    """How each sequence's tokens lie across the SP ranks; auto: balanced for rows packed from --data, else zigzag."""
     tiled_loss: bool | None = None
     """The LM head and the loss over tiles of tokens; None: :func:`memory_options` decides."""
     tiled_mlp: bool | None = None
@@ -133,6 +135,9 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--sp-backend", default="auto", help=f"auto, one of {', '.join(list_backends())}, hybrid-u{{U}} (the hybrid at Ulysses degree U), "
                    "or a comma-separated name per layer")
     g.add_argument("--sp-kernel", choices=KERNEL_NAMES, default="auto", help="local attention kernel (default: auto)")
+    g.add_argument("--layout", choices=("auto", *LAYOUTS), default="auto",
+                   help="tokens of each row across the SP ranks: balanced places packed documents so that every rank does the same "
+                        "causal attention work; auto (default): balanced for rows packed from --data, else zigzag")
     g.add_argument("--sp-mixer", choices=MIXER_CHOICES, default="auto",
                    help="strategy for hybrid models' other token mixers (Gated DeltaNet, Mamba2, short convolutions); none refuses them "
                         "(default: auto)")
@@ -201,7 +206,7 @@ def parse_args(argv=None) -> TrainConfig:
         micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
         weight_decay=a.weight_decay, seed=a.seed, eval_every=a.eval_every, eval_samples=a.eval_samples, save=a.save,
         save_every=a.save_every, keep_last=a.keep_last, resume=a.resume, metrics_file=a.metrics_file, export_hf=a.export_hf,
-        peak_tflops=a.peak_tflops, ulysses_degree=a.ulysses_degree, verify=a.verify, profile=a.profile, dtype=a.dtype, sp_kernel=a.sp_kernel, sp_mixer=a.sp_mixer,
+        peak_tflops=a.peak_tflops, ulysses_degree=a.ulysses_degree, verify=a.verify, profile=a.profile, dtype=a.dtype, sp_kernel=a.sp_kernel, sp_mixer=a.sp_mixer, layout=a.layout,
         tiled_loss=a.tiled_loss, tiled_mlp=a.tiled_mlp, checkpoint="layers" if a.gradient_checkpointing else a.checkpoint,
     )
 

@@ -130,7 +130,8 @@ class Job:
         check_one_rank_per_device(dist.group.WORLD, self.device)
         if not on_gpu:  # ranks share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size(default=dist.get_world_size())))
-        self.topo = topo = init_sequence_parallel(sp_size, ulysses_degree=cfg.ulysses_degree, layout="zigzag", profile=cfg.profile)
+        self.layout = cfg.layout if cfg.layout != "auto" else ("balanced" if cfg.data and cfg.packing else "zigzag")
+        self.topo = topo = init_sequence_parallel(sp_size, ulysses_degree=cfg.ulysses_degree, layout=self.layout, profile=cfg.profile)
         self.rank0 = topo.rank == 0
         self.batches = (corpus.TrainBatches(self.train_rows, topo, self.ds.micro_batch, cfg.seed) if self.train_rows is not None
                         else corpus.passkey_train_batches(cfg, topo, self.ds.micro_batch))
@@ -247,6 +248,7 @@ class Job:
                 from ..integrations.mixers import mixer_layers
                 from ..integrations.transformers import chosen_backends
 
+                say(f"layout: {self.layout}" + (" (packed documents placed by work)" if self.layout == "balanced" else ""))
                 say("backend per layer: " + ", ".join(f"{i}: {','.join(b)}" for i, b in sorted(chosen_backends(self.engine.module).items())))
                 mixers = mixer_layers(self.engine.module)
                 if mixers:
@@ -332,7 +334,7 @@ class Job:
         """The engine's logits for whole sequences ``[B, S]``, gathered into global order on every rank."""
         self.engine.eval()
         local = self._local({"input_ids": input_ids})
-        logits = gather_sequence(self._logits(local), self.topo)[:, : input_ids.shape[1]]
+        logits = gather_sequence(self._logits(local), self.topo, cu_seqlens=local.get("cu_seqlens"))[:, : input_ids.shape[1]]
         self.engine.train()
         return logits
 
