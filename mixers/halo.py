@@ -20,6 +20,7 @@ import torch
 
 from ulysses_sp import comm, layout
 from ulysses_sp.backends.halo import halo_ranges
+from ulysses_sp.mixers.common import refuse_unsupported
 from ulysses_sp.spec import MixerEstimate
 
 __all__ = ["REACH", "HaloMixer", "reaches"]
@@ -132,16 +133,9 @@ class HaloMixer:
                              max(sum(n for _, n in plan.recvs) for plan in plans) * per_token)
 
     def __call__(self, module, forward, args: tuple, kwargs: dict, batch: int, seq_local: int, cu_seqlens):
-        kwargs = dict(kwargs)
-        x = args[0] if args else kwargs.pop("hidden_states")
-        mask = kwargs.pop("attention_mask", None)
-        if mask is not None and not bool(mask.all()):
-            raise ValueError(f"{type(module).__name__}: a padding attention_mask is not supported by the halo mixer; pad on the right "
-                             "with ulysses_sp.shard_batch and drop attention_mask")
-        if kwargs.get("cache") is not None or kwargs.get("past_key_values") is not None:
-            raise ValueError(f"{type(module).__name__}: a cache (generation) is not supported under sequence parallelism; "
-                             "call remove_sequence_parallel(model) to generate")
-        kwargs = {k: v for k, v in kwargs.items() if not isinstance(v, torch.Tensor)}  # packing boundaries and the like: handled here
+        refuse_unsupported(module, kwargs, self.name)
+        x = args[0] if args else kwargs["hidden_states"]
+        kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states" and not isinstance(v, torch.Tensor)}  # mask, packing: handled here
         bounds = cu_seqlens.tolist() if cu_seqlens is not None else None
         plan = self._plan(module, seq_local, bounds, x.device)
         source = torch.cat([x, _Exchange.apply(x, self.topo.sp_group, plan)], dim=1) if self.topo.sp_size > 1 else x

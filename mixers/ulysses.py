@@ -14,6 +14,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+from ulysses_sp.mixers.common import refuse_unsupported
 from ulysses_sp.spec import MixerEstimate
 
 __all__ = ["ADAPTERS", "Adapter", "UlyssesMixer", "adapters", "rank_groups"]
@@ -78,12 +79,6 @@ class UlyssesMixer:
         return MixerEstimate(1 / p, moved, moved)
 
     def __call__(self, module, forward, args: tuple, kwargs: dict, batch: int, seq_local: int, cu_seqlens):
+        refuse_unsupported(module, kwargs, self.name)
         hidden = args[0] if args else kwargs.get("hidden_states")
-        mask = kwargs.get("attention_mask")
-        if mask is not None and not bool(mask.all()):
-            raise ValueError(f"{type(module).__name__}: a padding attention_mask is not supported by the ulysses mixer; pad on the right "
-                             "with ulysses_sp.shard_batch and drop attention_mask")
-        if kwargs.get("cache") is not None or kwargs.get("cache_params") is not None:
-            raise ValueError(f"{type(module).__name__}: a cache (generation) is not supported under sequence parallelism; "
-                             "call remove_sequence_parallel(model) to generate")
         return ADAPTERS[type(module).__name__].run(module, hidden, self.topo, cu_seqlens)
