@@ -347,18 +347,18 @@ for _layout in layout.LAYOUTS:
         case(f"bytes/windowed/{_layout}-{_w}", WORLDS)(lambda env, lay=_layout, w=_w: halo_bytes(env, lay, w))
 
 
-def kernel_calls(env: Env, backend: str) -> dict:
+def kernel_calls(env: Env, backend: str, lay: str = "zigzag") -> dict:
     """flash-attn forward calls (CPU fake) per attention forward on 2016 tokens, unpacked (None)
     or packed in 24 or 1000 documents: the block plans make one varlen call per chunk pair."""
     from ulysses_sp.testing.fake_flash_attn import install
 
-    topo = _topo_for(env, Parity(), "zigzag")
+    topo = _topo_for(env, Parity(), lay)
     counts = {}
     for docs in (None, 24, 1000):
         cu = docs and (0, *(round(i * 2009 / docs) + 7 for i in range(1, docs)), 2016)  # documents cross chunk boundaries
         gen = generator(f"calls-{docs}")
         full = [torch.randn(1, 2016, h, 8, generator=gen, dtype=torch.bfloat16) for h in (12, 1, 1)]
-        shards = [usp.shard_sequence(t, topo) for t in full]
+        shards = [usp.shard_sequence(t, topo, cu_seqlens=cu or (0, 2016)) for t in full]
         with install() as fake:
             usp.sp_attention(*shards, topo, backend=backend, kernel="flash_attn", cu_seqlens=cu)  # the handshake, plans
             fake.reset()
@@ -366,12 +366,13 @@ def kernel_calls(env: Env, backend: str) -> dict:
             counts[docs] = {"calls": fake.calls["_flash_attn_forward"] + fake.calls["_flash_attn_varlen_forward"],
                             "varlen": fake.calls["_flash_attn_varlen_forward"]}
         ref = reference_attention(*(t.double() for t in full), causal=True, cu_seqlens=cu)
-        counts[docs]["err"] = max_err(usp.gather_sequence(out, topo).double(), ref)
+        counts[docs]["err"] = max_err(usp.gather_sequence(out, topo, cu_seqlens=cu or (0, 2016)).double(), ref)
     return counts
 
 
 for _backend in BACKENDS:
     case(f"kernel-calls/{_backend}", (2, 3, 4))(lambda env, be=_backend: kernel_calls(env, be))
+    case(f"kernel-calls-balanced/{_backend}", (2, 3, 4))(lambda env, be=_backend: kernel_calls(env, be, "balanced"))
 
 
 @case("agree/all-backends", (2, 3, 4))

@@ -124,3 +124,16 @@ def test_packed_kernel_calls_do_not_grow_with_documents(ranks, world, backend):
         assert r[None]["varlen"] == 0 and r[None]["err"] < 2e-2 * 4, r
         if backend == "ring":
             assert r[None]["calls"] == world, r
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_balanced_kernel_calls_do_not_grow_with_documents(ranks, world, backend):
+    """The same under the balanced layout, whose ranks hold 8 chunks of 2016 tokens: at most 2 calls
+    per local chunk and ring step (16 P), with 24 documents as with 1000, and the result right."""
+    bound = 1 if backend == "ulysses" else 2 * 8 * world
+    for r in values(ranks(world), f"kernel-calls-balanced/{backend}"):
+        for docs in (None, 24, 1000):
+            assert r[docs]["calls"] <= bound, (docs, r)
+            assert r[docs]["err"] < 2e-2 * 4, (docs, r)
+        assert r[1000]["varlen"] > 0
