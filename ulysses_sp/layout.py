@@ -83,6 +83,8 @@ def chunk_table(layout: str, sp_size: int, seq_len: int | None = None, cu_seqlen
         return [[r, 2 * sp_size - 1 - r] for r in range(sp_size)]
     if seq_len is None:
         raise ValueError("the balanced layout's chunk table depends on the sequence length: pass seq_len")
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = cu_seqlens.tolist()
     bounds = (0, seq_len) if cu_seqlens is None else tuple(int(b) for b in cu_seqlens)
     if bounds[0] != 0 or bounds[-1] != seq_len:
         raise ValueError(f"cu_seqlens must run from 0 to the sequence length {seq_len}, got {bounds[0]} .. {bounds[-1]}")
