@@ -23,15 +23,6 @@ def rows(seq: int) -> dict:
     return {"one 3/4 document, then 512-token ones": [0, long, *range(long + 512, seq + 1, 512)], "one document": [0, seq]}
 
 
-def _imbalance(lay: str, seq: int, p: int, cu) -> float:
-    from ulysses_sp import layout
-
-    table = layout.chunk_table(lay, p, seq, cu)
-    work = layout.chunk_work(seq, len(table[0]) * p, cu)
-    loads = [sum(work[c] for c in row) for row in table]
-    return max(loads) / (sum(loads) / p)
-
-
 def _rank(rank: int, world: int, seq: int, backends, repeat: int) -> dict:
     import torch.distributed as dist
 
@@ -67,6 +58,7 @@ def _rank(rank: int, world: int, seq: int, backends, repeat: int) -> dict:
 
 def main() -> None:
     from ulysses_sp.launch import run_ranks
+    from ulysses_sp.layout import work_imbalance
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=16384)
@@ -81,7 +73,7 @@ def main() -> None:
     for world in [int(w) for w in a.ranks.split(",")]:
         r = run_ranks(_rank, world, a.seq, backends, a.repeat, timeout=3600)[0]
         for name, cu in rows(a.seq).items():
-            work = f"{_imbalance('zigzag', a.seq, world, cu):.2f}, {_imbalance('balanced', a.seq, world, cu):.3f}"
+            work = f"{work_imbalance('zigzag', a.seq, world, cu):.2f}, {work_imbalance('balanced', a.seq, world, cu):.3f}"
             for backend in backends:
                 print(f"| {name} | {world} | {backend} | {r[(name, backend, 'zigzag')] * 1e3:.0f} ms | "
                       f"{r[(name, backend, 'balanced')] * 1e3:.0f} ms | {work} |", flush=True)

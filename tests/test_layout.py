@@ -178,11 +178,6 @@ def test_block_plans_do_not_grow_with_the_documents(docs, window):
     assert calls <= 4 * p * p
 
 
-def _slowest_over_mean(table, chunk_work):
-    loads = [sum(chunk_work[c] for c in row) for row in table]
-    return max(loads) / (sum(loads) / len(loads))
-
-
 def _lognormal_documents(seq_len: int, seed: int) -> list[int]:
     import random
 
@@ -202,9 +197,7 @@ def test_balanced_evens_the_causal_work_of_packed_rows(name, seq_len, cu, p, zig
     """The slowest rank's attention work over the mean (work: each token's position in its document
     + 1): zigzag's (1.75 for the first rows, as the issue measured), balanced within 1-2%."""
     def ratio(lay):
-        table = layout.chunk_table(lay, p, seq_len, cu)
-        chunks = len(table[0]) * p
-        return _slowest_over_mean(table, layout.chunk_work(seq_len, chunks, cu))
+        return layout.work_imbalance(lay, seq_len, p, cu)
 
     assert ratio("zigzag") >= zigzag, (name, ratio("zigzag"))
     assert ratio("balanced") <= balanced, (name, ratio("balanced"))

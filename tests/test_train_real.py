@@ -216,3 +216,5 @@ def test_metrics_file_has_a_line_per_step_and_the_eval(runs):
     assert steps[0]["lr"] == 0.0 and steps[2]["lr"] == pytest.approx(1e-2)  # linear warmup over 2 steps, then the peak
     assert steps[0]["mfu"] is None and steps[0]["tflops_per_rank"] > 0  # no known peak on CPU
     assert lines[-1]["step"] == STEPS and "eval_loss" in lines[-1]
+    # each step's slowest rank's attention work over the mean, under the balanced layout of these packed rows
+    assert all(1.0 <= line["work_imbalance"] <= 1.1 for line in steps), [line["work_imbalance"] for line in steps]

@@ -35,6 +35,7 @@ __all__ = [
     "BALANCED_MAX_CHUNKS",
     "chunks_per_rank",
     "chunk_work",
+    "work_imbalance",
     "required_multiple",
     "chunk_table",
     "positions",
@@ -103,6 +104,18 @@ def chunk_work(seq_len: int, chunks: int, cu_seqlens) -> list[int]:
                 total += (hi * (hi + 1) - lo * (lo + 1)) // 2
         work.append(total)
     return work
+
+
+def work_imbalance(layout: str, seq_len: int, sp_size: int, cu_seqlens=None) -> float:
+    """The slowest rank's causal attention work over the mean under ``layout`` (1.0: balanced),
+    for a row of ``seq_len`` tokens with global document boundaries ``cu_seqlens`` (None: one)."""
+    if isinstance(cu_seqlens, torch.Tensor):
+        cu_seqlens = cu_seqlens.tolist()
+    bounds = (0, seq_len) if cu_seqlens is None else tuple(int(b) for b in cu_seqlens)
+    table = chunk_table(layout, sp_size, seq_len, bounds)
+    work = chunk_work(seq_len, len(table[0]) * sp_size, bounds)
+    loads = [sum(work[c] for c in row) for row in table]
+    return max(loads) * sp_size / sum(loads)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -29,6 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import comm
+from ..layout import work_imbalance
 from ..data import IGNORE_INDEX, gather_sequence, model_inputs, shard_batch, sp_cross_entropy, target_counts
 from ..devices import bind_device, check_one_rank_per_device, local_world_size, move_batch
 from ..integrations.deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
@@ -207,6 +208,8 @@ class Job:
         accum = self.ds.grad_accum
         locals_ = [self._local(self.batches(step * accum + j)) for j in range(accum)]
         weights, _ = self._weights(locals_)
+        length = locals_[0]["input_ids"].shape[1] * self.topo.sp_size
+        self.work_imbalance = max(work_imbalance(self.layout, length, self.topo.sp_size, local.get("cu_seqlens")) for local in locals_)
         value = 0.0
         for local, weight in zip(locals_, weights.tolist()):
             loss = self._loss(local)
@@ -258,7 +261,7 @@ class Job:
             say(f"step {step + 1:4d}  loss {losses[-1]:.4f}  lr {lr:.2e}  {tokens_per_step / seconds:8.0f} tokens/s  "
                 + (f"MFU {mfu:.1%}  " if mfu is not None else "") + f"peak memory per rank {', '.join(f'{m} MiB' for m in peaks)}")
             self.metrics.write(step=step + 1, loss=losses[-1], lr=lr, tokens_per_s=tokens_per_step / seconds, tflops_per_rank=tflops,
-                               mfu=mfu, peak_memory_mib=peaks, tokens=tokens_per_step * (step + 1))
+                               mfu=mfu, peak_memory_mib=peaks, tokens=tokens_per_step * (step + 1), work_imbalance=self.work_imbalance)
             progress.update(1)
             done = step + 1
             if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
