@@ -24,7 +24,7 @@ from ulysses_sp.kernels import accumulator_dtype
 from ulysses_sp.profile import Profile
 from ulysses_sp.spec import AttnSpec, Estimate
 
-__all__ = ["HaloBackend", "halo_ranges"]
+__all__ = ["HaloBackend", "halo_ranges", "local_positions"]
 
 _KV_TAG, _GRAD_TAG = 0, 1
 
@@ -77,7 +77,8 @@ class _Plan:
     """``blocks.first_writes`` of (own_calls, halo_calls)."""
 
 
-def _local_positions(table_row, chunk: int, ranges, device) -> torch.Tensor:
+def local_positions(table_row, chunk: int, ranges, device) -> torch.Tensor:
+    """Local rows, on a rank holding the chunks ``table_row``, of the global token ``ranges``."""
     slot = {c: i for i, c in enumerate(table_row)}
     pos = [slot[g // chunk] * chunk + g % chunk for a, b in ranges for g in range(a, b)]
     return torch.tensor(pos, dtype=torch.long, device=device)
@@ -90,7 +91,7 @@ def _plan(q, spec: AttnSpec, topo) -> _Plan:
 
     def make():
         ranges = halo_ranges(table, chunk, spec.window)
-        sends = [(dst, _local_positions(table[r], chunk, rs, q.device)) for (src, dst), rs in sorted(ranges.items()) if src == r]
+        sends = [(dst, local_positions(table[r], chunk, rs, q.device)) for (src, dst), rs in sorted(ranges.items()) if src == r]
         incoming = sorted((src, rs) for (src, dst), rs in ranges.items() if dst == r)
         halo_segments = [(a, b - a) for _, rs in incoming for a, b in rs]
         own = chunk_segments(table[r], chunk)

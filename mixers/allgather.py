@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from ulysses_sp import layout
 from ulysses_sp.data import gather_sequence, shard_sequence
 from ulysses_sp.spec import MixerEstimate
 
@@ -64,10 +65,8 @@ class AllGatherMixer:
         if cu_seqlens is None:
             out = forward(*args, **kwargs)
         else:
-            bounds = cu_seqlens.tolist()
             full = seq_local * self.topo.sp_size
-            if bounds[-1] != full:
-                raise ValueError(f"packed boundaries end at {bounds[-1]}, not at the sequence length {full}")
+            bounds = layout.document_bounds(cu_seqlens, full)
             outs = []
             for a, b in zip(bounds, bounds[1:]):
                 def cut(t, a=a, b=b):

@@ -19,7 +19,7 @@ from typing import Callable
 import torch
 
 from ulysses_sp import comm, layout
-from ulysses_sp.backends.halo import halo_ranges
+from ulysses_sp.backends.halo import halo_ranges, local_positions
 from ulysses_sp.mixers.common import refuse_unsupported
 from ulysses_sp.spec import MixerEstimate
 
@@ -52,11 +52,7 @@ class _Plan:
 def _plan(table: list[list[int]], rank: int, chunk: int, reach: int, device) -> _Plan:
     ranges = halo_ranges(table, chunk, reach + 1)
     slot = {c: i for i, c in enumerate(table[rank])}
-
-    def local_rows(rs):
-        return [slot[g // chunk] * chunk + g % chunk for a, b in rs for g in range(a, b)]
-
-    sends = [(dst, torch.tensor(local_rows(rs), dtype=torch.long, device=device)) for (src, dst), rs in sorted(ranges.items()) if src == rank]
+    sends = [(dst, local_positions(table[rank], chunk, rs, device)) for (src, dst), rs in sorted(ranges.items()) if src == rank]
     incoming = sorted((src, rs) for (src, dst), rs in ranges.items() if dst == rank)
     where = {}  # global token -> row of cat(local, received)
     for c in table[rank]:
@@ -136,10 +132,9 @@ class HaloMixer:
         refuse_unsupported(module, kwargs, self.name)
         x = args[0] if args else kwargs["hidden_states"]
         kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states" and not isinstance(v, torch.Tensor)}  # mask, packing: handled here
-        bounds = cu_seqlens.tolist() if cu_seqlens is not None else None
+        bounds = layout.document_bounds(cu_seqlens, seq_local * self.topo.sp_size)
         plan = self._plan(module, seq_local, bounds, x.device)
         source = torch.cat([x, _Exchange.apply(x, self.topo.sp_group, plan)], dim=1) if self.topo.sp_size > 1 else x
-        bounds = bounds or []
         outs = []
         for rows, lo, start in plan.chunks:
             end = lo + len(rows)

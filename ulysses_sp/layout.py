@@ -35,6 +35,7 @@ __all__ = [
     "BALANCED_MAX_CHUNKS",
     "chunks_per_rank",
     "chunk_work",
+    "document_bounds",
     "work_imbalance",
     "required_multiple",
     "chunk_table",
@@ -84,12 +85,18 @@ def chunk_table(layout: str, sp_size: int, seq_len: int | None = None, cu_seqlen
         return [[r, 2 * sp_size - 1 - r] for r in range(sp_size)]
     if seq_len is None:
         raise ValueError("the balanced layout's chunk table depends on the sequence length: pass seq_len")
-    if isinstance(cu_seqlens, torch.Tensor):
-        cu_seqlens = cu_seqlens.tolist()
-    bounds = (0, seq_len) if cu_seqlens is None else tuple(int(b) for b in cu_seqlens)
+    return [list(row) for row in _balanced_table(seq_len, sp_size, document_bounds(cu_seqlens, seq_len))]
+
+
+def document_bounds(cu_seqlens, seq_len: int) -> tuple[int, ...]:
+    """Global document boundaries as a tuple of ints (one host read for a tensor): ``(0, seq_len)``
+    for None, else ``cu_seqlens``, which must run from 0 to ``seq_len``."""
+    if cu_seqlens is None:
+        return (0, seq_len)
+    bounds = tuple(int(b) for b in (cu_seqlens.tolist() if isinstance(cu_seqlens, torch.Tensor) else cu_seqlens))
     if bounds[0] != 0 or bounds[-1] != seq_len:
         raise ValueError(f"cu_seqlens must run from 0 to the sequence length {seq_len}, got {bounds[0]} .. {bounds[-1]}")
-    return [list(row) for row in _balanced_table(seq_len, sp_size, bounds)]
+    return bounds
 
 
 def chunk_work(seq_len: int, chunks: int, cu_seqlens) -> list[int]:
@@ -109,9 +116,7 @@ def chunk_work(seq_len: int, chunks: int, cu_seqlens) -> list[int]:
 def work_imbalance(layout: str, seq_len: int, sp_size: int, cu_seqlens=None) -> float:
     """The slowest rank's causal attention work over the mean under ``layout`` (1.0: balanced),
     for a row of ``seq_len`` tokens with global document boundaries ``cu_seqlens`` (None: one)."""
-    if isinstance(cu_seqlens, torch.Tensor):
-        cu_seqlens = cu_seqlens.tolist()
-    bounds = (0, seq_len) if cu_seqlens is None else tuple(int(b) for b in cu_seqlens)
+    bounds = document_bounds(cu_seqlens, seq_len)
     table = chunk_table(layout, sp_size, seq_len, bounds)
     work = chunk_work(seq_len, len(table[0]) * sp_size, bounds)
     loads = [sum(work[c] for c in row) for row in table]

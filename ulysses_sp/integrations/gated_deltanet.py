@@ -53,7 +53,8 @@ def _run(projections, module, hidden_states, topo, cu_seqlens):
     kh, vh, dk, dv = len(key_heads), module.num_v_heads // p, module.head_k_dim, module.head_v_dim
     q, k, v, z, b, a = projections(module, hidden_states)
     q, k = comm.replicate_kv_for_scatter(q, k, p)
-    table = layout.chunk_table(topo.layout, p, hidden_states.shape[1] * p, cu_seqlens)
+    bounds = layout.document_bounds(cu_seqlens, hidden_states.shape[1] * p)  # global: q, k, v hold the whole sequence
+    table = layout.chunk_table(topo.layout, p, bounds[-1], bounds)
     # one fused all-to-all; its packing copies the (strided) projection views, so nothing is copied before
     q, k, v, b, a = comm.seq_to_heads([q, k, v, b.unsqueeze(-1), a.unsqueeze(-1)], topo.sp_group, table)
     channels = _channels(module, key_heads, rank, p, hidden_states.device)
@@ -61,7 +62,6 @@ def _run(projections, module, hidden_states, topo, cu_seqlens):
     bias = None if module.conv1d.bias is None else module.conv1d.bias[channels]
     heads = slice(rank * vh, (rank + 1) * vh)
     a_log, dt_bias = module.A_log[heads], module.dt_bias[heads]
-    bounds = cu_seqlens.tolist() if cu_seqlens is not None else [0, q.shape[1]]
     outs = []
     for start, end in zip(bounds, bounds[1:]):  # no convolution window or state crosses a document boundary
         mixed = torch.cat([t[:, start:end].flatten(2) for t in (q, k, v)], dim=-1).transpose(1, 2)

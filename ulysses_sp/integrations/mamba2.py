@@ -42,7 +42,8 @@ def _run(module, hidden_states, topo, cu_seqlens):
     mine, own = heads // p, rank_groups(groups, p, rank)
     gate, x, b, c, dt = _projections(module, hidden_states).split([inner, inner, groups * n, groups * n, heads], dim=-1)
     b, c = comm.replicate_kv_for_scatter(b.unflatten(-1, (groups, n)), c.unflatten(-1, (groups, n)), p)
-    table = layout.chunk_table(topo.layout, p, hidden_states.shape[1] * p, cu_seqlens)
+    bounds = layout.document_bounds(cu_seqlens, hidden_states.shape[1] * p)  # global: x, B, C hold the whole sequence
+    table = layout.chunk_table(topo.layout, p, bounds[-1], bounds)
     x, b, c, dt = comm.seq_to_heads([x.unflatten(-1, (heads, d)), b, c, dt.unsqueeze(-1)], topo.sp_group, table)
     device = hidden_states.device
     x_ch = torch.arange(rank * mine * d, (rank + 1) * mine * d)
@@ -52,7 +53,6 @@ def _run(module, hidden_states, topo, cu_seqlens):
     bias = None if module.conv1d.bias is None else module.conv1d.bias[channels]
     sl = slice(rank * mine, (rank + 1) * mine)
     a = -torch.exp(module.A_log[sl].float())
-    bounds = cu_seqlens.tolist() if cu_seqlens is not None else [0, x.shape[1]]
     outs = []
     for start, end in zip(bounds, bounds[1:]):  # no convolution window or state crosses a document boundary
         mixed = torch.cat([t[:, start:end].flatten(2) for t in (x, b, c)], dim=-1).transpose(1, 2)

@@ -33,7 +33,8 @@ def _record_context(context: dict):
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
-        context.update(batch=ids.shape[0], seq_local=ids.shape[1], cu_seqlens=kwargs.get("cu_seq_lens_q"))
+        cu = kwargs.get("cu_seq_lens_q")  # read once per forward, not by every layer (a host sync on GPUs)
+        context.update(batch=ids.shape[0], seq_local=ids.shape[1], cu_seqlens=None if cu is None else tuple(cu.tolist()))
     return hook
 
 
