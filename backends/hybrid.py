@@ -72,8 +72,9 @@ class HybridBackend:
         peak = int(spec.head_bytes * (spec.q_heads * (3 + acc) + 2 * spec.kv_heads + 6 * hkv))
         group_len = spec.local_seq_len * u
         peak += spec.kernel_workspace_bytes(spec.q_heads // u, group_len, group_len)
-        seconds = a2a_s + profile.overlapped(profile.attention_fwd_bwd_seconds(spec, topo.sp_size), ring_s)
-        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=a2a + ring, bwd_comm_bytes=a2a + ring_bwd)
+        imbalance = spec.work_imbalance(ring_chunks)  # a ring rank does its Ulysses group's chunks' work
+        seconds = a2a_s + profile.overlapped(profile.attention_fwd_bwd_seconds(spec, topo.sp_size) * imbalance, ring_s)
+        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=a2a + ring, bwd_comm_bytes=a2a + ring_bwd, work_imbalance=imbalance)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         split = self.groups(topo)

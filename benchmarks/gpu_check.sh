@@ -102,7 +102,7 @@ if ((NGPU >= 2)); then R_TRAIN2=130; fi
 R_CAL=0
 if ((NGPU >= 2)); then R_CAL=60; fi  # sp-bench calibrate under torchrun
 R_BENCH=0
-if ((NGPU >= 2)); then R_BENCH=$((45 + R_CAL)); fi  # sp-bench run under torchrun, then calibrate
+if ((NGPU >= 2)); then R_BENCH=$((60 + R_CAL)); fi  # sp-bench run under torchrun, then calibrate
 R_PAR=0
 if ((NGPU >= 2)); then R_PAR=$((150 + R_BENCH)); fi  # the NCCL parity, then sp-bench run and calibrate
 R_HF=0
@@ -233,10 +233,11 @@ sys.exit(0 if loss < 1e-3 and ev < 1e-3 and two["world"] == 2 else 1)' "$LOGS/hf
     report parity_nccl fail "$(last_line "$LOGS/parity_nccl.log")"
     # sp-bench run on NCCL (the launched path): T1 on rank 0 in the rounds, the ring's own block in
     # one causal kernel call, every entry --check'ed against fp64 attention (fp32, where a wrong mask
-    # stands out; the bf16 flash-attn calls are parity_nccl's), bytes against the estimate
-    run_logged bench_nccl 45 "$R_CAL" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 \
+    # stands out; the bf16 flash-attn calls are parity_nccl's), bytes against the estimate; a packed row (one 6k document,
+    # then 512-token ones) under zigzag and balanced, whose ring and all-gather times say what balance buys on GPUs
+    run_logged bench_nccl 60 "$R_CAL" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 \
         -m ulysses_sp.cli.main run --seq 8k --heads 8 --kv-heads 8,2 --dtype float32 --backends ulysses,allgather,ring \
-        --peers torch-ring --repeat 3 --check --json "$LOGS/bench-nccl.json"
+        --layout zigzag,balanced --docs 6k,512x4 --peers torch-ring --repeat 3 --check --json "$LOGS/bench-nccl.json"
     verdict=""
     if ((RC == 0)); then
         verdict=$("$PYTHON" -c 'import json, sys
@@ -244,7 +245,8 @@ rows = [r for r in json.load(open(sys.argv[1]))["rows"] if "skipped" not in r]
 ours = [r for r in rows if r["kind"] != "peer"]
 bad = [r["entry"] for r in rows if r["max_error"] > 1e-3] + [r["entry"] for r in ours if not (r["bytes_match"] and r["efficiency"] > 0)]
 for r in rows:
-    print(r["entry"], "KV" + str(r["kv_heads"]), round(1e3 * r["fwd_bwd_s"]["median"], 1), "ms eff", round(r.get("efficiency", 0), 2), end="; ")
+    print(r["entry"], r["layout"], "work", round(r["work_imbalance"], 2), "KV" + str(r["kv_heads"]), round(1e3 * r["fwd_bwd_s"]["median"], 1),
+          "ms eff", round(r.get("efficiency", 0), 2), end="; ")
 print("bad:", bad)
 sys.exit(1 if bad or not ours else 0)' "$LOGS/bench-nccl.json" 2>&1) || RC=1
     fi

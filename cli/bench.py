@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 import ulysses_sp as usp
-from ulysses_sp import kernels
+from ulysses_sp import kernels, layout
 
 from .calibrate import rotated
 from .peers import PEERS
@@ -65,16 +65,29 @@ class Cell:
     causal: bool
     layout: str
     window: int | None = None
+    docs: str | None = None
+    """The ``--docs`` spec of a packed row (``cli.docs``), None for one document."""
+    cu_seqlens: tuple[int, ...] | None = None
+    """The row's document boundaries drawn from ``docs``."""
+
+    @property
+    def bounds(self) -> tuple[int, ...]:
+        return self.cu_seqlens or (0, self.seq)
 
 
-def cells(seqs, heads, kv_heads, head_dims, batches, dtypes, causal: bool, layout: str, windows=(None,)) -> tuple[list[Cell], list[str]]:
-    """The grid's cells, and a note for every combination left out (kv heads not dividing q heads)."""
+def cells(seqs, heads, kv_heads, head_dims, batches, dtypes, causal: bool, layouts, windows=(None,), docs: str | None = None,
+          docs_seed: int = 0) -> tuple[list[Cell], list[str]]:
+    """The grid's cells (``layouts``: one name or several), and a note for every combination left
+    out (kv heads not dividing q heads)."""
+    from .docs import parse_docs
+
     out, dropped = [], []
-    for s, h, kv, d, b, dt, w in itertools.product(seqs, heads, kv_heads, head_dims, batches, dtypes, windows):
+    layouts = [layouts] if isinstance(layouts, str) else list(layouts)
+    for lay, s, h, kv, d, b, dt, w in itertools.product(layouts, seqs, heads, kv_heads, head_dims, batches, dtypes, windows):
         if kv > h or h % kv:
             dropped.append(f"heads {h} / kv heads {kv}: kv heads must divide q heads")
             continue
-        out.append(Cell(s, h, kv, d, b, dt, causal, layout, w))
+        out.append(Cell(s, h, kv, d, b, dt, causal, lay, w, docs, parse_docs(docs, s, docs_seed) if docs else None))
     return out, dropped
 
 
@@ -142,7 +155,7 @@ def _inputs(cell: Cell, device):
 def _reference(full, cell: Cell):
     """fp64 out and dq, dk, dv of the whole sequence."""
     leaves = [t.double().requires_grad_() for t in full[:3]]
-    out = kernels.local_attention(*leaves, causal=cell.causal, window=cell.window)
+    out = kernels.local_attention(*leaves, causal=cell.causal, window=cell.window, cu_seqlens=cell.cu_seqlens)
     out.backward(full[3].double())
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -153,6 +166,7 @@ def _entry(name: str, cell: Cell, topo_for, kernel: str = "auto"):
     if name.startswith("peer:"):
         peer = PEERS[name[5:]]
         reason = ("peers are run without a sliding window" if cell.window else
+                  "peers are run on one document per row" if cell.cu_seqlens else
                   "peers run the zigzag and contiguous layouts only" if cell.layout == "balanced" else peer.problem(cell, topo))
         if reason:
             return None, None, reason
@@ -161,14 +175,14 @@ def _entry(name: str, cell: Cell, topo_for, kernel: str = "auto"):
     probe = torch.empty(cell.batch, cell.seq // topo.sp_size, 1, cell.head_dim, dtype=getattr(torch, cell.dtype), device=topo.device)
     q, kv = probe.expand(-1, -1, cell.heads, -1), probe.expand(-1, -1, cell.kv_heads, -1)
     try:
-        spec = usp.attention.make_spec(q, kv, kv, topo, causal=cell.causal, kernel=kernel, window=cell.window)
+        spec = usp.attention.make_spec(q, kv, kv, topo, causal=cell.causal, kernel=kernel, window=cell.window, cu_seqlens=cell.cu_seqlens)
     except ValueError as e:  # the kernel cannot take this cell
         return None, None, str(e)
     reason = usp.get_backend(name).check(spec, topo) if name != "auto" else None
     if reason:
         return None, None, reason
     attn = usp.SequenceParallelAttention(topo, backend=name, kernel=kernel)
-    return functools.partial(attn, window=cell.window), topo, None
+    return functools.partial(attn, window=cell.window, cu_seqlens=cell.cu_seqlens), topo, None
 
 
 def _payload(counter) -> int:
@@ -202,7 +216,7 @@ def _run_baseline(cell: Cell, full, device, group, kernel: str) -> float | None:
         return None
     leaves = [t.clone().requires_grad_() for t in full[:3]]
     t0 = time.perf_counter()
-    kernels.local_attention(*leaves, causal=cell.causal, kernel=kernel, window=cell.window).backward(full[3])
+    kernels.local_attention(*leaves, causal=cell.causal, kernel=kernel, window=cell.window, cu_seqlens=cell.cu_seqlens).backward(full[3])
     _sync(device)
     return time.perf_counter() - t0
 
@@ -219,10 +233,10 @@ def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat:
     with ``baseline`` also ``{(cell index, BASELINE): {"runs": T1 seconds per round}}`` (None off rank 0)."""
     topos = {}
 
-    def topo_for(layout):
-        if layout not in topos:
-            topos[layout] = usp.init_sequence_parallel(dist.get_world_size(), layout=layout, **topo_args)
-        return topos[layout]
+    def topo_for(name):
+        if name not in topos:
+            topos[name] = usp.init_sequence_parallel(dist.get_world_size(), layout=name, **topo_args)
+        return topos[name]
 
     bar = None
     if progress and dist.get_rank() == 0:
@@ -240,7 +254,7 @@ def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat:
                 results[(index, name)] = {"skipped": reason}
                 _advance(bar, warmup + repeat, name, cell)
                 continue
-            shards = [usp.shard_sequence(t, shard_topo, cu_seqlens=(0, t.shape[1])) for t in full]
+            shards = [usp.shard_sequence(t, shard_topo, cu_seqlens=cell.bounds) for t in full]
             ready[name] = fn, shards, shard_topo
             results[(index, name)] = {"runs": []}
             for _ in range(warmup):
@@ -273,13 +287,13 @@ def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat:
             if name == "auto":
                 result["resolved"] = [b.name for b in fn.func._chosen.values()]
             if not name.startswith("peer:"):
-                spec = usp.attention.make_spec(*shards[:3], shard_topo, causal=cell.causal, window=cell.window)
+                spec = usp.attention.make_spec(*shards[:3], shard_topo, causal=cell.causal, window=cell.window, cu_seqlens=cell.cu_seqlens)
                 backend = usp.get_backend(result.get("resolved", [name])[0])
                 estimate = backend.estimate(spec, shard_topo, shard_topo.profile or usp.CPU_GLOO_PROFILE)
                 result["analytic_bytes"] = (estimate.comm_bytes, estimate.bwd_comm_bytes)
             if check:
                 out, grads = last[name]
-                mine = [usp.shard_sequence(t, shard_topo, cu_seqlens=(0, t.shape[1])) for t in reference]
+                mine = [usp.shard_sequence(t, shard_topo, cu_seqlens=cell.bounds) for t in reference]
                 result["max_error"] = max((a.double() - b).abs().max().item() for a, b in zip([out, *grads], mine))
     if bar is not None:
         bar.close()
@@ -296,7 +310,9 @@ def summarise(cells_: list[Cell], entries: list[str], per_rank: list[dict], worl
     rows = []
     for index, cell in enumerate(cells_):
         for name in entries:
-            row = {**asdict(cell), "entry": name, "kind": "peer" if name.startswith("peer:") else "ulysses-sp"}
+            row = {**asdict(cell), "entry": name, "kind": "peer" if name.startswith("peer:") else "ulysses-sp",
+                   "work_imbalance": layout.table_imbalance(layout.chunk_table(cell.layout, world, cell.seq, cell.bounds), cell.seq, cell.bounds,
+                                                            causal=cell.causal, window=cell.window)}
             mine = [r[(index, name)] for r in per_rank]
             if "skipped" in mine[0]:
                 rows.append({**row, "skipped": mine[0]["skipped"]})

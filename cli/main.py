@@ -119,13 +119,20 @@ def calibrate(nproc, out, repeat, seq, backend_seq):
 @click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
 @click.option("--causal/--no-causal", default=True, show_default=True)
 @click.option("--layout", type=click.Choice(["zigzag", "contiguous", "balanced"]), default="zigzag", show_default=True)
+@click.option("--docs", "docs", default=None, metavar="SPEC",
+              help="a packed row's document lengths: a repeated pattern (12k,512x8) or lognormal:MEDIAN:SIGMA (lognormal:2k:1.5)")
+@click.option("--docs-seed", type=int, default=0, show_default=True, help="the seed of a lognormal row")
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False), help="from sp-bench calibrate (default: built-in NVLink GPU figures)")
-def plan(model_config, heads, kv_heads, head_dim, layers, window, seq, sp_size, ulysses_degree, gpus_per_node, batch, dtype, causal, layout, profile_path):
+def plan(model_config, heads, kv_heads, head_dim, layers, window, seq, sp_size, ulysses_degree, gpus_per_node, batch, dtype, causal, layout, docs,
+         docs_seed, profile_path):
     """Show, per layer, the backend auto would choose and every alternative's estimate or reason."""
     import torch
 
     from ulysses_sp.profile import NVLINK_PROFILE, load_profile
 
+    from ulysses_sp.layout import LAYOUTS, work_imbalance
+
+    from .docs import describe_docs, parse_docs
     from .plan import LayerShape, layers_from_config, parse_tokens, plan_rows, render
 
     if model_config:
@@ -136,10 +143,15 @@ def plan(model_config, heads, kv_heads, head_dim, layers, window, seq, sp_size, 
         raise click.UsageError("give --model-config or --heads")
     profile = load_profile(profile_path) if profile_path else NVLINK_PROFILE
     try:
-        rows = plan_rows(shapes, seq_len=parse_tokens(seq), sp_size=sp_size, ulysses_degree=ulysses_degree, ranks_per_node=gpus_per_node,
-                         batch=batch, dtype=getattr(torch, dtype), causal=causal, layout=layout, profile=profile)
+        seq_len = parse_tokens(seq)
+        cu = parse_docs(docs, seq_len, docs_seed) if docs else None
+        rows = plan_rows(shapes, seq_len=seq_len, sp_size=sp_size, ulysses_degree=ulysses_degree, ranks_per_node=gpus_per_node,
+                         batch=batch, dtype=getattr(torch, dtype), causal=causal, layout=layout, profile=profile, cu_seqlens=cu)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
+    if cu:
+        click.echo(f"packed row: {describe_docs(cu)}; the slowest rank's causal attention work over the mean: "
+                   + ", ".join(f"{name} {work_imbalance(name, seq_len, sp_size, cu):.3f}" for name in LAYOUTS))
     render(rows, title=f"{parse_tokens(seq)} tokens on {sp_size} ranks ({gpus_per_node} per node), {dtype}, profile {profile.name}", sp_size=sp_size)
 
 
@@ -218,7 +230,10 @@ def mixers(kinds, seq, nproc, repeat, json_path):
 @click.option("--dtype", default="float32", show_default=True, help="comma list of float32, bfloat16, float16")
 @click.option("--causal/--no-causal", default=True, show_default=True)
 @click.option("--window", "windows", default="none", show_default=True, help="sliding windows, comma list (none: full attention; needs --causal)")
-@click.option("--layout", type=click.Choice(["zigzag", "contiguous", "balanced"]), default="zigzag", show_default=True)
+@click.option("--layout", "layouts", default="zigzag", show_default=True, help="comma list of zigzag, contiguous, balanced: each a row of its own")
+@click.option("--docs", default=None, metavar="SPEC",
+              help="pack every row with documents: a repeated pattern of lengths (12k,512x8) or lognormal:MEDIAN:SIGMA (lognormal:2k:1.5)")
+@click.option("--docs-seed", type=int, default=0, show_default=True, help="the seed of lognormal rows")
 @click.option("--kernel", type=click.Choice(KERNEL_NAMES), default="auto", show_default=True,
               help="local attention kernel of our backends and of the one-rank baseline")
 @click.option("--fake-flash-attn", is_flag=True,
@@ -238,7 +253,8 @@ def mixers(kinds, seq, nproc, repeat, json_path):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="every field and the environment")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False))
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="PNG: time and memory against sequence length")
-def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, windows, layout, kernel, fake_flash_attn, nproc, ulysses_degree, warmup, repeat,
+def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, windows, layouts, docs, docs_seed, kernel, fake_flash_attn, nproc,
+        ulysses_degree, warmup, repeat,
         threads_per_rank, profile_path, check, memory, baseline, json_path, csv_path, plot_path):
     """Time every backend (and peers) side by side on a grid of attention shapes."""
     import datetime
@@ -254,6 +270,8 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, w
     from . import report
     from .bench import BACKENDS, MMAP_THRESHOLD, cells as make_cells, memory_method, summarise
     from .peers import PEERS
+    from ulysses_sp.layout import LAYOUTS, required_multiple
+
     from .plan import parse_tokens
 
     entries = _csv(backends)
@@ -285,10 +303,17 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, w
         raise click.BadParameter(str(e), param_hint="--window") from None
     if not causal and any(windows_):
         raise click.BadParameter("a sliding window needs --causal", param_hint="--window")
+    layouts_ = _csv(layouts)
+    for name in layouts_:
+        if name not in LAYOUTS:
+            raise click.BadParameter(f"unknown layout {name!r}; known: {', '.join(LAYOUTS)}", param_hint="--layout")
     grid = []
     for h in heads_:
         kvs = [h if kv == "q" else int(kv) for kv in kv_raw]
-        cells, dropped = make_cells(seqs, [h], kvs, _csv(head_dim, int), _csv(batch, int), _csv(dtype), causal, layout, windows_)
+        try:
+            cells, dropped = make_cells(seqs, [h], kvs, _csv(head_dim, int), _csv(batch, int), _csv(dtype), causal, layouts_, windows_, docs, docs_seed)
+        except ValueError as e:
+            raise click.BadParameter(str(e), param_hint="--docs") from None
         grid += [c for c in cells if c not in grid]
         for note in dropped:
             click.echo(f"left out: {note}", err=True)
@@ -299,9 +324,9 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, w
                    topo_args={"ulysses_degree": ulysses_degree, "profile": profile_path, "timeout": 3600})
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     world = int(os.environ["WORLD_SIZE"]) if launched else nproc
-    multiple = world * (1 if layout == "contiguous" else 2)
+    multiple = max(required_multiple(name, max(world, 1)) for name in layouts_)
     if world < 1 or any(c.seq % multiple for c in grid):
-        raise click.BadParameter(f"every length must divide by {multiple} ({world} ranks, {layout} layout)", param_hint="--seq")
+        raise click.BadParameter(f"every length must divide by {multiple} ({world} ranks, {', '.join(layouts_)} layout)", param_hint="--seq")
     device, threshold = torch.device("cpu"), None
     if launched:  # under torchrun / deepspeed: use its ranks (one GPU each), rank 0 reports
         device = _join_launch()
@@ -340,7 +365,8 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, w
                   "repeat i of every entry of a cell ran in round i, the entries' order rotating between rounds"
                   + ("; T1 ran on rank 0 in the same rounds, efficiency is the median of T1 / (P x T) by round" if baseline else ""),
     }
-    title = f"sp-bench: {world} ranks ({env['process_group']}, {threads_per_rank} thread(s) each), {layout}, {'causal' if causal else 'full'}"
+    packing = f", packed {docs} (seed {docs_seed})" if docs else ""
+    title = f"sp-bench: {world} ranks ({env['process_group']}, {threads_per_rank} thread(s) each), {'causal' if causal else 'full'}{packing}"
     report.render(rows, title)
     if json_path:
         report.write_json(json_path, rows, env)

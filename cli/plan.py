@@ -121,9 +121,10 @@ def _windows(config: dict, n: int) -> list[int | None]:
 
 
 def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_degree=None, ranks_per_node: int = 0,
-              batch: int = 1, dtype=torch.bfloat16, causal: bool = True, layout: str = "zigzag", profile: Profile | None = None):
+              batch: int = 1, dtype=torch.bfloat16, causal: bool = True, layout: str = "zigzag", profile: Profile | None = None,
+              cu_seqlens: tuple[int, ...] | None = None):
     """One row per group of consecutive identical layers (shape and window): (first, last, shape,
-    chosen name, considered)."""
+    chosen name, considered). ``cu_seqlens``: a packed row's document boundaries (None: one document)."""
     topo = Topology.for_planning(sp_size, ulysses_degree=ulysses_degree, ranks_per_node=ranks_per_node, layout=layout, profile=profile)
     multiple = sp_size * (1 if layout == "contiguous" else 2)
     if seq_len % multiple:
@@ -139,6 +140,7 @@ def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_d
         spec = AttnSpec(
             batch=batch, seq_len=seq_len, local_seq_len=seq_len // sp_size, q_heads=shape.q_heads, kv_heads=shape.kv_heads,
             head_dim=shape.head_dim, dtype=dtype, causal=causal, softmax_scale=shape.head_dim**-0.5, layout=layout, window=shape.window,
+            cu_seqlens=cu_seqlens,
         )
         chosen, considered = choose_backend(spec, topo, profile)
         rows.append([index, index, shape, chosen.name, considered])
@@ -184,7 +186,8 @@ def render(rows, *, title: str, sp_size: int) -> None:
             head = (layers, kind, split_label(chosen, sp_size)) if i == 0 else ("", "", "")
             mark = "[bold green]" + name if name == chosen else name
             if isinstance(what, Estimate):
-                table.add_row(*head, mark, f"{what.seconds * 1e3:.2f} ms", _size(what.comm_bytes), _size(what.peak_bytes), "")
+                work = f" (slowest rank x{what.work_imbalance:.2f} work)" if what.work_imbalance > 1.005 else ""
+                table.add_row(*head, mark, f"{what.seconds * 1e3:.2f} ms{work}", _size(what.comm_bytes), _size(what.peak_bytes), "")
             elif isinstance(what, MixerEstimate):
                 table.add_row(*head, mark, f"{what.compute:.3g} x the mixer's compute", _size(what.comm_bytes), "", "")
             else:

@@ -8,7 +8,7 @@ import json
 __all__ = ["render", "write_json", "write_csv", "write_plot", "CSV_COLUMNS"]
 
 CSV_COLUMNS = [
-    "entry", "kind", "resolved", "seq", "heads", "kv_heads", "head_dim", "batch", "dtype", "causal", "layout", "window",
+    "entry", "kind", "resolved", "seq", "heads", "kv_heads", "head_dim", "batch", "dtype", "causal", "layout", "window", "docs", "work_imbalance",
     "fwd_s_median", "fwd_s_min", "fwd_s_max", "fwd_bwd_s_median", "fwd_bwd_s_min", "fwd_bwd_s_max",
     "t1_s", "efficiency", "peak_mem_bytes", "fwd_bytes_sent", "bwd_bytes_sent", "analytic_fwd_bytes",
     "analytic_bwd_bytes", "bytes_match", "max_error", "skipped",
@@ -32,10 +32,12 @@ def render(rows: list[dict], title: str) -> None:
     from rich.table import Table
 
     table = Table(title=title)
-    for column in ("backend", "S", "H/KV", "D", "B", "W", "fwd ms", "fwd+bwd ms (min-max)", "efficiency", "peak MiB", "sent fwd/bwd MiB", "= analytic", "max error"):
+    for column in ("backend", "layout", "work", "S", "H/KV", "D", "B", "W", "fwd ms", "fwd+bwd ms (min-max)", "efficiency", "peak MiB",
+                   "sent fwd/bwd MiB", "= analytic", "max error"):
         table.add_column(column, justify="left" if column == "backend" else "right")
     for row in rows:
-        shape = (_label(row), str(row["seq"]), f"{row['heads']}/{row['kv_heads']}", str(row["head_dim"]), str(row["batch"]), str(row.get("window") or "-"))
+        shape = (_label(row), row["layout"], f"{row['work_imbalance']:.2f}", str(row["seq"]), f"{row['heads']}/{row['kv_heads']}",
+                 str(row["head_dim"]), str(row["batch"]), str(row.get("window") or "-"))
         if "skipped" in row:
             continue
         total = row["fwd_bwd_s"]
@@ -55,7 +57,10 @@ def render(rows: list[dict], title: str) -> None:
     for row in rows:
         if "skipped" in row:
             window = f" W={row['window']}" if row.get("window") else ""
-            console.print(f"skipped {row['entry']} at S={row['seq']} H={row['heads']}/{row['kv_heads']}{window}: {row['skipped']}", highlight=False)
+            console.print(f"skipped {row['entry']} ({row['layout']}) at S={row['seq']} H={row['heads']}/{row['kv_heads']}{window}: {row['skipped']}",
+                          highlight=False)
+    console.print("work: the slowest rank's attention work over the mean under the row's layout (1.00: even; ulysses, which splits by "
+                  "heads, is immune)", highlight=False)
 
 
 def write_json(path: str, rows: list[dict], env: dict) -> None:
@@ -88,13 +93,13 @@ def write_plot(path: str, rows: list[dict], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    shapes = {(r["heads"], r["kv_heads"], r["head_dim"], r["batch"], r["dtype"], r.get("window")) for r in rows}
+    shapes = {(r["heads"], r["kv_heads"], r["head_dim"], r["batch"], r["dtype"], r.get("window"), r["layout"]) for r in rows}
     lines: dict[str, list] = {}
     for row in rows:
         if "skipped" in row:
             continue
         label = row["entry"] if len(shapes) == 1 else f"{row['entry']} H{row['heads']}/{row['kv_heads']} D{row['head_dim']} B{row['batch']} {row['dtype']}" + (
-            f" W{row['window']}" if row.get("window") else "")
+            f" W{row['window']}" if row.get("window") else "") + f" {row['layout']}"
         lines.setdefault(label, []).append((row["seq"], row["fwd_bwd_s"]["median"], row["peak_mem_bytes"]))
     fig, (ax_time, ax_mem) = plt.subplots(1, 2, figsize=(11, 4.2))
     for label, points in sorted(lines.items()):

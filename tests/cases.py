@@ -319,7 +319,8 @@ def _counted(topo, backend: str, shards, **options):
     with usp.CommCounter() as bwd:
         out.sum().backward()
     spec = usp.attention.make_spec(*shards, topo, **options)
-    return fwd, bwd, dataclasses.astuple(usp.get_backend(backend).estimate(spec, topo, usp.CPU_GLOO_PROFILE))[2:]
+    estimate = usp.get_backend(backend).estimate(spec, topo, usp.CPU_GLOO_PROFILE)
+    return fwd, bwd, (estimate.comm_bytes, estimate.bwd_comm_bytes)
 
 
 for _backend in (*BACKENDS, "ulysses-g2"):

@@ -133,6 +133,7 @@ def sp_run(case: dict) -> dict:
         k_needs_grad = _watch_k(trainer.model) if case.get("lora") else None
         trainer.train()
         result["deepspeed"] = trainer.is_deepspeed_enabled
+        result["layout"] = trainer.topo.layout
         result["losses"] = _losses(trainer)
         result["eval_loss"] = trainer.evaluate()["eval_loss"]
         result["chosen"] = sorted({b.name for m in trainer._sp_model.modules() if "_ulysses_sp_attention" in m.__dict__
@@ -288,7 +289,7 @@ SP_CASES = {  # name: (reference, case)
     "llama/sp2/zero2": ("llama", dict(family="llama", args=dict(deepspeed=DEEPSPEED_ZERO2))),
     "llama/sp2/zero3": ("llama", dict(family="llama", args=dict(deepspeed={**DEEPSPEED_ZERO2, "zero_optimization": {"stage": 3}}))),
     "qwen2-packed/sp2/ring": ("qwen2-packed", dict(REFERENCES["qwen2-packed"], backend="ring")),
-    "qwen2-packed/sp2/ring/balanced": ("qwen2-packed", dict(REFERENCES["qwen2-packed"], backend="ring", args=dict(sp_layout="balanced"))),
+    "qwen2-packed/sp2/ring/zigzag": ("qwen2-packed", dict(REFERENCES["qwen2-packed"], backend="ring", args=dict(sp_layout="zigzag"))),
     "llama/sp2/unscaled": ("llama", dict(family="llama", unscaled=True)),
     "llama-lora/sp2": ("llama-lora", dict(REFERENCES["llama-lora"], save=True)),
     "llama-lora/sp2/ring": ("llama-lora", dict(REFERENCES["llama-lora"], backend="ring")),

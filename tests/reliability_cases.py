@@ -183,6 +183,54 @@ def deterministic(env: Env) -> dict:
     return result
 
 
+# --------------------------------------------------------------------------- packed rows of 1 to 40 documents
+
+PACKED_DOC_COUNTS = (1, 2, 3, 5, 8, 13, 21, 40)
+PACKED_DOC_BACKENDS = (*BACKENDS, "halo")
+
+
+def packed_rows(seq: int, p: int) -> dict:
+    """Named document boundaries of ``seq``-token rows: per count, documents cut at random points
+    (at 40 documents most are shorter than 2P tokens) and, from two documents on, the same count
+    around one document longer than half the row, placed at a random offset."""
+    gen = generator(f"packed-rows-{seq}-{p}")
+    rows = {}
+    for n in PACKED_DOC_COUNTS:
+        cuts = torch.randperm(seq - 1, generator=gen)[: n - 1] + 1
+        rows[f"{n} random"] = (0, *sorted(cuts.tolist()), seq)
+        if n > 1:
+            long = seq // 2 + 1 + int(torch.randint(0, seq // 4, (1,), generator=gen))
+            start = int(torch.randint(0, seq - long + 1, (1,), generator=gen))
+            ends = {start, start + long} - {0, seq}
+            outside = torch.tensor([c for c in range(1, seq) if c < start or c > start + long])
+            picked = outside[torch.randperm(len(outside), generator=gen)[: max(0, n - 1 - len(ends))]].tolist()
+            rows[f"{n} with one longer than half"] = (0, *sorted({*picked, *ends}), seq)
+    return rows
+
+
+def packed_documents(env: Env, backend: str) -> dict:
+    """Every layout, fp64, 48 tokens: this rank's max error of out, dq, dk, dv against one process
+    per (row, layout), the row's longest document and its count of documents shorter than 2P."""
+    window = 5 if backend == "halo" else None  # halo runs sliding-window layers only
+    topo0, (full,), dout = _data(env, f"packed-documents-{backend}")
+    seq, p, result = full[0].shape[1], env.world, {}
+    for row, cu in packed_rows(seq, p).items():
+        want = _reference(full, dout, causal=True, cu_seqlens=cu, window=window)
+        for lay in layout.LAYOUTS:
+            topo = _topo_for(env, Parity(), lay)
+            shards = [usp.shard_sequence(t, topo, cu_seqlens=cu).requires_grad_() for t in full]
+            out = usp.sp_attention(*shards, topo, backend=backend, cu_seqlens=cu, window=window)
+            (out * usp.shard_sequence(dout, topo, cu_seqlens=cu)).sum().backward()
+            lengths = [b - a for a, b in zip(cu, cu[1:])]
+            result[(row, lay)] = {"errors": _errors(topo, {"out": out, **_grads(shards)}, want, cu_seqlens=cu),
+                                  "documents": len(lengths), "longest": max(lengths), "short": sum(n < 2 * p for n in lengths), "seq": seq}
+    return result
+
+
+for _backend in PACKED_DOC_BACKENDS:
+    case(f"packed-docs/{_backend}", (2, 3, 4))(lambda env, be=_backend: packed_documents(env, be))
+
+
 # --------------------------------------------------------------------------- property-based parity
 
 FUZZ_EXAMPLES = int(os.environ.get("USP_FUZZ_EXAMPLES", "100"))

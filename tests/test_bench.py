@@ -66,7 +66,7 @@ def test_peers_run_or_say_why(bench):
             assert "skipped" not in r and r["max_error"] < 1e-5, r
         elif r["kind"] == "peer":  # fp32 on CPU without the fake: flash-attn's peers say why not
             assert "not installed" in r["skipped"] or "flash-attn" in r["skipped"], r
-            assert f"skipped {r['entry']} at S={r['seq']}" in output
+            assert f"skipped {r['entry']} ({r['layout']}) at S={r['seq']}" in output
 
 
 def test_deepspeed_peer_says_why_not_for_fewer_kv_heads_than_ranks():
@@ -174,6 +174,36 @@ def test_calibrate_under_torchrun_uses_the_launch_ranks(tmp_path):
     assert done.stdout.count("wrote ") == 1
     profile = load_profile(str(out))
     assert profile.measured["world_size"] == 2 and set(profile.backend_overhead) == {"ulysses", "allgather", "ring", "halo"}
+
+
+def test_packed_rows_under_each_layout(tmp_path):
+    """``--docs`` packs every cell's row (one 80-token document, then 8-token ones) and ``--layout``
+    takes several: every backend is right on it under each layout (fp32 against fp64, as --check
+    says), sends what its estimate says, and each row names its layout's work imbalance; the
+    peers, which run one document per row, say so."""
+    from ulysses_sp.layout import chunk_table, table_imbalance
+
+    out = tmp_path / "b.json"
+    args = ["run", "--nproc", "2", "--seq", "128", "--heads", "4", "--kv-heads", "2", "--head-dim", "8", "--window", "none,16",
+            "--docs", "80,8x6", "--layout", "zigzag,balanced", "--peers", "torch-ring", "--warmup", "0", "--repeat", "1", "--check",
+            "--no-memory", "--no-baseline", "--json", str(out)]
+    result = CliRunner().invoke(sp_bench, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    rows = json.loads(out.read_text())["rows"]
+    cu = (0, 80, *range(88, 129, 8))
+    assert {(r["layout"], r["window"]) for r in rows} == {(lay, w) for lay in ("zigzag", "balanced") for w in (None, 16)}
+    for r in rows:
+        assert r["docs"] == "80,8x6" and tuple(r["cu_seqlens"]) == cu
+        want = table_imbalance(chunk_table(r["layout"], 2, 128, cu), 128, cu, window=r["window"])
+        assert r["work_imbalance"] == pytest.approx(want, abs=1e-12), r
+        if r["entry"] == "peer:torch-ring":
+            assert r["skipped"] == "peers are run without a sliding window" if r["window"] else "peers are run on one document per row", r
+        elif "skipped" not in r:
+            assert r["max_error"] < 1e-5 and r["bytes_match"], r
+    assert sum("skipped" not in r for r in rows) == 4 * 5 + 2  # five entries per cell, and halo on the two windowed ones
+    zigzag = [r["work_imbalance"] for r in rows if r["layout"] == "zigzag" and r["window"] is None]
+    assert min(zigzag) > 1.3 and max(r["work_imbalance"] for r in rows if r["layout"] == "balanced") < 1.1
+    assert "work: the slowest rank's attention work over the mean" in result.output
 
 
 def test_run_under_torchrun_uses_the_launch_ranks(tmp_path):

@@ -75,6 +75,15 @@ def test_eval_loss_equals_one_process(runs, name):
         assert abs(r["eval_loss"] - ref["eval_loss"]) < EVAL_TOL, (r["eval_loss"], ref["eval_loss"])
 
 
+def test_the_default_layout_is_balanced_for_packed_rows(runs):
+    """sp_layout="auto" (the default): balanced for the packed dataset (position ids restarting at
+    0), zigzag for rows of one document; an explicit layout is kept. The loss tests above show
+    each exact."""
+    expected = {"qwen2-packed/sp2/ring": "balanced", "qwen2-packed/sp2/ring/zigzag": "zigzag", "llama/sp2": "zigzag"}
+    for name, layout in expected.items():
+        assert [r["layout"] for r in _pair(runs, name)[1]] == [layout, layout], name
+
+
 @pytest.mark.parametrize("name,least", [("llama/sp2/overcount", 1.0), ("llama/sp2/unscaled", 0.05)])
 def test_the_comparison_can_fail(runs, name, least):
     """num_items_in_batch counted per SP rank (transformers' cross-device count) halves the loss;
@@ -186,3 +195,15 @@ def test_example_under_every_launcher_equals_one_process(tmp_path):
         assert max(abs(a - b) for a, b in zip(r["losses"], one["losses"])) < LOSS_TOL, (name, r["losses"], one["losses"])
         assert abs(r["eval_loss"] - one["eval_loss"]) < EVAL_TOL, name
         assert r["generated"] == one["generated"], name
+
+
+def test_auto_layout_reads_the_collator_and_the_first_example():
+    from transformers import DataCollatorWithFlattening
+
+    from ulysses_sp.integrations.trainer import _auto_layout
+
+    assert _auto_layout(None, DataCollatorWithFlattening()) == "balanced"
+    assert _auto_layout([{"input_ids": [5, 6, 7], "position_ids": [0, 1, 0]}], None) == "balanced"
+    assert _auto_layout([{"input_ids": [5, 6, 7], "position_ids": [0, 1, 2]}], None) == "zigzag"
+    assert _auto_layout([{"input_ids": [5, 6, 7]}], None) == "zigzag"
+    assert _auto_layout(None, None) == "zigzag"

@@ -9,8 +9,11 @@ harness catching a layout mix-up.
 
 import pytest
 
+from ulysses_sp.layout import LAYOUTS
+
 from .cases import BACKENDS, PARITY, PARITY_WORLDS
 from .conftest import WORLDS, values
+from .reliability_cases import PACKED_DOC_BACKENDS
 
 TOL = {"torch.float64": 1e-10, "torch.float32": 1e-6, "torch.bfloat16": 2e-2}
 RMS_TOL = {"torch.float64": 1e-12, "torch.float32": 1e-6, "torch.bfloat16": 1e-2}
@@ -137,3 +140,20 @@ def test_balanced_kernel_calls_do_not_grow_with_documents(ranks, world, backend)
             assert r[docs]["calls"] <= bound, (docs, r)
             assert r[docs]["err"] < 2e-2 * 4, (docs, r)
         assert r[1000]["varlen"] > 0
+
+
+@pytest.mark.parametrize("backend", PACKED_DOC_BACKENDS)
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_packed_rows_of_1_to_40_documents(ranks, world, backend):
+    """Every layout on rows of 1 to 40 documents (documents shorter than 2P tokens, one longer
+    than half the row), fp64: out and dq, dk, dv within 1e-10 of one process (halo: window 5)."""
+    results = values(ranks(world), f"packed-docs/{backend}")
+    for rank, r in enumerate(results):
+        assert {lay for _, lay in r} == set(LAYOUTS), r.keys()
+        for (row, lay), got in r.items():
+            for what, err in got["errors"].items():
+                assert isinstance(err, float) and err < TOL["torch.float64"], f"rank {rank}, {row}, {lay}: {what} error {err}"
+    rows = results[0].values()
+    assert {min(g["documents"] for g in rows), max(g["documents"] for g in rows)} == {1, 40}
+    assert any(g["short"] > g["documents"] // 2 for g in rows), "a row of mostly documents shorter than 2P"
+    assert any(2 * g["longest"] > g["seq"] > g["longest"] for g in rows), "a row with a document longer than half"

@@ -395,3 +395,76 @@ def test_plan_estimates_each_mixer_strategy_from_the_models_own_layers(tmp_path)
     chunk = tokens // (2 * p)  # zigzag: two chunks a rank, each but chunk 0 after another rank's
     assert chosen == "halo" and considered["halo"] == MixerEstimate((2 * chunk + 2 * 2) / tokens, 2 * 2 * 1024 * bf16, 2 * 2 * 1024 * bf16)
     assert considered["ulysses"].startswith("ulysses: no adapter for Lfm2ShortConv"), considered
+
+
+def _one_long_document(seq: int) -> tuple[int, ...]:
+    """One document of 3/4 of the row, then 512-token ones: zigzag's slowest rank does 1.73-1.75x the mean."""
+    return (0, 3 * seq // 4, *range(3 * seq // 4 + 512, seq + 1, 512))
+
+
+@pytest.mark.parametrize("seq", [8192, 16384])
+def test_auto_weighs_the_slowest_ranks_work_on_packed_rows(seq):
+    """On a packed row under zigzag, the backends that split the work by chunks wait on their
+    slowest rank: their compute is scaled by its work over the mean, and auto stops picking the
+    ring where it would idle (8 q / 2 KV heads, P=2, CPU profile: ring before, within 1%; ulysses
+    now, 1.7x ahead). Under balanced the ring's imbalance is 1.00 and it is picked again."""
+    from ulysses_sp.layout import work_imbalance
+
+    cu = _one_long_document(seq)
+    picks = {}
+    for lay in ("zigzag", "balanced"):
+        (_, _, _, chosen, considered), = plan_rows([LayerShape(8, 2, 64)], seq_len=seq, sp_size=2, layout=lay, profile=CPU_GLOO_PROFILE,
+                                                    dtype=torch.float32, cu_seqlens=cu)
+        standard = {n: e.seconds for n, e in considered.items() if n in ("ulysses", "allgather", "ring", "hybrid")}
+        assert chosen not in standard or chosen == min(standard, key=standard.get)
+        picks[lay] = min(standard, key=standard.get)  # among the built-in backends (other tests register variants)
+        assert considered["ulysses"].work_imbalance == 1.0
+        for name in ("ring", "allgather"):
+            assert considered[name].work_imbalance == pytest.approx(work_imbalance(lay, seq, 2, cu), abs=1e-12)
+    assert work_imbalance("zigzag", seq, 2, cu) > 1.7
+    assert picks == {"zigzag": "ulysses", "balanced": "ring"}, picks
+
+
+def test_work_imbalance_scales_only_the_compute():
+    """The ring's estimate on the packed zigzag row: its unpacked form's transfers, plus the packed
+    row's compute times the imbalance (the CPU profile overlaps nothing: a plain sum)."""
+    from ulysses_sp.layout import work_imbalance
+
+    seq, cu = 8192, _one_long_document(8192)
+    topo = Topology.for_planning(2, profile=CPU_GLOO_PROFILE)
+
+    def spec(docs):
+        return AttnSpec(batch=1, seq_len=seq, local_seq_len=seq // 2, q_heads=8, kv_heads=8, head_dim=64, dtype=torch.float32,
+                        causal=True, softmax_scale=0.125, layout="zigzag", cu_seqlens=docs)
+
+    ring = get_backend("ring")
+    packed, even = ring.estimate(spec(cu), topo, CPU_GLOO_PROFILE), ring.estimate(spec(None), topo, CPU_GLOO_PROFILE)
+    compute = {d: CPU_GLOO_PROFILE.attention_fwd_bwd_seconds(spec(d), 2) for d in (cu, None)}
+    assert CPU_GLOO_PROFILE.overlap == 0.0
+    assert packed.seconds - compute[cu] * packed.work_imbalance == pytest.approx(even.seconds - compute[None], rel=1e-12)
+    assert even.work_imbalance == 1.0 and packed.work_imbalance == pytest.approx(work_imbalance("zigzag", seq, 2, cu), abs=1e-12)
+    assert packed.work_imbalance > 1.7
+
+
+def test_plan_shows_each_layouts_imbalance_for_packed_rows():
+    result = CliRunner().invoke(sp_bench, ["plan", "--heads", "8", "--kv-heads", "2", "--head-dim", "64", "--seq", "16k", "--sp-size", "2",
+                                           "--docs", "12k,512x8"])
+    assert result.exit_code == 0, result.output
+    assert "packed row: 9 documents, 512 to 12288 tokens (median 512)" in result.output
+    assert "contiguous 1.123, zigzag 1.753, balanced 1.000" in result.output
+    assert "x1.75 work" in " ".join(result.output.split())  # the ring's and the all-gather's estimates under zigzag
+    bad = CliRunner().invoke(sp_bench, ["plan", "--heads", "8", "--seq", "16k", "--sp-size", "2", "--docs", "12k,abc"])
+    assert bad.exit_code != 0 and "a pattern is lengths with optional counts" in bad.output
+
+
+def test_docs_specs():
+    from ulysses_sp.cli.docs import parse_docs
+
+    assert parse_docs("12k,512x8", 16384) == (0, 12288, *range(12800, 16385, 512))
+    assert parse_docs("3", 8) == (0, 3, 6, 8)  # the pattern repeats, the last document is cut at the row's end
+    drawn = parse_docs("lognormal:2k:1.5", 131072, seed=3)
+    assert drawn == parse_docs("lognormal:2k:1.5", 131072, seed=3) != parse_docs("lognormal:2k:1.5", 131072, seed=4)
+    assert drawn[0] == 0 and drawn[-1] == 131072 and all(b > a for a, b in zip(drawn, drawn[1:]))
+    for bad, message in (("lognormal:2k", "lognormal:MEDIAN:SIGMA"), ("lognormal:2k:-1", "sigma must be >= 0"), ("0", "must be positive")):
+        with pytest.raises(ValueError, match=message):
+            parse_docs(bad, 64)

@@ -36,6 +36,7 @@ __all__ = [
     "chunks_per_rank",
     "chunk_work",
     "document_bounds",
+    "table_imbalance",
     "work_imbalance",
     "required_multiple",
     "chunk_table",
@@ -99,28 +100,41 @@ def document_bounds(cu_seqlens, seq_len: int) -> tuple[int, ...]:
     return bounds
 
 
-def chunk_work(seq_len: int, chunks: int, cu_seqlens) -> list[int]:
-    """Causal attention work of each of ``chunks`` equal chunks: the sum over its tokens of their
-    position in their document + 1 (the keys each token's query sees)."""
-    c, bounds, work = seq_len // chunks, list(cu_seqlens), []
-    for i in range(chunks):
-        s, e, total = i * c, (i + 1) * c, 0
-        for a, b in zip(bounds, bounds[1:]):
-            lo, hi = max(a, s) - a, min(b, e) - a  # positions in the document, [lo, hi)
-            if hi > lo:
-                total += (hi * (hi + 1) - lo * (lo + 1)) // 2
-        work.append(total)
+def _keys_seen(n: int, length: int, causal: bool, window: int | None) -> int:
+    """Query-key pairs of the first ``n`` queries of a document of ``length`` tokens."""
+    if not causal:
+        return n * length
+    if window is None or n <= window:
+        return n * (n + 1) // 2
+    return window * (window + 1) // 2 + (n - window) * window
+
+
+def chunk_work(seq_len: int, chunks: int, cu_seqlens, *, causal: bool = True, window: int | None = None) -> list[int]:
+    """Attention work of each of ``chunks`` equal chunks: the query-key pairs of its tokens' queries
+    (causal: the sum over its tokens of their position in their document + 1, at most ``window``;
+    not causal: their document's length). Linear in chunks + documents."""
+    c, bounds, work = seq_len // chunks, list(cu_seqlens), [0] * chunks
+    for a, b in zip(bounds, bounds[1:]):
+        for i in range(a // c, -(-b // c)):  # the chunks this document overlaps
+            lo, hi = max(a, i * c) - a, min(b, (i + 1) * c) - a  # positions in the document, [lo, hi)
+            work[i] += _keys_seen(hi, b - a, causal, window) - _keys_seen(lo, b - a, causal, window)
     return work
+
+
+def table_imbalance(table, seq_len: int, cu_seqlens=None, *, causal: bool = True, window: int | None = None) -> float:
+    """The most-loaded row of a chunk table's attention work over the mean (1.0: balanced). A row
+    is a rank's chunks, or (hybrid) a ring rank's Ulysses group's."""
+    bounds = document_bounds(cu_seqlens, seq_len)
+    work = chunk_work(seq_len, sum(len(row) for row in table), bounds, causal=causal, window=window)
+    loads = [sum(work[c] for c in row) for row in table]
+    return max(loads) * len(loads) / sum(loads) if sum(loads) else 1.0
 
 
 def work_imbalance(layout: str, seq_len: int, sp_size: int, cu_seqlens=None) -> float:
     """The slowest rank's causal attention work over the mean under ``layout`` (1.0: balanced),
     for a row of ``seq_len`` tokens with global document boundaries ``cu_seqlens`` (None: one)."""
     bounds = document_bounds(cu_seqlens, seq_len)
-    table = chunk_table(layout, sp_size, seq_len, bounds)
-    work = chunk_work(seq_len, len(table[0]) * sp_size, bounds)
-    loads = [sum(work[c] for c in row) for row in table]
-    return max(loads) * sp_size / sum(loads)
+    return table_imbalance(chunk_table(layout, sp_size, seq_len, bounds), seq_len, bounds)
 
 
 @functools.lru_cache(maxsize=1024)

@@ -49,6 +49,13 @@ class AttnSpec:
     def chunks_per_rank(self, sp_size: int) -> int:
         return _layout.chunks_per_rank(self.layout, self.seq_len, sp_size)
 
+    def work_imbalance(self, table) -> float:
+        """The slowest row of ``table`` (ranks' chunks, or ring ranks' groups' chunks) over the mean
+        in attention work for this call's documents, mask and window: the factor by which a
+        backend that splits the work by chunks waits on its slowest rank (ulysses splits by
+        heads: 1)."""
+        return _layout.table_imbalance(table, self.seq_len, self.cu_seqlens, causal=self.causal, window=self.window)
+
     def visible_pairs(self, length: int) -> float:
         """Query-key pairs one sequence of ``length`` tokens computes: length**2, halved
         under a causal mask, about length * window under a window shorter than it."""
@@ -116,3 +123,6 @@ class Estimate:
     """Bytes this rank sends in the forward (what ``CommCounter.bytes_sent`` reports)."""
     bwd_comm_bytes: int = 0
     """Bytes this rank sends in the backward when q, k and v all need a gradient."""
+    work_imbalance: float = 1.0
+    """The slowest rank's attention work over the mean (:meth:`AttnSpec.work_imbalance`), by which
+    ``seconds`` scaled the compute: above 1 on packed rows the layout splits unevenly."""

@@ -84,9 +84,10 @@ class SequenceParallelTrainingArguments(TrainingArguments):
     sp_kernel: str = field(default="auto", metadata={"help": f"Local attention kernel: {', '.join(KERNEL_NAMES)}."})
     sp_mixer: str = field(default="auto", metadata={"help": "Strategy for hybrid models' other token mixers (Gated DeltaNet, Mamba2, "
                                                            f"short convolutions): {', '.join(MIXER_CHOICES)}; none refuses them."})
-    sp_layout: str = field(default="zigzag", metadata={"help": "Tokens of each sequence across the SP ranks: zigzag, contiguous, or "
-                                                               "balanced (packed documents placed so every rank does the same causal "
-                                                               "attention work)."})
+    sp_layout: str = field(default="auto", metadata={"help": "Tokens of each sequence across the SP ranks: zigzag, contiguous, "
+                                                             "balanced (packed documents placed so every rank does the same causal "
+                                                             "attention work), or auto: balanced when the training rows are packed "
+                                                             "(DataCollatorWithFlattening, or position_ids restarting at 0), else zigzag."})
     ulysses_degree: int | None = field(default=None, metadata={"help": "What the hybrid backend means (default: sp_size)."})
     sp_profile: str | None = field(default=None, metadata={"help": "A profile JSON from sp-bench calibrate, for auto."})
     tiled_loss: bool = field(default=False, metadata={"help": "LM head + loss over tiles of tokens: no [tokens, vocab] logits in training."})
@@ -129,8 +130,8 @@ def validate_sp_arguments(args) -> None:
             get_backend(name)  # ValueError listing the known backends
     if args.sp_kernel not in KERNEL_NAMES:
         raise ValueError(f"sp_kernel must be one of {', '.join(KERNEL_NAMES)}, got {args.sp_kernel!r}")
-    if args.sp_layout not in LAYOUTS:
-        raise ValueError(f"sp_layout must be one of {', '.join(LAYOUTS)}, got {args.sp_layout!r}")
+    if args.sp_layout not in ("auto", *LAYOUTS):
+        raise ValueError(f"sp_layout must be auto or one of {', '.join(LAYOUTS)}, got {args.sp_layout!r}")
     if args.sp_mixer not in MIXER_CHOICES:
         raise ValueError(f"sp_mixer must be one of {', '.join(MIXER_CHOICES)}, got {args.sp_mixer!r}")
     if args.sp_checkpoint not in CHECKPOINT_MODES:
@@ -215,6 +216,22 @@ def _deepspeed_with_mpu(mpu):
         deepspeed.initialize = original
 
 
+def _auto_layout(dataset, collator) -> str:
+    """``sp_layout="auto"``: balanced for packed training rows, zigzag otherwise (one document per
+    row, where zigzag already balances the causal work with fewer, larger kernel calls). Packed:
+    transformers' flattening collator, or a first example whose ``position_ids`` restart at 0.
+    The same answer on every rank (the same dataset and collator), with no collective."""
+    from transformers import DataCollatorWithFlattening
+
+    if isinstance(collator, DataCollatorWithFlattening):
+        return "balanced"
+    if dataset is None or isinstance(dataset, IterableDataset) or len(dataset) == 0:
+        return "zigzag"
+    example = dataset[0]
+    position_ids = example.get("position_ids") if isinstance(example, dict) else None
+    return "balanced" if position_ids is not None and bool((torch.as_tensor(position_ids)[..., 1:] == 0).any()) else "zigzag"
+
+
 class DataParallelBatches(Sampler):
     """Eval batches: global batch ``g`` (samples ``[g*B, (g+1)*B)``, as on one process) goes whole
     to DP group ``g % dp``. Groups with fewer batches repeat batch 0 so every rank runs the same
@@ -271,7 +288,8 @@ class SequenceParallelTrainer(Trainer):
         _ensure_process_group()
         _check_model_and_world(args, model)
         self._sp_args = args
-        self.topo = init_sequence_parallel(args.sp_size, ulysses_degree=args.ulysses_degree, layout=args.sp_layout, profile=args.sp_profile)
+        layout = args.sp_layout if args.sp_layout != "auto" else _auto_layout(kwargs.get("train_dataset"), kwargs.get("data_collator"))
+        self.topo = init_sequence_parallel(args.sp_size, ulysses_degree=args.ulysses_degree, layout=layout, profile=args.sp_profile)
         self._sp_model = _base_model(model)
         if args.sp_verify:
             self.verify_report = verify_sequence_parallel(self._sp_model, self.topo, backend=backend_names(args.sp_backend), mixer=args.sp_mixer)

@@ -115,11 +115,16 @@ def attend(q_bshd, k_bshd, v_bshd, *, kernel: str, causal: bool, scale: float, v
 
 
 def local_attention(q_bshd, k_bshd, v_bshd, *, causal: bool, scale: float | None = None, kernel: str = "auto",
-                    window: int | None = None, softcap: float = 0.0) -> torch.Tensor:
+                    window: int | None = None, softcap: float = 0.0, cu_seqlens=None) -> torch.Tensor:
     """:func:`attend` with the default scale 1/sqrt(D) and ``auto`` resolved for these tensors.
     ``window``: Hugging Face's sliding window W (query i sees key j iff i - W < j <= i; causal
-    only), the contract's ``(W - 1, 0)``."""
+    only), the contract's ``(W - 1, 0)``. ``cu_seqlens``: document boundaries of a packed
+    sequence (0, ..., S), each document attending within itself; None: one."""
     band = sliding_band(window, causal)
     name = resolve_kernel(kernel, q_bshd.dtype, q_bshd.device, q_bshd.shape[-1])
+    varlen = None
+    if cu_seqlens is not None:
+        lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
+        varlen = Varlen.build(lens, lens, q_bshd.shape[0], q_bshd.device)
     return attend(q_bshd, k_bshd, v_bshd, kernel=name, causal=causal, scale=scale if scale is not None else q_bshd.shape[-1] ** -0.5,
-                  window=band, softcap=softcap)
+                  varlen=varlen, window=band, softcap=softcap)
