@@ -148,6 +148,27 @@ def test_launch_errors_come_before_any_process_group(monkeypatch, tmp_path):
         monkeypatch, model=str(tmp_path / "model" / "config.json"), data=str(wrong))
 
 
+def test_outputs_and_resume_are_checked_before_any_process_group(monkeypatch, tmp_path):
+    """An output the job would write after its first step (metrics), at a save, or at the end
+    (export) fails at once, on every rank, as does a model directory without weights."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    assert "--save " + str(a_file) + ": exists and is not a directory" in _job_error(monkeypatch, save=str(a_file))
+    assert f"{a_file} is a file, not a directory" in _job_error(monkeypatch, export_hf=str(a_file / "export"))
+    assert "is a directory; give a file name" in _job_error(monkeypatch, metrics_file=str(tmp_path))
+    assert "--resume latest looks in the --save directory" in _job_error(monkeypatch, resume="latest")
+    assert "no such directory" in _job_error(monkeypatch, resume=str(tmp_path / "nowhere"))
+    assert "--keep-last 0: keep at least the newest checkpoint" in _job_error(monkeypatch, save=str(tmp_path / "c"), keep_last=0)
+    assert "--dist-timeout 0: give the seconds a collective may wait" in _job_error(monkeypatch, dist_timeout=0)
+    from ulysses_sp.testing.tiny_checkpoint import write_tiny_llama
+
+    write_tiny_llama(str(tmp_path / "tiny"))
+    for weights in (tmp_path / "tiny").glob("*.safetensors"):
+        weights.unlink()
+    message = _job_error(monkeypatch, model=str(tmp_path / "tiny"))
+    assert f"--model {tmp_path / 'tiny'}: no weight files (*.safetensors, *.bin) there; to train this architecture from random weights, add --from-scratch" in message
+
+
 def test_utilisation_peak_by_device_and_flops_per_token(monkeypatch):
     """The CUDA branch of the MFU estimate without a GPU: a known device's bf16 peak, none for fp32,
     an unknown device or the CPU (unless given), and the FLOPs formula on a Llama shape."""
@@ -163,3 +184,13 @@ def test_utilisation_peak_by_device_and_flops_per_token(monkeypatch):
     assert peak_tflops(cuda, "bf16", None) is None
     config = LlamaConfig(num_hidden_layers=2, num_attention_heads=4, hidden_size=64, head_dim=16)
     assert flops_per_token(config, 1000, 512) == 6 * 1000 + 6 * 2 * 4 * 16 * 512
+
+
+def test_records_without_text_are_counted(tmp_path):
+    from ulysses_sp.job.corpus import load_texts
+
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("a", "", None, "b")))
+    said = []
+    assert load_texts(str(data), say=said.append) == ["a", "b"]
+    assert said == [f"{data}: 2 of 4 records have no text (empty, null or not a string) and are skipped"]

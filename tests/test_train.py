@@ -82,6 +82,74 @@ def test_resume_continues_with_the_identical_loss(sp2_losses, tmp_path):
     assert resumed[0] == sp2_losses[0][STEPS - 2 :]
 
 
+def _launch(root, port, *flags):
+    """train.py's two ranks as a launcher starts them (RANK, WORLD_SIZE, MASTER_*), rank 0's output piped."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
+    return [subprocess.Popen([sys.executable, "train.py", *flags], cwd=root, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
+                             stderr=subprocess.STDOUT, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+
+
+def test_a_job_killed_with_sigkill_resumes_with_the_identical_losses(sp2_losses, tmp_path):
+    """Both ranks SIGKILLed once the step-3 checkpoint is announced (step 4 and its save under way),
+    then the same command with --resume latest: it resumes from a complete checkpoint, and the
+    metrics file holds every step once, with the losses of the uninterrupted run."""
+    import json
+    import os
+    import signal
+
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = ["--sp-size", "2", "--seq-len", str(SEQ), "--steps", str(STEPS), "--eval-samples", "4", "--save", str(tmp_path / "ckpt"),
+             "--save-every", "1", "--metrics-file", str(tmp_path / "m.jsonl")]
+    ranks, seen = _launch(root, free_port(), *flags), []
+    for line in ranks[0].stdout:
+        seen.append(line)
+        if line.startswith("checkpoint step3 written"):
+            for rank in ranks:
+                os.kill(rank.pid, signal.SIGKILL)
+            break
+    for rank in ranks:
+        rank.wait(timeout=300)
+    assert [rank.returncode for rank in ranks] == [-signal.SIGKILL] * 2, "".join(seen)[-3000:]
+    ranks = _launch(root, free_port(), *flags, "--resume", "latest")
+    out = ranks[0].communicate(timeout=600)[0]
+    ranks[1].wait(timeout=60)
+    assert [rank.returncode for rank in ranks] == [0, 0], out[-3000:]
+    assert "--resume: checkpoint step" in out, out[-3000:]
+    with open(tmp_path / "m.jsonl") as f:
+        steps = [json.loads(line) for line in f if '"loss"' in line]
+    assert [line["step"] for line in steps] == list(range(1, STEPS + 1))
+    assert [line["loss"] for line in steps] == sp2_losses[0]
+
+
+def _no_targets(rank, world, cfg):
+    """A step whose batch is only padding (no targets), then a normal one."""
+    import torch
+
+    job = Job(cfg)
+    before = [p.detach().clone() for p in job.engine.module.parameters()]
+    real = job.batches
+    job.batches = lambda m: {"input_ids": torch.zeros(1, SEQ, dtype=torch.long), "labels": torch.full((1, SEQ), -100)}
+    empty = job.step(0)
+    unchanged = all(torch.equal(a, p) for a, p in zip(before, job.engine.module.parameters()))
+    job.batches = real
+    normal = job.step(1)
+    job.close()
+    return empty, unchanged, normal
+
+
+def test_a_step_without_targets_makes_no_optimizer_step():
+    """AdamW would still move the weights (momentum and decay) on zero gradients: the job skips
+    the step and reports its loss as NaN (null in the metrics)."""
+    import math
+
+    for empty, unchanged, normal in run_ranks(_no_targets, 2, TrainConfig(sp_size=2, seq_len=SEQ, steps=2, weight_decay=0.1), timeout=600):
+        assert math.isnan(empty) and unchanged and math.isfinite(normal)
+
+
 def test_zero3_trains_like_zero2(sp2_losses):
     """ZeRO-3 (reduce-scatter, its default) applies the same gradients as ZeRO-2."""
     zero3 = _run(2, zero_stage=3)

@@ -107,6 +107,8 @@ def _jobs(rank, world, files, out):
     job.close(destroy_process_group=False)
     job, results["resumed"] = _run_job(_cfg(files, sp_size=sp, save=preempted, resume="latest"))
     job.close(destroy_process_group=False)
+    if world == 2:
+        results["crash"] = _crash_cases(files, out, sp, save)
     # ZeRO-3 export: from_pretrained gives the engine's logits
     job, results["zero3"] = _run_job(_cfg(files, sp_size=sp, deepspeed=files["zero3"]))
     probe = torch.randint(3, 43, (1, 100), generator=torch.Generator().manual_seed(1))
@@ -121,6 +123,66 @@ def _jobs(rank, world, files, out):
                          "tokenizer": AutoTokenizer.from_pretrained(export)("w1 w2")["input_ids"]}
     dist.barrier()
     return results
+
+
+def _job_error(cfg) -> str:
+    from ulysses_sp.job import Job, JobError
+
+    try:
+        job, _ = _run_job(cfg)
+    except JobError as e:
+        return str(e)
+    job.close(destroy_process_group=False)
+    return "NO ERROR"
+
+
+def _crash_cases(files, out, sp, finished):
+    """What a kill mid-save leaves, resumed; a resume with changed settings; a finished run resumed;
+    a diverging loss. Rank 0 fakes the leftovers between jobs."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from ulysses_sp.job import checkpoint
+
+    r = {}
+    torn = os.path.join(out, "ckpt-torn")
+    metrics = os.path.join(out, "metrics-torn.jsonl")
+    job, _ = _run_job(_cfg(files, sp_size=sp, save=torn), steps_then_stop=3)
+    job.close(destroy_process_group=False)
+    if dist.get_rank() == 0:  # a later save killed after its rename but with a file cut short, then one killed mid-write
+        shutil.copytree(os.path.join(torn, "step3"), os.path.join(torn, "step5"))
+        state = next(f for f in os.listdir(os.path.join(torn, "step5")) if f.endswith("model_states.pt"))
+        with open(os.path.join(torn, "step5", state), "r+b") as f:
+            f.truncate(100)
+        with open(os.path.join(torn, "latest"), "w") as f:
+            f.write("step5")
+        os.makedirs(os.path.join(torn, checkpoint.partial_tag(6)))
+        with open(metrics, "w") as f:  # the killed run's lines for steps 1-5
+            f.writelines(json.dumps({"step": step, "loss": 9.0}) + "\n" for step in range(1, 6))
+    dist.barrier()
+    job, r["resumed"] = _run_job(_cfg(files, sp_size=sp, save=torn, resume="latest", metrics_file=metrics))
+    r["resumed_from"] = job.resumed
+    job.close(destroy_process_group=False)
+    with open(metrics) as f:
+        r["metrics_steps"] = [json.loads(line)["step"] for line in f if "loss" in json.loads(line)]
+    job, grown = _run_job(_cfg(files, sp_size=sp, save=torn, resume="latest", metrics_file=metrics, steps=STEPS + 2, keep_last=1))
+    job.close(destroy_process_group=False)
+    with open(metrics) as f:
+        r["grown_lr"] = {line["step"]: line.get("lr") for line in map(json.loads, f) if "loss" in line}
+    r["grown_losses"] = grown["losses"]
+    r["grown_kept"] = sorted(name for name in os.listdir(torn) if name.startswith("step"))
+    r["grown_latest"] = open(os.path.join(torn, "latest")).read()
+    r["changed"] = _job_error(_cfg(files, sp_size=sp, save=torn, resume="latest", seq_len=2 * SEQ, seed=1))
+    r["fresh_over"] = _job_error(_cfg(files, sp_size=sp, save=torn))
+    before = sorted(os.listdir(finished))
+    r["finished"] = _run_job(_cfg(files, sp_size=sp, save=finished, save_every=2, keep_last=2, resume="latest"))[1]["losses"]
+    r["finished_files"] = (before, sorted(os.listdir(finished)))
+    diverging = os.path.join(out, "ckpt-diverging")
+    r["nonfinite"] = _job_error(_cfg(files, sp_size=sp, save=diverging, save_every=1, lr=1e30, warmup_steps=0))
+    r["nonfinite_kept"] = sorted(f for f in os.listdir(diverging) if f.startswith("step"))
+    dist.barrier()
+    return r
 
 
 @pytest.fixture(scope="module")
@@ -196,6 +258,76 @@ def test_save_every_keeps_the_last_and_resume_latest_continues_identically(runs)
     assert r["save-every"]["losses"] == r["packed"]["losses"]
     assert r["resumed"]["losses"] == r["packed"]["losses"][3:]
     assert r["resumed"]["eval"] == r["packed"]["eval"]
+
+
+def test_resume_skips_what_a_killed_save_left_and_continues_identically(runs):
+    """A checkpoint whose file a kill cut short (named by latest) and a half-written one: resume
+    takes the intact step 3, with the losses of an uninterrupted run; the metrics file keeps the
+    killed run's steps 1-3 and gets 4-6 once each."""
+    _, _, out = runs
+    r, packed = out[2][0]["crash"], out[2][0]["packed"]
+    assert r["resumed_from"] == "step3"
+    assert r["resumed"]["losses"] == packed["losses"][3:]
+    assert r["metrics_steps"] == list(range(1, STEPS + 1))
+
+
+def test_resume_with_changed_settings_is_refused_on_every_rank(runs):
+    _, _, out = runs
+    for rank in out[2]:
+        message = rank["crash"]["changed"]
+        assert "--resume: checkpoint step8 was trained with other settings" in message, message  # the newest: --steps grown to 8
+        assert "seq_len: checkpoint 128, now 256" in message and "seed: checkpoint 0, now 1" in message
+
+
+def test_steps_may_grow_on_resume_and_the_schedule_is_replanned(runs):
+    """From the finished 6-step run, --steps 8: two more steps whose learning rates are those of
+    a warmup + cosine planned for 8 steps (the schedule is re-planned over the new total, so the
+    rate moves up from where the 6-step plan had it); the metrics keep steps 1-6 as they were.
+    With --keep-last 1 only step8 of the run is kept (the torn step5 is not the run's), and
+    latest names it."""
+    import torch
+    from transformers import get_cosine_with_min_lr_schedule_with_warmup
+
+    def planned(total):
+        opt = torch.optim.SGD([torch.zeros(1, requires_grad=True)], lr=1e-2)
+        sched = get_cosine_with_min_lr_schedule_with_warmup(opt, 2, total, min_lr_rate=0.1)
+        lrs = []
+        for _ in range(total):
+            lrs.append(sched.get_last_lr()[0])
+            opt.step()
+            sched.step()
+        return lrs
+
+    _, _, out = runs
+    r = out[2][0]["crash"]
+    assert len(r["grown_losses"]) == 2
+    assert sorted(r["grown_lr"]) == list(range(1, STEPS + 3))  # steps 1-3: the killed run's lines (no lr), kept
+    assert [r["grown_lr"][s] for s in range(4, STEPS + 3)] == pytest.approx(planned(STEPS)[3:] + planned(STEPS + 2)[STEPS:], rel=1e-9)
+    assert planned(STEPS + 2)[STEPS] > planned(STEPS)[STEPS - 1]
+    assert (r["grown_kept"], r["grown_latest"]) == (["step5", "step8"], "step8")
+
+
+def test_a_fresh_run_into_a_directory_of_checkpoints_is_refused(runs):
+    _, _, out = runs
+    for rank in out[2]:
+        assert "already holds checkpoints" in rank["crash"]["fresh_over"] and "--resume latest" in rank["crash"]["fresh_over"]
+
+
+def test_resuming_a_finished_run_writes_nothing_over_it(runs):
+    _, _, out = runs
+    r = out[2][0]["crash"]
+    assert r["finished"] == []
+    assert r["finished_files"][0] == r["finished_files"][1]
+
+
+def test_a_non_finite_loss_stops_the_job_before_it_steps_or_saves(runs):
+    """lr 1e30: step 1 trains and is saved; step 2's loss is not finite, so every rank stops
+    there with the reason, and no checkpoint holds the diverged weights."""
+    _, _, out = runs
+    for rank in out[2]:
+        assert "step 2: the loss of micro-batch 1 is not finite on 2 of 2 ranks" in rank["crash"]["nonfinite"], rank["crash"]["nonfinite"]
+        assert os.path.join("ckpt-diverging", "step1 (--resume latest restarts there)") in rank["crash"]["nonfinite"], rank["crash"]["nonfinite"]
+    assert out[2][0]["crash"]["nonfinite_kept"] == ["step1"]
 
 
 def test_zero3_export_loads_with_the_engines_logits(runs):

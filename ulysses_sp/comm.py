@@ -36,6 +36,7 @@ __all__ = [
     "ring_send_recv",
     "exchange",
     "all_gather_ints",
+    "broadcast_object",
     "kv_heads_sent",
     "head_scatter_problem",
     "head_scatter_bytes",
@@ -456,6 +457,15 @@ def all_gather_ints(values, group, device) -> list[tuple[int, ...]]:
     local = torch.tensor(values, dtype=torch.int64, device=device)
     rows = _all_gather_raw(local, group, 0, op="handshake")
     return [tuple(r) for r in rows.view(group_size(group), -1).tolist()]
+
+
+def broadcast_object(obj, src: int, group):
+    """Global rank ``src``'s picklable ``obj`` on every rank of ``group`` (a decision one rank made
+    from the file system, e.g. which checkpoint to resume). Not counted: not attention traffic."""
+    holder = [obj]
+    with _failing_clearly("broadcast_object", group):
+        dist.broadcast_object_list(holder, src=src, group=group)
+    return holder[0]
 
 
 def all_gather_start(x: torch.Tensor, group, dim: int):

@@ -69,6 +69,10 @@ class TrainConfig:
     """``latest`` (the newest checkpoint in --save, if any) or a checkpoint directory."""
     metrics_file: str | None = None
     export_hf: str | None = None
+    dist_timeout: float = 1800.0
+    """Seconds any collective may wait, e.g. for rank 0 to flush a checkpoint or write the export."""
+    from_scratch: bool = False
+    """Train ``--model``'s architecture from random weights (a directory without weight files is otherwise an error)."""
     """Write save_pretrained weights, config and tokenizer here at the end."""
     peak_tflops: float | None = None
     """Per-device peak for the FLOPs-utilisation estimate; None: known CUDA devices only."""
@@ -156,6 +160,8 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--gradient-accumulation-steps", dest="grad_accum", type=_positive, default=None, help="micro-steps per optimizer step (default: the config's, else 1)")
     g = p.add_argument_group("model and data")
     g.add_argument("--model", default=None, help="config.json or local model directory (default: the embedded tiny Llama)")
+    g.add_argument("--from-scratch", action="store_true", help="train --model's architecture from random weights (a directory "
+                   "without weight files is otherwise refused)")
     g.add_argument("--tokenizer", default=None, help="local tokenizer directory (default: the --model directory)")
     g.add_argument("--data", default=None, help="JSON lines / Parquet with a 'text' column, or .txt files (default: the embedded passkey task)")
     g.add_argument("--eval-data", default=None, help="held-out data in the same formats (the passkey task has its own)")
@@ -187,6 +193,8 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--resume", default=None, help="'latest' (the newest checkpoint in --save; none: start fresh) or a checkpoint directory")
     g.add_argument("--metrics-file", default=None, help="JSON lines per step and eval: loss, lr, tokens/s, FLOPs utilisation, peak memory")
     g.add_argument("--export-hf", default=None, metavar="DIR", help="write a save_pretrained model (and tokenizer) here at the end")
+    g.add_argument("--dist-timeout", type=float, default=1800.0, metavar="SECONDS",
+                   help="how long a collective waits for the other ranks (a checkpoint or export that rank 0 writes included)")
     g.add_argument("--peak-tflops", type=float, default=None, help="device peak for the FLOPs-utilisation estimate (default: known GPUs)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     a = p.parse_args(argv)
@@ -205,7 +213,8 @@ def parse_args(argv=None) -> TrainConfig:
         tokenizer=a.tokenizer, data=a.data, eval_data=a.eval_data, packing=a.packing, seq_len=a.seq_len, steps=a.steps,
         micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
         weight_decay=a.weight_decay, seed=a.seed, eval_every=a.eval_every, eval_samples=a.eval_samples, save=a.save,
-        save_every=a.save_every, keep_last=a.keep_last, resume=a.resume, metrics_file=a.metrics_file, export_hf=a.export_hf,
+        save_every=a.save_every, keep_last=a.keep_last, resume=a.resume, metrics_file=a.metrics_file, export_hf=a.export_hf, dist_timeout=a.dist_timeout,
+        from_scratch=a.from_scratch,
         peak_tflops=a.peak_tflops, ulysses_degree=a.ulysses_degree, verify=a.verify, profile=a.profile, dtype=a.dtype, sp_kernel=a.sp_kernel, sp_mixer=a.sp_mixer, layout=a.layout,
         tiled_loss=a.tiled_loss, tiled_mlp=a.tiled_mlp, checkpoint="layers" if a.gradient_checkpointing else a.checkpoint,
     )
@@ -236,4 +245,30 @@ def check_launch(cfg: TrainConfig, world_size: int) -> int:
         raise JobError("--save-every and --eval-every take a number of steps >= 0 (0: at the end only)")
     if cfg.save_every and not cfg.save:
         raise JobError("--save-every needs --save DIR, where the checkpoints go")
+    if cfg.resume == "latest" and not cfg.save:
+        raise JobError("--resume latest looks in the --save directory: give --save too")
+    if cfg.resume not in (None, "latest") and not os.path.isdir(cfg.resume):
+        raise JobError(f"--resume {cfg.resume}: no such directory (give a --save directory, one of its step* checkpoints, or latest)")
+    if cfg.dist_timeout <= 0:
+        raise JobError(f"--dist-timeout {cfg.dist_timeout}: give the seconds a collective may wait, > 0")
+    if cfg.keep_last < 1:
+        raise JobError(f"--keep-last {cfg.keep_last}: keep at least the newest checkpoint (1)")
+    for flag, path, is_dir in (("save", cfg.save, True), ("export-hf", cfg.export_hf, True), ("metrics-file", cfg.metrics_file, False)):
+        if path:
+            _check_writable(flag, path, is_dir)
     return sp
+
+
+def _check_writable(flag: str, path: str, is_dir: bool) -> None:
+    """An output the job writes later (a checkpoint, the export, the metrics) fails now, on every
+    rank, rather than after the first step or at the end, on rank 0."""
+    target = os.path.abspath(path)
+    if os.path.exists(target) and os.path.isdir(target) != is_dir:
+        raise JobError(f"--{flag} {path}: " + ("exists and is not a directory" if is_dir else "is a directory; give a file name"))
+    probe = target if os.path.isdir(target) else os.path.dirname(target)
+    while not os.path.exists(probe):  # the nearest existing ancestor: the job creates the rest
+        probe = os.path.dirname(probe)
+    if not os.path.isdir(probe):
+        raise JobError(f"--{flag} {path}: {probe} is a file, not a directory")
+    if not os.access(probe, os.W_OK | os.X_OK) or (os.path.isfile(target) and not os.access(target, os.W_OK)):
+        raise JobError(f"--{flag} {path}: not writable by this user ({target if os.path.isfile(target) else probe})")

@@ -63,9 +63,10 @@ def load_tokenizer(cfg: TrainConfig):
     return tokenizer
 
 
-def load_texts(path: str) -> list[str]:
+def load_texts(path: str, *, say=None) -> list[str]:
     """The non-empty ``text`` records of a local JSON-lines, JSON, Parquet or text file (a text
-    file is one document), through Hugging Face ``datasets``."""
+    file is one document), through Hugging Face ``datasets``; ``say`` gets a line counting the
+    records skipped for having no text."""
     import datasets
 
     builder = _BUILDERS.get(os.path.splitext(path)[1].lower())
@@ -83,6 +84,8 @@ def load_texts(path: str) -> list[str]:
     texts = [t for t in ds["text"] if isinstance(t, str) and t]
     if not texts:
         raise JobError(f"{path}: no non-empty 'text' records")
+    if len(texts) < len(ds) and say is not None:
+        say(f"{path}: {len(ds) - len(texts)} of {len(ds)} records have no text (empty, null or not a string) and are skipped")
     return texts
 
 
@@ -137,7 +140,7 @@ def pad_id(tokenizer) -> int:
 
 
 def build_rows(path: str, tokenizer, cfg: TrainConfig, *, progress: bool) -> Rows:
-    docs = tokenize(load_texts(path), tokenizer, progress=progress)
+    docs = tokenize(load_texts(path, say=(lambda line: print(line, flush=True)) if progress else None), tokenizer, progress=progress)
     return (pack if cfg.packing else pad_each)(docs, cfg.seq_len, pad_id(tokenizer))
 
 

@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
-
 import torch.distributed as dist
 
 from ..integrations.transformers import remove_sequence_parallel
@@ -11,17 +9,48 @@ from ..integrations.transformers import remove_sequence_parallel
 __all__ = ["export_hf"]
 
 
+GATHER_BYTES = 1 << 30
+"""ZeRO-3 gathers the full parameters in groups of at most this many bytes (or one larger
+parameter), so no rank ever holds the whole model: the point of ZeRO-3."""
+
+
+def _groups(params) -> list[list]:
+    groups, size = [[]], 0
+    for p in params:
+        n = getattr(p, "ds_numel", p.numel()) * p.element_size()
+        if groups[-1] and size + n > GATHER_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(p)
+        size += n
+    return groups
+
+
 def export_hf(engine, path: str, tokenizer=None) -> None:
     """Write ``save_pretrained`` weights (in the dtype the engine computes in), config and
-    tokenizer to ``path`` on rank 0. Collective: every rank calls it (ZeRO-3 gathers each
-    rank's partitions). Switches the model back from SP attention; it is not trained further."""
+    tokenizer to ``path`` on rank 0. Collective: every rank calls it (ZeRO-3 gathers the
+    partitions group by group, :data:`GATHER_BYTES` at a time, and rank 0 copies each to host
+    memory). Switches the model back from SP attention; it is not trained further."""
     import deepspeed
 
     model = remove_sequence_parallel(engine.module)
-    gathered = deepspeed.zero.GatheredParameters(list(model.parameters())) if engine.zero_optimization_stage() == 3 else contextlib.nullcontext()
-    with gathered:
-        state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if dist.get_rank() == 0 else None
-    if dist.get_rank() == 0:
+    rank0 = dist.get_rank() == 0
+    if engine.zero_optimization_stage() == 3:
+        names = {}  # a parameter under each of its names (tied weights have two)
+        for name, p in model.named_parameters(remove_duplicate=False):
+            names.setdefault(p, []).append(name)
+        state = {}
+        for group in _groups(list(names)):
+            with deepspeed.zero.GatheredParameters(group):
+                if rank0:
+                    for p in group:
+                        for name in names[p]:
+                            state[name] = p.detach().cpu().clone()
+        if rank0:  # buffers are not partitioned
+            state.update({k: v.detach().cpu().clone() for k, v in model.state_dict().items() if k not in state})
+    else:
+        state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if rank0 else None
+    if rank0:
         dtype = next(iter(state.values())).dtype
         model.config.dtype = dtype  # what from_pretrained loads it as
         model.save_pretrained(path, state_dict=state)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 
@@ -44,15 +45,38 @@ def flops_per_token(model_config, n_params: int, seq_len: int) -> float:
 
 
 class MetricsFile:
-    """Appends one JSON object per line (rank 0 only; None path: nothing)."""
+    """One JSON object per line (rank 0 only; None path: nothing). A fresh run moves an existing
+    file aside (``PATH.1``, ``PATH.2``, ...: the first free) and starts anew; a resumed one keeps
+    the lines through its checkpoint's step (the steps after it run again), so no step appears
+    twice. Non-finite numbers are written as null: strict JSON."""
 
-    def __init__(self, path: str | None, enabled: bool):
+    def __init__(self, path: str | None, enabled: bool, keep_through: int | None = None):
         self.path = path if enabled else None
         self.start = time.time()
-        if self.path:
-            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        if not self.path:
+            return
+        os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+        kept = []
+        if keep_through is None and os.path.exists(self.path) and os.path.getsize(self.path):
+            n = 1
+            while os.path.exists(f"{self.path}.{n}"):
+                n += 1
+            os.replace(self.path, f"{self.path}.{n}")
+        elif keep_through is not None and os.path.exists(self.path):
+            with open(self.path) as f:
+                for line in f:
+                    try:
+                        step = json.loads(line).get("step", 0)
+                    except ValueError:  # a line cut by a crash
+                        continue
+                    if step <= keep_through:
+                        kept.append(line.rstrip("\n") + "\n")
+        with open(f"{self.path}.tmp", "w") as f:
+            f.writelines(kept)
+        os.replace(f"{self.path}.tmp", self.path)
 
     def write(self, **record) -> None:
         if self.path:
+            record = {k: None if isinstance(v, float) and not math.isfinite(v) else v for k, v in record.items()}
             with open(self.path, "a") as f:
-                f.write(json.dumps({**record, "time_s": round(time.time() - self.start, 3)}) + "\n")
+                f.write(json.dumps({**record, "time_s": round(time.time() - self.start, 3)}, allow_nan=False) + "\n")

@@ -17,12 +17,14 @@ update as one big batch. ``gradient_scale`` undoes the engine's averaging.
 
 from __future__ import annotations
 
+import datetime
 import math
 import os
 import resource
 import shutil
 import sys
 import time
+import uuid
 
 import torch
 import torch.distributed as dist
@@ -36,7 +38,7 @@ from ..integrations.deepspeed import SequenceParallelMPU, gradient_scale, use_cp
 from ..loss import causal_lm_loss
 from ..tasks import PAD_ID, VOCAB_SIZE
 from ..topology import init_sequence_parallel
-from . import corpus
+from . import checkpoint, corpus
 from .config import JobError, TrainConfig, check_launch, memory_options, parse_args
 from .ds_config import load_ds_config, resolve_ds_config
 from .export import export_hf
@@ -62,7 +64,7 @@ def _has_weights(path: str | None) -> bool:
 def build_model(cfg: TrainConfig):
     import transformers
 
-    if _has_weights(cfg.model):
+    if _has_weights(cfg.model) and not cfg.from_scratch:
         return transformers.AutoModelForCausalLM.from_pretrained(cfg.model, local_files_only=True, dtype=torch.float32)
     config = default_model_config() if cfg.model is None else transformers.AutoConfig.from_pretrained(cfg.model, local_files_only=True)
     torch.manual_seed(cfg.seed)
@@ -75,17 +77,39 @@ def _peak_memory_bytes(device: torch.device) -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # peak resident set (Linux: KiB)
 
 
-def _checkpoint_to_load(cfg: TrainConfig) -> tuple[str, str | None] | None:
-    """(directory, tag) for ``engine.load_checkpoint``, or None to start fresh."""
+def _size(path: str) -> int:
+    """Bytes of a file, or of every file under a directory."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(path) for f in files)
+
+
+def _find_checkpoint(cfg: TrainConfig) -> tuple[tuple[str, str, dict | None] | None, list[str]]:
+    """Rank 0: ((directory, tag, manifest) to resume from, or None to start fresh; lines to print).
+    ``--resume latest`` or a ``--save`` directory: its newest complete and intact checkpoint; a
+    checkpoint's own directory: that one, refused if torn (one without a manifest, from another
+    tool, is loaded unverified, with a warning)."""
     if cfg.resume is None:
-        return None
-    if cfg.resume == "latest":
-        return (cfg.save, None) if os.path.exists(os.path.join(cfg.save, "latest")) else None
-    if os.path.exists(os.path.join(cfg.resume, "latest")):
-        return cfg.resume, None
-    if os.path.isdir(cfg.resume) and any(f.endswith("model_states.pt") for f in os.listdir(cfg.resume)):
-        return os.path.dirname(os.path.abspath(cfg.resume)), os.path.basename(os.path.abspath(cfg.resume))
-    raise JobError(f"--resume {cfg.resume}: not a DeepSpeed checkpoint directory (no 'latest' file, no *model_states.pt)")
+        return None, []
+    directory = cfg.save if cfg.resume == "latest" else cfg.resume
+    if cfg.resume == "latest" or os.path.exists(os.path.join(directory, checkpoint.LATEST)) or not any(
+            f.endswith("model_states.pt") for f in os.listdir(directory)):
+        tag, manifest, skipped = checkpoint.find_resumable(directory)
+        notes = [f"--resume: skipped checkpoint {line}" for line in skipped]
+        if tag is None:
+            if cfg.resume != "latest":
+                raise JobError(f"--resume {cfg.resume}: no complete checkpoint there" + (f" ({'; '.join(skipped)})" if skipped else ""))
+            legacy = [line.split(":")[0] for line in skipped if "no manifest" in line and "named by latest" not in line]
+            hint = f" (one without a manifest loads unverified when named: --resume {os.path.join(directory, legacy[0])})" if legacy else ""
+            return None, notes + [f"--resume latest: no complete checkpoint in {cfg.save} yet; starting at step 0{hint}"]
+        return (directory, tag, manifest), notes + [f"--resume: checkpoint {tag} (step {manifest['step']}) in {directory}"]
+    directory, tag = os.path.split(os.path.abspath(cfg.resume))
+    manifest, why = checkpoint.inspect(directory, tag)
+    if manifest is not None:
+        return (directory, tag, manifest), [f"--resume: checkpoint {tag} (step {manifest['step']}) in {directory}"]
+    if not why.startswith("no manifest"):
+        raise JobError(f"--resume {cfg.resume}: the checkpoint is not intact: {why}")
+    return (directory, tag, None), [f"--resume {cfg.resume}: no manifest, so neither its files nor its settings can be checked; loading it as it is"]
 
 
 def key_scores(logits_local: torch.Tensor, answers_local: torch.Tensor, topo) -> torch.Tensor:
@@ -119,21 +143,32 @@ class Job:
         world = int(os.environ.get("WORLD_SIZE", "1"))
         sp_size = check_launch(cfg, world)
         self.ds = resolve_ds_config(cfg, load_ds_config(cfg.deepspeed), dp_size=world // sp_size, sp_size=sp_size, on_gpu=on_gpu,
-                                    pretrained=_has_weights(cfg.model))
-        resume = _checkpoint_to_load(cfg)
+                                    pretrained=_has_weights(cfg.model) and not cfg.from_scratch)
         self.tokenizer = corpus.load_tokenizer(cfg)
+        if cfg.model and os.path.isdir(cfg.model) and not _has_weights(cfg.model) and not cfg.from_scratch:
+            raise JobError(f"--model {cfg.model}: no weight files (*.safetensors, *.bin) there; to train this architecture from "
+                           "random weights, add --from-scratch")
         first = int(os.environ.get("RANK", "0")) == 0
         self.train_rows = corpus.build_rows(cfg.data, self.tokenizer, cfg, progress=first) if cfg.data else None
         self.eval_rows = corpus.build_rows(cfg.eval_data, self.tokenizer, cfg, progress=first) if cfg.eval_data else None
 
         self.device = bind_device()  # cuda:LOCAL_RANK before NCCL starts; CPU without CUDA
-        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo")
+        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", timeout=datetime.timedelta(seconds=cfg.dist_timeout))
         check_one_rank_per_device(dist.group.WORLD, self.device)
         if not on_gpu:  # ranks share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size(default=dist.get_world_size())))
         self.layout = cfg.layout if cfg.layout != "auto" else ("balanced" if cfg.data and cfg.packing else "zigzag")
-        self.topo = topo = init_sequence_parallel(sp_size, ulysses_degree=cfg.ulysses_degree, layout=self.layout, profile=cfg.profile)
+        self.topo = topo = init_sequence_parallel(sp_size, ulysses_degree=cfg.ulysses_degree, layout=self.layout, profile=cfg.profile,
+                                                  timeout=cfg.dist_timeout)
         self.rank0 = topo.rank == 0
+        self.resume_state = {"seq_len": cfg.seq_len, "packing": cfg.packing, "data": cfg.data and os.path.abspath(cfg.data),
+                             "data_bytes": cfg.data and _size(cfg.data),
+                             "data_mtime": cfg.data and int(os.path.getmtime(cfg.data)), "seed": cfg.seed, "micro_batch": self.ds.micro_batch,
+                             "grad_accum": self.ds.grad_accum, "sp_size": topo.sp_size, "dp_size": topo.dp_size, "steps": cfg.steps,
+                             "lr": self.ds.lr, "warmup_steps": self.ds.warmup_steps, "min_lr_ratio": cfg.min_lr_ratio}
+        """What decides the data and the schedule: a resume with any of it changed is refused."""
+        self.run = uuid.uuid4().hex  # rank 0's names the checkpoints of this run (kept across resumes)
+        resume = self._checkpoint_to_resume() if cfg.resume is not None or cfg.save else None  # checked before the model is built
         self.batches = (corpus.TrainBatches(self.train_rows, topo, self.ds.micro_batch, cfg.seed) if self.train_rows is not None
                         else corpus.passkey_train_batches(cfg, topo, self.ds.micro_batch))
 
@@ -170,15 +205,23 @@ class Job:
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters() if self.ds.ds_optimizer else None,
                                                config=self.ds.config, mpu=SequenceParallelMPU(topo), **extra)
         self.scale = gradient_scale(self.engine, topo)  # undoes the averaging of this ZeRO stage
-        self.start = 0
+        self.start, self.resumed, self.last_checkpoint = 0, None, None
         if resume is not None:
-            path, client = self.engine.load_checkpoint(*resume)
+            directory, self.resumed, _ = resume
+            path, client = self.engine.load_checkpoint(directory, self.resumed)
             if path is None:
-                raise JobError(f"--resume: DeepSpeed found no checkpoint in {resume[0]}")
-            self.start = int(client["step"])
-        elif cfg.resume == "latest" and self.rank0:
-            print(f"--resume latest: no checkpoint in {cfg.save} yet; starting at step 0", flush=True)
-        self.metrics = MetricsFile(cfg.metrics_file, self.rank0)
+                raise JobError(f"--resume: DeepSpeed found no checkpoint {self.resumed} in {directory}")
+            checkpoint.load_rng(directory, self.resumed, topo.rank)
+            sched = self.engine.lr_scheduler
+            if not self.ds.ds_scheduler and hasattr(sched, "lr_lambdas"):  # ours, planned for this run's --steps
+                # the optimizer's state holds the rate the checkpoint's plan set for the next step: take this plan's
+                for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+                    group["lr"] = base * fn(sched.last_epoch)
+            self.start, self.last_checkpoint = int(client["step"]), os.path.join(directory, self.resumed)
+            steps = {s for (s,) in comm.all_gather_ints((self.start,), dist.group.WORLD, topo.device)}
+            if len(steps) > 1:
+                raise JobError(f"--resume: the ranks loaded checkpoints of different steps {sorted(steps)} from {directory}/{self.resumed}")
+        self.metrics = MetricsFile(cfg.metrics_file, self.rank0, keep_through=self.start if self.resumed else None)
         self.peak = peak_tflops(self.device, self.ds.dtype, cfg.peak_tflops)
 
     # -- losses ------------------------------------------------------------------------------
@@ -207,12 +250,21 @@ class Job:
         """One optimizer step (``step`` counts from 0); returns its loss, the same on every rank."""
         accum = self.ds.grad_accum
         locals_ = [self._local(self.batches(step * accum + j)) for j in range(accum)]
-        weights, _ = self._weights(locals_)
+        weights, targets = self._weights(locals_)
+        if targets == 0:  # all padding: an optimizer step would still move the weights (momentum, decay)
+            self.work_imbalance = None
+            return float("nan")
         length = locals_[0]["input_ids"].shape[1] * self.topo.sp_size
         self.work_imbalance = max(work_imbalance(self.layout, length, self.topo.sp_size, local.get("cu_seqlens")) for local in locals_)
         value = 0.0
-        for local, weight in zip(locals_, weights.tolist()):
+        for j, (local, weight) in enumerate(zip(locals_, weights.tolist())):
             loss = self._loss(local)
+            bad = comm.all_reduce_sum(torch.isfinite(loss.detach()).logical_not().double().reshape(1), dist.group.WORLD)
+            if bad.item():  # the same on every rank: all stop here, before anything steps or saves
+                raise JobError(f"step {step + 1}: the loss of micro-batch {j + 1} is not finite on {int(bad.item())} of "
+                               f"{self.topo.world_size} ranks; stopped before the optimizer step, so nothing was trained on it "
+                               "or saved. Lower --lr, check the data, or train in bf16 or fp32 rather than fp16. The last "
+                               f"checkpoint: {self.last_checkpoint or 'none'}" + (" (--resume latest restarts there)" if self.last_checkpoint else ""))
             self.engine.backward(loss * (weight * self.scale), scale_wrt_gas=False)
             self.engine.step()
             value += loss.item() * weight
@@ -258,10 +310,12 @@ class Job:
                     say(f"token mixers: {len(mixers)} under {', '.join(sorted(set(mixers.values())))} ({', '.join(mixers)})")
             tflops = tokens_per_step * self.flops_per_token / seconds / topo.world_size / 1e12
             mfu = tflops / self.peak if self.peak else None
-            say(f"step {step + 1:4d}  loss {losses[-1]:.4f}  lr {lr:.2e}  {tokens_per_step / seconds:8.0f} tokens/s  "
+            loss = "no targets: no optimizer step" if math.isnan(losses[-1]) else f"{losses[-1]:.4f}"
+            say(f"step {step + 1:4d}  loss {loss}  lr {lr:.2e}  {tokens_per_step / seconds:8.0f} tokens/s  "
                 + (f"MFU {mfu:.1%}  " if mfu is not None else "") + f"peak memory per rank {', '.join(f'{m} MiB' for m in peaks)}")
             self.metrics.write(step=step + 1, loss=losses[-1], lr=lr, tokens_per_s=tokens_per_step / seconds, tflops_per_rank=tflops,
-                               mfu=mfu, peak_memory_mib=peaks, tokens=tokens_per_step * (step + 1), work_imbalance=self.work_imbalance)
+                               mfu=mfu, peak_memory_mib=peaks, tokens=tokens_per_step * (step + 1), work_imbalance=self.work_imbalance,
+                               skipped_steps=self.engine.skipped_steps)
             progress.update(1)
             done = step + 1
             if cfg.eval_every and done % cfg.eval_every == 0 and done < cfg.steps:
@@ -271,18 +325,64 @@ class Job:
         progress.close()
         if self.has_eval:
             self.report_eval(cfg.steps, print if self.rank0 else (lambda line: None))
-        if cfg.save:
+        if cfg.save and not (self.resumed and self.start == cfg.steps):  # resuming a finished run saves nothing over it
             self.save(cfg.steps)
         return losses
 
-    def save(self, step: int) -> None:
-        """A DeepSpeed checkpoint tagged ``step{N}`` in ``--save``; keeps the newest ``--keep-last``."""
-        self.engine.save_checkpoint(self.cfg.save, tag=f"step{step}", client_state={"step": step})
+    def _checkpoint_to_resume(self) -> tuple[str, str, dict | None] | None:
+        """(directory, tag, manifest) of the checkpoint rank 0 found (``_find_checkpoint``), after
+        every rank has checked it can read it and that the settings that decide the data and the
+        schedule are those it was trained with (``--steps`` may grow); None to start fresh. A fresh
+        run (no ``--resume``) into a ``--save`` that holds checkpoints is refused."""
+        found, error = None, None
         if self.rank0:
-            tags = sorted((int(name[4:]), name) for name in os.listdir(self.cfg.save) if name.startswith("step") and name[4:].isdigit())
-            for _, name in tags[: -self.cfg.keep_last]:
-                shutil.rmtree(os.path.join(self.cfg.save, name), ignore_errors=True)
-            print(f"checkpoint step{step} written to {self.cfg.save}", flush=True)
+            try:
+                if self.cfg.resume is None and checkpoint.existing(self.cfg.save):
+                    raise JobError(f"--save {self.cfg.save} already holds checkpoints ({', '.join(checkpoint.existing(self.cfg.save)[:4])}): "
+                                   "continue that run with --resume latest, or give a new --save directory")
+                found, notes = _find_checkpoint(self.cfg)
+                for line in notes:
+                    print(line, flush=True)
+            except JobError as e:
+                error = str(e)
+        found, error = comm.broadcast_object((found, error), src=0, group=dist.group.WORLD)
+        if error:
+            raise JobError(error)
+        if found is None:
+            return None
+        directory, tag, manifest = found
+        seen = comm.all_gather_ints((int(os.path.isdir(os.path.join(directory, tag))),), dist.group.WORLD, self.topo.device)
+        unseen = [r for r, (ok,) in enumerate(seen) if not ok]
+        if unseen:
+            raise JobError(f"--resume: ranks {unseen} cannot see {os.path.join(directory, tag)}; checkpoints need a file system every rank shares")
+        if manifest is not None:
+            changed = checkpoint.resume_mismatches(manifest.get("resume", {}), self.resume_state)
+            if changed:
+                raise JobError(f"--resume: checkpoint {tag} was trained with other settings, and continuing would train on other data "
+                               f"or another schedule: {'; '.join(changed)}. Resume with the same settings (--steps may grow), or start a new run "
+                               "(another --save directory, no --resume).")
+            self.run = manifest.get("run", self.run)
+        return found
+
+    def save(self, step: int) -> None:
+        """Checkpoint step ``step`` in ``--save`` crash-safely (``job.checkpoint``: written aside,
+        flushed, a manifest last, renamed, then ``latest``); keeps the newest ``--keep-last``."""
+        directory = self.cfg.save
+        if self.rank0:  # a crashed save's leftovers, cleared before anyone writes there
+            os.makedirs(directory, exist_ok=True)
+            shutil.rmtree(os.path.join(directory, checkpoint.partial_tag(step)), ignore_errors=True)
+        dist.barrier()
+        self.engine.save_checkpoint(directory, tag=checkpoint.partial_tag(step), client_state={"step": step}, save_latest=False)
+        checkpoint.save_rng(directory, step, self.topo.rank)
+        dist.barrier()  # every rank's files are written
+        tag = None
+        if self.rank0:
+            tag = checkpoint.finish(directory, step, {"run": self.run, "resume": self.resume_state})
+            for line in checkpoint.rotate(directory, self.cfg.keep_last, self.run, {tag}):
+                print(f"warning: {line}", flush=True)
+            print(f"checkpoint {tag} written to {directory}", flush=True)
+        tag = comm.broadcast_object(tag, src=0, group=dist.group.WORLD)  # nobody goes on, or exits, before it is in place
+        self.last_checkpoint = os.path.join(directory, tag)
 
     # -- eval --------------------------------------------------------------------------------
 
