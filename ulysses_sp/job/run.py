@@ -207,20 +207,7 @@ class Job:
         self.scale = gradient_scale(self.engine, topo)  # undoes the averaging of this ZeRO stage
         self.start, self.resumed, self.last_checkpoint = 0, None, None
         if resume is not None:
-            directory, self.resumed, _ = resume
-            path, client = self.engine.load_checkpoint(directory, self.resumed)
-            if path is None:
-                raise JobError(f"--resume: DeepSpeed found no checkpoint {self.resumed} in {directory}")
-            checkpoint.load_rng(directory, self.resumed, topo.rank)
-            sched = self.engine.lr_scheduler
-            if not self.ds.ds_scheduler and hasattr(sched, "lr_lambdas"):  # ours, planned for this run's --steps
-                # the optimizer's state holds the rate the checkpoint's plan set for the next step: take this plan's
-                for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
-                    group["lr"] = base * fn(sched.last_epoch)
-            self.start, self.last_checkpoint = int(client["step"]), os.path.join(directory, self.resumed)
-            steps = {s for (s,) in comm.all_gather_ints((self.start,), dist.group.WORLD, topo.device)}
-            if len(steps) > 1:
-                raise JobError(f"--resume: the ranks loaded checkpoints of different steps {sorted(steps)} from {directory}/{self.resumed}")
+            self._load(*resume[:2])
         self.metrics = MetricsFile(cfg.metrics_file, self.rank0, keep_through=self.start if self.resumed else None)
         self.peak = peak_tflops(self.device, self.ds.dtype, cfg.peak_tflops)
 
@@ -363,6 +350,23 @@ class Job:
                                "(another --save directory, no --resume).")
             self.run = manifest.get("run", self.run)
         return found
+
+    def _load(self, directory: str, tag: str) -> None:
+        """The engine's, the RNG's and the schedule's state from checkpoint ``tag``; every rank must
+        have loaded the same step."""
+        path, client = self.engine.load_checkpoint(directory, tag)
+        if path is None:
+            raise JobError(f"--resume: DeepSpeed found no checkpoint {tag} in {directory}")
+        checkpoint.load_rng(directory, tag, self.topo.rank)
+        sched = self.engine.lr_scheduler
+        if not self.ds.ds_scheduler and hasattr(sched, "lr_lambdas"):  # ours, planned for this run's --steps
+            # the optimizer's state holds the rate the checkpoint's plan set for the next step: take this plan's
+            for group, base, fn in zip(sched.optimizer.param_groups, sched.base_lrs, sched.lr_lambdas):
+                group["lr"] = base * fn(sched.last_epoch)
+        self.start, self.resumed, self.last_checkpoint = int(client["step"]), tag, os.path.join(directory, tag)
+        steps = {s for (s,) in comm.all_gather_ints((self.start,), dist.group.WORLD, self.topo.device)}
+        if len(steps) > 1:
+            raise JobError(f"--resume: the ranks loaded checkpoints of different steps {sorted(steps)} from {self.last_checkpoint}")
 
     def save(self, step: int) -> None:
         """Checkpoint step ``step`` in ``--save`` crash-safely (``job.checkpoint``: written aside,
