@@ -311,8 +311,7 @@ def summarise(cells_: list[Cell], entries: list[str], per_rank: list[dict], worl
     for index, cell in enumerate(cells_):
         for name in entries:
             row = {**asdict(cell), "entry": name, "kind": "peer" if name.startswith("peer:") else "ulysses-sp",
-                   "work_imbalance": layout.table_imbalance(layout.chunk_table(cell.layout, world, cell.seq, cell.bounds), cell.seq, cell.bounds,
-                                                            causal=cell.causal, window=cell.window)}
+                   "work_imbalance": layout.work_imbalance(cell.layout, cell.seq, world, cell.bounds, causal=cell.causal, window=cell.window)}
             mine = [r[(index, name)] for r in per_rank]
             if "skipped" in mine[0]:
                 rows.append({**row, "skipped": mine[0]["skipped"]})

@@ -130,11 +130,11 @@ def table_imbalance(table, seq_len: int, cu_seqlens=None, *, causal: bool = True
     return max(loads) * len(loads) / sum(loads) if sum(loads) else 1.0
 
 
-def work_imbalance(layout: str, seq_len: int, sp_size: int, cu_seqlens=None) -> float:
-    """The slowest rank's causal attention work over the mean under ``layout`` (1.0: balanced),
-    for a row of ``seq_len`` tokens with global document boundaries ``cu_seqlens`` (None: one)."""
+def work_imbalance(layout: str, seq_len: int, sp_size: int, cu_seqlens=None, *, causal: bool = True, window: int | None = None) -> float:
+    """The slowest rank's attention work over the mean under ``layout`` (1.0: balanced), for a row
+    of ``seq_len`` tokens with global document boundaries ``cu_seqlens`` (None: one)."""
     bounds = document_bounds(cu_seqlens, seq_len)
-    return table_imbalance(chunk_table(layout, sp_size, seq_len, bounds), seq_len, bounds)
+    return table_imbalance(chunk_table(layout, sp_size, seq_len, bounds), seq_len, bounds, causal=causal, window=window)
 
 
 @functools.lru_cache(maxsize=1024)

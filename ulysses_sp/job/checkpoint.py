@@ -26,7 +26,7 @@ import sys
 
 import torch
 
-__all__ = ["MANIFEST", "partial_tag", "finish", "find_resumable", "inspect", "rotate", "existing", "save_rng", "load_rng", "resume_mismatches"]
+__all__ = ["MANIFEST", "write_atomically", "partial_tag", "finish", "find_resumable", "inspect", "rotate", "existing", "save_rng", "load_rng", "resume_mismatches"]
 
 MANIFEST = "ulysses_sp_manifest.json"
 LATEST = "latest"
@@ -45,7 +45,7 @@ def _fsync(path: str) -> None:
         os.close(fd)
 
 
-def _write_atomically(path: str, text: str) -> None:
+def write_atomically(path: str, text: str) -> None:
     """``path`` holds the old text or the new, whatever happens: a temporary file, flushed, then renamed."""
     tmp = f"{path}.tmp"
     with open(tmp, "w") as f:
@@ -108,14 +108,14 @@ def finish(directory: str, step: int, state: dict) -> str:
         for name in names:
             _fsync(os.path.join(folder, name))
         _fsync(folder)
-    _write_atomically(os.path.join(root, MANIFEST), json.dumps({"step": step, "files": _files(root), **state}, indent=1))
+    write_atomically(os.path.join(root, MANIFEST), json.dumps({"step": step, "files": _files(root), **state}, indent=1))
     tag, n = f"step{step}", 0
     while os.path.exists(os.path.join(directory, tag)):  # a crashed run's leftover, or a re-run: never overwrite
         n += 1
         tag = f"step{step}.{n}"
     os.replace(root, os.path.join(directory, tag))
     _fsync(directory)
-    _write_atomically(os.path.join(directory, LATEST), tag)
+    write_atomically(os.path.join(directory, LATEST), tag)
     return tag
 
 

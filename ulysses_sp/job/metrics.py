@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from .checkpoint import write_atomically
+
 __all__ = ["MetricsFile", "count_params", "flops_per_token", "peak_tflops"]
 
 PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "H800": 989.0, "A100": 312.0, "A800": 312.0, "L40S": 362.0, "A10G": 70.0, "L4": 121.0}
@@ -71,9 +73,7 @@ class MetricsFile:
                         continue
                     if step <= keep_through:
                         kept.append(line.rstrip("\n") + "\n")
-        with open(f"{self.path}.tmp", "w") as f:
-            f.writelines(kept)
-        os.replace(f"{self.path}.tmp", self.path)
+        write_atomically(self.path, "".join(kept))
 
     def write(self, **record) -> None:
         if self.path:
