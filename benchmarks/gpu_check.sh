@@ -107,7 +107,8 @@ R_PAR=0
 if ((NGPU >= 2)); then R_PAR=$((150 + R_BENCH)); fi  # the NCCL parity, then sp-bench run and calibrate
 R_HF=0
 if ((NGPU >= 2)); then R_HF=120; fi  # the Trainer example: one GPU and two
-R_REAL=90  # the real-data job on 1 GPU
+R_RESUME=60  # its resume from the step-10 checkpoint
+R_REAL=$((90 + R_RESUME))  # the real-data job on 1 GPU, then its resume
 R_TRAIN1=$((100 + R_REAL + R_TRAIN2 + R_HF + R_PAR))
 R_PY=$((150 + R_TRAIN1))
 PIP=("$PYTHON" -m pip install --disable-pip-version-check --retries 1 --timeout 15)  # fail fast when offline
@@ -204,9 +205,16 @@ train train_1gpu_bf16 1 240 "$((R_REAL + R_TRAIN2 + R_HF + R_PAR))" --sp-size 1 
 # a model directory with a tokenizer, JSON lines, the example DeepSpeed config (bf16 "auto": bf16 on CUDA),
 # eval and the Hugging Face export, which must load with the engine's logits (checked on CPU by the tests)
 "$PYTHON" -m ulysses_sp.testing.tiny_checkpoint "$LOGS/tiny" >/dev/null 2>&1 || fail "tiny_checkpoint could not write $LOGS/tiny"
-train train_1gpu_real_data 1 150 "$((R_TRAIN2 + R_HF + R_PAR))" --sp-size 1 --model "$LOGS/tiny/model" --data "$LOGS/tiny/train.jsonl" \
-    --eval-data "$LOGS/tiny/eval.jsonl" --deepspeed examples/ds_config.json --seq-len 1024 --steps 20 --lr 1e-2 \
-    --metrics-file "$LOGS/tiny/metrics.jsonl" --export-hf "$LOGS/tiny/export"
+real_args=(--sp-size 1 --model "$LOGS/tiny/model" --data "$LOGS/tiny/train.jsonl" --eval-data "$LOGS/tiny/eval.jsonl"
+           --deepspeed examples/ds_config.json --seq-len 1024 --steps 20 --lr 1e-2 --metrics-file "$LOGS/tiny/metrics.jsonl"
+           --export-hf "$LOGS/tiny/export" --save "$LOGS/tiny/ckpt" --save-every 10)
+rm -rf "$LOGS/tiny/ckpt"  # a rerun's: a fresh run into checkpoints is refused
+train train_1gpu_real_data 1 150 "$((R_RESUME + R_TRAIN2 + R_HF + R_PAR))" "${real_args[@]}"
+# the crash-safe checkpoints on CUDA (RNG states of the device included): the step-20 one removed, as if the run had
+# died saving it; --resume latest must take step 10 and train to step 20 again
+rm -rf "$LOGS/tiny/ckpt/step20"
+train train_1gpu_resume 1 "$R_RESUME" "$((R_TRAIN2 + R_HF + R_PAR))" "${real_args[@]}" --resume latest
+grep -q -- '--resume: checkpoint step10 ' "$LOGS/train_1gpu_resume.log" || fail "train_1gpu_resume did not resume from step10"
 if ((NGPU >= 2)); then
     # SP=2 with the memory stack on: tiled loss, tiled MLP, checkpoints offloaded to pinned host memory
     train train_2gpu_sp2_bf16_memory_stack 2 240 "$((R_HF + R_PAR))" --sp-size 2 --steps 20 --dtype bf16 --tiled-loss --tiled-mlp --checkpoint offload
