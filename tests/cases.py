@@ -10,6 +10,7 @@ counts, messages); the tolerances and expected values live in the tests.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import importlib.util
 import os
 import traceback
@@ -348,6 +349,15 @@ for _layout in layout.LAYOUTS:
         case(f"bytes/windowed/{_layout}-{_w}", WORLDS)(lambda env, lay=_layout, w=_w: halo_bytes(env, lay, w))
 
 
+@functools.lru_cache(maxsize=None)
+def _kernel_calls_inputs(docs):
+    """(cu_seqlens, q k v, the fp64 reference) for kernel_calls: the same for every backend and layout."""
+    cu = docs and (0, *(round(i * 2009 / docs) + 7 for i in range(1, docs)), 2016)  # documents cross chunk boundaries
+    gen = generator(f"calls-{docs}")
+    full = [torch.randn(1, 2016, h, 8, generator=gen, dtype=torch.bfloat16) for h in (12, 1, 1)]
+    return cu, full, reference_attention(*(t.double() for t in full), causal=True, cu_seqlens=cu)
+
+
 def kernel_calls(env: Env, backend: str, lay: str = "zigzag") -> dict:
     """flash-attn forward calls (CPU fake) per attention forward on 2016 tokens, unpacked (None)
     or packed in 24 or 1000 documents: the block plans make one varlen call per chunk pair."""
@@ -356,9 +366,7 @@ def kernel_calls(env: Env, backend: str, lay: str = "zigzag") -> dict:
     topo = _topo_for(env, Parity(), lay)
     counts = {}
     for docs in (None, 24, 1000):
-        cu = docs and (0, *(round(i * 2009 / docs) + 7 for i in range(1, docs)), 2016)  # documents cross chunk boundaries
-        gen = generator(f"calls-{docs}")
-        full = [torch.randn(1, 2016, h, 8, generator=gen, dtype=torch.bfloat16) for h in (12, 1, 1)]
+        cu, full, ref = _kernel_calls_inputs(docs)
         shards = [usp.shard_sequence(t, topo, cu_seqlens=cu or (0, 2016)) for t in full]
         with install() as fake:
             usp.sp_attention(*shards, topo, backend=backend, kernel="flash_attn", cu_seqlens=cu)  # the handshake, plans
@@ -366,7 +374,6 @@ def kernel_calls(env: Env, backend: str, lay: str = "zigzag") -> dict:
             out = usp.sp_attention(*shards, topo, backend=backend, kernel="flash_attn", cu_seqlens=cu)
             counts[docs] = {"calls": fake.calls["_flash_attn_forward"] + fake.calls["_flash_attn_varlen_forward"],
                             "varlen": fake.calls["_flash_attn_varlen_forward"]}
-        ref = reference_attention(*(t.double() for t in full), causal=True, cu_seqlens=cu)
         counts[docs]["err"] = max_err(usp.gather_sequence(out, topo, cu_seqlens=cu or (0, 2016)).double(), ref)
     return counts
 

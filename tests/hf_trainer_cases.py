@@ -98,6 +98,28 @@ def _generate(model) -> list[int]:
     return out[0].tolist()
 
 
+def _token_mean(model, dataset) -> float:
+    """The mean loss over every target token of ``dataset``, one sample at a time."""
+    import torch.nn.functional as F
+
+    model.eval()
+    total = count = 0.0
+    with torch.no_grad():
+        for item in dataset:
+            inputs = {k: v[None] for k, v in item.items() if k != "labels"}
+            logits = model(**inputs).logits[0, :-1].double()
+            targets = item["labels"][1:]
+            total += F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum").item()
+            count += (targets != -100).sum().item()
+    return total / count
+
+
+def _without_targets(dataset, n: int) -> list:
+    """``dataset``'s samples and ``n`` more without any target: a token-weighted mean is unchanged."""
+    items = [dataset[i] for i in range(len(dataset))]
+    return items + [{**item, "labels": torch.full_like(item["labels"], -100)} for item in items[:n]]
+
+
 def reference(case: dict) -> dict:
     """transformers.Trainer on one process: the loss per step, eval_loss, predict()'s logits, generate()."""
     from transformers import Trainer, TrainingArguments
@@ -107,7 +129,7 @@ def reference(case: dict) -> dict:
     with tempfile.TemporaryDirectory() as out:
         trainer = Trainer(model=model, args=TrainingArguments(**common_args(case, out)), train_dataset=train, eval_dataset=evaluation)
         trainer.train()
-        result = {"losses": _losses(trainer), "eval_loss": trainer.evaluate()["eval_loss"]}
+        result = {"losses": _losses(trainer), "eval_loss": trainer.evaluate()["eval_loss"], "eval_loss_tokens": _token_mean(trainer.model, evaluation)}
         if case.get("predict"):
             result["logits"] = trainer.predict(evaluation).predictions
             result["generated"] = _generate(trainer.model)
@@ -136,6 +158,8 @@ def sp_run(case: dict) -> dict:
         result["layout"] = trainer.topo.layout
         result["losses"] = _losses(trainer)
         result["eval_loss"] = trainer.evaluate()["eval_loss"]
+        if case.get("eval_without_targets"):  # batches of 2: the third holds one sample without targets, the fourth none
+            result["eval_loss_without_targets"] = trainer.evaluate(_without_targets(evaluation, 3))["eval_loss"]
         result["chosen"] = sorted({b.name for m in trainer._sp_model.modules() if "_ulysses_sp_attention" in m.__dict__
                                    for b in m.__dict__["_ulysses_sp_attention"]._chosen.values()})
         if case.get("predict"):
@@ -283,7 +307,7 @@ DEEPSPEED_ZERO2 = {
     "train_batch_size": "auto", "gradient_clipping": "auto", "steps_per_print": 10**9,
 }
 SP_CASES = {  # name: (reference, case)
-    "llama/sp2": ("llama", dict(REFERENCES["llama"])),
+    "llama/sp2": ("llama", dict(REFERENCES["llama"], eval_without_targets=True)),
     "llama/dp2": ("llama", dict(family="llama", sp_size=1, batch=1)),
     "llama/sp2/overcount": ("llama", dict(family="llama", overcount=True)),
     "llama/sp2/zero2": ("llama", dict(family="llama", args=dict(deepspeed=DEEPSPEED_ZERO2))),

@@ -4,6 +4,7 @@ metrics file across resumes. The job around them: tests/test_train_real.py."""
 
 import json
 import os
+from types import SimpleNamespace
 
 import pytest
 
@@ -118,3 +119,26 @@ def test_metrics_file_starts_anew_or_keeps_the_steps_through_the_checkpoint(tmp_
     assert not os.path.exists(f"{path}.2")
     MetricsFile(path, False).write(step=1)  # not rank 0: untouched
     assert open(path).read() == ""
+
+
+def test_the_ranks_wait_for_rank_0s_file_work_on_their_own_group(tmp_path, monkeypatch):
+    """Job.save: the waits around what rank 0 alone does (clearing a crashed save, then flushing,
+    renaming and rotating) are on the job's gloo io_group (--io-timeout), not the training
+    collectives' --dist-timeout; the wait for every rank's own files stays on the world."""
+    from ulysses_sp.job import run
+
+    calls = []
+    monkeypatch.setattr(run.dist, "barrier", lambda group=None: calls.append(("barrier", group)))
+    monkeypatch.setattr(run.comm, "broadcast_object", lambda obj, src, group: calls.append(("broadcast", group)) or obj)
+
+    class Engine:
+        def save_checkpoint(self, directory, tag, client_state, save_latest):
+            os.makedirs(os.path.join(directory, tag, "global"))
+            with open(os.path.join(directory, tag, "global", "model_states.pt"), "wb") as f:
+                f.write(b"x" * 10)
+
+    job = SimpleNamespace(cfg=SimpleNamespace(save=str(tmp_path), keep_last=2), rank0=True, engine=Engine(), topo=SimpleNamespace(rank=0),
+                          run="r1", resume_state={}, io_group="io")
+    run.Job.save(job, 3)
+    assert calls == [("barrier", "io"), ("barrier", None), ("broadcast", "io")]
+    assert job.last_checkpoint == str(tmp_path / "step3") and checkpoint.inspect(str(tmp_path), "step3")[1] is None

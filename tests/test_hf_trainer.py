@@ -69,10 +69,23 @@ def test_loss_per_step_equals_one_process(runs, name):
 
 @pytest.mark.parametrize("name", EXACT)
 def test_eval_loss_equals_one_process(runs, name):
-    """5 eval samples in batches of 2: a short last batch; at DP=2 one group runs a padding batch."""
+    """eval_loss is the mean over the eval set's target tokens, computed one sample at a time on
+    one process. 5 eval samples in batches of 2: a short last batch; at DP=2 one group runs a
+    padding batch. The samples hold different numbers of targets, so transformers' mean of batch
+    means differs: the comparison would catch a batch weighted by its samples."""
     ref, ranks = _pair(runs, name)
+    assert abs(ref["eval_loss_tokens"] - ref["eval_loss"]) > 10 * EVAL_TOL, "the data must tell the two weightings apart"
     for r in ranks:
-        assert abs(r["eval_loss"] - ref["eval_loss"]) < EVAL_TOL, (r["eval_loss"], ref["eval_loss"])
+        assert abs(r["eval_loss"] - ref["eval_loss_tokens"]) < EVAL_TOL, (r["eval_loss"], ref["eval_loss_tokens"])
+
+
+def test_batches_without_targets_do_not_move_eval_loss(runs):
+    """Three more samples without any target (a batch with none, one with one target sample):
+    eval_loss stays the mean over the same target tokens. transformers counts such a batch as a
+    loss of NaN, the per-sample weighting this replaced as 0."""
+    ref, ranks = _pair(runs, "llama/sp2")
+    for r in ranks:
+        assert abs(r["eval_loss_without_targets"] - ref["eval_loss_tokens"]) < EVAL_TOL, (r["eval_loss_without_targets"], ref["eval_loss_tokens"])
 
 
 def test_the_default_layout_is_balanced_for_packed_rows(runs):

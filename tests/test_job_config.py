@@ -14,7 +14,7 @@ from ulysses_sp.data import IGNORE_INDEX, shard_batch  # noqa: E402
 from ulysses_sp.job import Job, JobError, TrainConfig, parse_args  # noqa: E402
 from ulysses_sp.job.corpus import pack, pad_each  # noqa: E402
 from ulysses_sp.job.ds_config import resolve_ds_config  # noqa: E402
-from ulysses_sp.tasks import passkey_batch, passkey_eval_batch  # noqa: E402
+from ulysses_sp.tasks import EOS_ID, passkey_batch, passkey_eval_batch  # noqa: E402
 
 
 def _resolve(user=None, dp=1, sp=2, **flags):
@@ -93,12 +93,41 @@ def test_parse_args_errors(argv, message, capsys):
 def test_packing_restarts_positions_per_document_and_row():
     docs = [[1, 2, 3, 9], [4, 5, 9], [6, 7, 8, 1, 2, 9]]  # 13 tokens, rows of 6
     rows = pack(docs, 6, pad_id=0)
-    assert rows.input_ids.tolist() == [[1, 2, 3, 9, 4, 5], [9, 6, 7, 8, 1, 2], [9, 0, 0, 0, 0, 0]]
-    assert rows.position_ids.tolist() == [[0, 1, 2, 3, 0, 1], [0, 0, 1, 2, 3, 4], [0, 0, 1, 2, 3, 4]]
-    assert rows.labels[2].tolist() == [9] + [IGNORE_INDEX] * 5
+    batch = rows.batch(range(len(rows)))
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 9, 4, 5], [9, 6, 7, 8, 1, 2], [9, 0, 0, 0, 0, 0]]
+    assert batch["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1], [0, 0, 1, 2, 3, 4], [0, 0, 1, 2, 3, 4]]
+    assert batch["labels"][2].tolist() == [9] + [IGNORE_INDEX] * 5
     padded = pad_each(docs, 4, pad_id=0)
-    assert padded.input_ids.tolist() == [[1, 2, 3, 9], [4, 5, 9, 0], [6, 7, 8, 1], [2, 9, 0, 0]]
-    assert padded.labels[1].tolist() == [4, 5, 9, IGNORE_INDEX]
+    batch = padded.batch(range(len(padded)))
+    assert batch["input_ids"].tolist() == [[1, 2, 3, 9], [4, 5, 9, 0], [6, 7, 8, 1], [2, 9, 0, 0]]
+    assert batch["labels"][1].tolist() == [4, 5, 9, IGNORE_INDEX]
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_rows_equal_the_stream_cut_one_token_at_a_time(seed):
+    """The rows built on demand from the token file against the definition, token by token:
+    packed, a document starts at each document and row start and the padding is one more;
+    padded, each seq_len piece of a document is a row."""
+    g = torch.Generator().manual_seed(seed)
+    docs = [torch.randint(0, 50, (int(n),), generator=g).tolist() + [99] for n in torch.randint(0, 30, (25,), generator=g)]
+    seq = 8
+    stream = [t for d in docs for t in d]
+    doc_start = {sum(map(len, docs[:i])) for i in range(len(docs))}
+    ids, pos, labels, p = [], [], [], 0
+    for i in range(-(-len(stream) // seq) * seq):
+        p = 0 if (i in doc_start or i % seq == 0 or i == len(stream)) else p + 1
+        ids.append(stream[i] if i < len(stream) else 0)
+        labels.append(stream[i] if i < len(stream) else IGNORE_INDEX)
+        pos.append(p)
+    rows = pack(docs, seq, pad_id=0)
+    batch = rows.batch(range(len(rows)))
+    for key, want in (("input_ids", ids), ("labels", labels), ("position_ids", pos)):
+        assert batch[key].flatten().tolist() == want, key
+    pieces = [d[i : i + seq] for d in docs for i in range(0, len(d), seq)]
+    padded = pad_each(docs, seq, pad_id=0)
+    batch = padded.batch(range(len(padded)))
+    assert batch["input_ids"].tolist() == [piece + [0] * (seq - len(piece)) for piece in pieces]
+    assert batch["labels"].tolist() == [piece + [IGNORE_INDEX] * (seq - len(piece)) for piece in pieces]
 
 
 def test_a_documents_first_token_is_not_the_previous_ones_target():
@@ -156,10 +185,12 @@ def test_outputs_and_resume_are_checked_before_any_process_group(monkeypatch, tm
     assert "--save " + str(a_file) + ": exists and is not a directory" in _job_error(monkeypatch, save=str(a_file))
     assert f"{a_file} is a file, not a directory" in _job_error(monkeypatch, export_hf=str(a_file / "export"))
     assert "is a directory; give a file name" in _job_error(monkeypatch, metrics_file=str(tmp_path))
+    assert f"--token-cache {a_file}: exists and is not a directory" in _job_error(monkeypatch, data=str(a_file), token_cache=str(a_file))
     assert "--resume latest looks in the --save directory" in _job_error(monkeypatch, resume="latest")
     assert "no such directory" in _job_error(monkeypatch, resume=str(tmp_path / "nowhere"))
     assert "--keep-last 0: keep at least the newest checkpoint" in _job_error(monkeypatch, save=str(tmp_path / "c"), keep_last=0)
-    assert "--dist-timeout 0: give the seconds a collective may wait" in _job_error(monkeypatch, dist_timeout=0)
+    assert "--dist-timeout 0: give the seconds the ranks may wait" in _job_error(monkeypatch, dist_timeout=0)
+    assert "--io-timeout -1: give the seconds the ranks may wait" in _job_error(monkeypatch, io_timeout=-1)
     from ulysses_sp.testing.tiny_checkpoint import write_tiny_llama
 
     write_tiny_llama(str(tmp_path / "tiny"))
@@ -187,10 +218,11 @@ def test_utilisation_peak_by_device_and_flops_per_token(monkeypatch):
 
 
 def test_records_without_text_are_counted(tmp_path):
-    from ulysses_sp.job.corpus import load_texts
+    from ulysses_sp.job.tokens import token_file
 
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps({"text": t}) + "\n" for t in ("a", "", None, "b")))
     said = []
-    assert load_texts(str(data), say=said.append) == ["a", "b"]
-    assert said == [f"{data}: 2 of 4 records have no text (empty, null or not a string) and are skipped"]
+    tf = token_file(str(data), None, str(tmp_path / "cache"), builder=True, say=said.append)
+    assert tf.tokens.tolist() == [ord("a"), EOS_ID, ord("b"), EOS_ID] and tf.ends.tolist() == [2, 4]
+    assert f"{data}: 2 of 4 records have no text (empty, null or not a string) and are skipped" in said

@@ -27,9 +27,10 @@ What the trainer changes, and why:
   (injected into ``deepspeed.initialize``) and the loss is multiplied by
   :func:`~ulysses_sp.integrations.deepspeed.gradient_scale`; DeepSpeed's division by the
   accumulation steps is turned off (``scale_wrt_gas=False``), since the count already spans them.
-- **Eval and predict.** ``eval_loss`` is the one-process value: each batch's
-  token-weighted loss over the SP group, averaged over samples, padding batches of
-  uneven DP groups weighted zero. Predictions are gathered into global token order
+- **Eval and predict.** ``eval_loss`` is the mean over every target token of the eval
+  set, whatever the batch size or DP x SP split (transformers.Trainer averages batch
+  means over samples instead, NaN when a batch holds no target; the two agree when
+  every batch holds as many targets). Predictions are gathered into global token order
   (``sp_predict_logits="gather"``), reduced to token ids (``"argmax"``), or refused with
   the memory they would take (``"none"``).
 """
@@ -49,7 +50,7 @@ from transformers.trainer_pt_utils import nested_concat
 from transformers.trainer_utils import EvalLoopOutput, EvalPrediction, denumpify_detensorize
 
 from .. import comm
-from ..data import SequenceParallelSampler, gather_sequence, model_inputs, shard_batch, sp_cross_entropy, target_counts
+from ..data import IGNORE_INDEX, SequenceParallelSampler, gather_sequence, model_inputs, shard_batch, sp_cross_entropy, target_counts
 from ..kernels import KERNEL_NAMES
 from ..loss import causal_lm_loss
 from ..registry import get_backend, list_backends
@@ -502,7 +503,7 @@ class SequenceParallelTrainer(Trainer):
         loss_sum = weight = 0.0
         preds, label_ids = {}, {}
         with torch.no_grad():
-            for step, ((g, size), inputs) in enumerate(zip(plan_of(), dataloader)):
+            for step, ((g, _), inputs) in enumerate(zip(plan_of(), dataloader)):
                 if step == 0 and not prediction_loss_only and args.sp_predict_logits == "none":
                     raise self._no_logits_error(inputs, vocab)
                 inputs = self._prepare_inputs(inputs)
@@ -515,9 +516,10 @@ class SequenceParallelTrainer(Trainer):
                     logits = model(**model_inputs(local)).logits
                     if has_labels:
                         loss = sp_cross_entropy(logits, local["shift_labels"], self.topo)
-                if loss is not None and g is not None:
-                    loss_sum += loss.item() * size
-                    weight += size
+                if loss is not None and g is not None:  # the group's mean times this rank's targets: summed, the group's sum
+                    targets = (local["shift_labels"] != IGNORE_INDEX).sum().item()
+                    loss_sum += loss.item() * targets
+                    weight += targets
                 if not prediction_loss_only:
                     seq = inputs["input_ids"].shape[1]
                     cu = local.get("cu_seqlens")
@@ -534,7 +536,7 @@ class SequenceParallelTrainer(Trainer):
                             label_ids[g] = labels.cpu()
                 self.control = self.callback_handler.on_prediction_step(args, self.state, self.control)
 
-        totals = comm.all_reduce_sum(torch.tensor([loss_sum, weight], dtype=torch.float64, device=args.device), self.topo.dp_group)
+        totals = comm.all_reduce_sum(torch.tensor([loss_sum, weight], dtype=torch.float64, device=args.device), dist.group.WORLD)
         predictions = labels_out = None
         if not prediction_loss_only:
             predictions, labels_out = self._collect(preds), self._collect(label_ids)

@@ -44,6 +44,8 @@ class TrainConfig:
     data: str | None = None
     """Local JSON lines / Parquet (a ``text`` column) or text files; None: the embedded passkey task."""
     eval_data: str | None = None
+    token_cache: str | None = None
+    """Where data files are tokenized once and memory-mapped (reused on resume); None: $XDG_CACHE_HOME/ulysses_sp/tokens."""
     packing: bool = True
     """Pack documents into --seq-len rows (position ids restart per document); False: one per row, padded."""
     seq_len: int = 4096
@@ -70,7 +72,9 @@ class TrainConfig:
     metrics_file: str | None = None
     export_hf: str | None = None
     dist_timeout: float = 1800.0
-    """Seconds any collective may wait, e.g. for rank 0 to flush a checkpoint or write the export."""
+    """Seconds a collective of training may wait for the other ranks."""
+    io_timeout: float = 7200.0
+    """Seconds the ranks wait (on a gloo group of their own) while rank 0 flushes, renames and rotates checkpoints or writes the export."""
     from_scratch: bool = False
     """Train ``--model``'s architecture from random weights (a directory without weight files is otherwise an error)."""
     """Write save_pretrained weights, config and tokenizer here at the end."""
@@ -165,6 +169,9 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--tokenizer", default=None, help="local tokenizer directory (default: the --model directory)")
     g.add_argument("--data", default=None, help="JSON lines / Parquet with a 'text' column, or .txt files (default: the embedded passkey task)")
     g.add_argument("--eval-data", default=None, help="held-out data in the same formats (the passkey task has its own)")
+    g.add_argument("--token-cache", default=None, metavar="DIR",
+                   help="where --data and --eval-data are tokenized once into memory-mapped token files, reused by later and "
+                        "resumed runs (default: $XDG_CACHE_HOME/ulysses_sp/tokens, else ~/.cache/ulysses_sp/tokens)")
     g.add_argument("--packing", action=argparse.BooleanOptionalAction, default=True,
                    help="pack documents into --seq-len rows, attention restarting per document (default); --no-packing pads each document")
     g.add_argument("--seq-len", type=_positive, default=4096)
@@ -194,7 +201,9 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--metrics-file", default=None, help="JSON lines per step and eval: loss, lr, tokens/s, FLOPs utilisation, peak memory")
     g.add_argument("--export-hf", default=None, metavar="DIR", help="write a save_pretrained model (and tokenizer) here at the end")
     g.add_argument("--dist-timeout", type=float, default=1800.0, metavar="SECONDS",
-                   help="how long a collective waits for the other ranks (a checkpoint or export that rank 0 writes included)")
+                   help="how long a collective of training waits for the other ranks")
+    g.add_argument("--io-timeout", type=float, default=7200.0, metavar="SECONDS",
+                   help="how long the ranks wait while rank 0 flushes, renames and rotates checkpoints or writes the export")
     g.add_argument("--peak-tflops", type=float, default=None, help="device peak for the FLOPs-utilisation estimate (default: known GPUs)")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)  # set by the deepspeed launcher
     a = p.parse_args(argv)
@@ -210,10 +219,11 @@ def parse_args(argv=None) -> TrainConfig:
         p.error(f"--gradient-checkpointing is --checkpoint layers; it contradicts --checkpoint {a.checkpoint}")
     return TrainConfig(
         sp_size=a.sp_size, sp_backend=a.sp_backend, zero_stage=a.zero_stage, deepspeed=next(iter(paths), None), model=a.model,
-        tokenizer=a.tokenizer, data=a.data, eval_data=a.eval_data, packing=a.packing, seq_len=a.seq_len, steps=a.steps,
+        tokenizer=a.tokenizer, data=a.data, eval_data=a.eval_data, token_cache=a.token_cache, packing=a.packing, seq_len=a.seq_len, steps=a.steps,
         micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
         weight_decay=a.weight_decay, seed=a.seed, eval_every=a.eval_every, eval_samples=a.eval_samples, save=a.save,
         save_every=a.save_every, keep_last=a.keep_last, resume=a.resume, metrics_file=a.metrics_file, export_hf=a.export_hf, dist_timeout=a.dist_timeout,
+        io_timeout=a.io_timeout,
         from_scratch=a.from_scratch,
         peak_tflops=a.peak_tflops, ulysses_degree=a.ulysses_degree, verify=a.verify, profile=a.profile, dtype=a.dtype, sp_kernel=a.sp_kernel, sp_mixer=a.sp_mixer, layout=a.layout,
         tiled_loss=a.tiled_loss, tiled_mlp=a.tiled_mlp, checkpoint="layers" if a.gradient_checkpointing else a.checkpoint,
@@ -249,11 +259,17 @@ def check_launch(cfg: TrainConfig, world_size: int) -> int:
         raise JobError("--resume latest looks in the --save directory: give --save too")
     if cfg.resume not in (None, "latest") and not os.path.isdir(cfg.resume):
         raise JobError(f"--resume {cfg.resume}: no such directory (give a --save directory, one of its step* checkpoints, or latest)")
-    if cfg.dist_timeout <= 0:
-        raise JobError(f"--dist-timeout {cfg.dist_timeout}: give the seconds a collective may wait, > 0")
+    for flag, seconds in (("dist-timeout", cfg.dist_timeout), ("io-timeout", cfg.io_timeout)):
+        if seconds <= 0:
+            raise JobError(f"--{flag} {seconds}: give the seconds the ranks may wait, > 0")
     if cfg.keep_last < 1:
         raise JobError(f"--keep-last {cfg.keep_last}: keep at least the newest checkpoint (1)")
-    for flag, path, is_dir in (("save", cfg.save, True), ("export-hf", cfg.export_hf, True), ("metrics-file", cfg.metrics_file, False)):
+    outputs = [("save", cfg.save, True), ("export-hf", cfg.export_hf, True), ("metrics-file", cfg.metrics_file, False)]
+    if cfg.data:
+        from .tokens import default_cache
+
+        outputs.append(("token-cache", cfg.token_cache or default_cache(), True))
+    for flag, path, is_dir in outputs:
         if path:
             _check_writable(flag, path, is_dir)
     return sp

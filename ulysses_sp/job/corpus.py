@@ -1,5 +1,5 @@
-"""The job's data: local files tokenized with the model's tokenizer, packed or padded into
-``seq_len`` rows, and handed out per DP group by micro-batch index (so a resumed run picks
+"""The job's data: local files tokenized once with the model's tokenizer (into a memory-mapped
+token file, :mod:`.tokens`), packed or padded into ``seq_len`` rows as they are drawn, and handed out per DP group by micro-batch index (so a resumed run picks
 up mid-epoch where it stopped).
 
 Packing (the default) concatenates documents, each ended by EOS, and cuts the stream into
@@ -13,34 +13,63 @@ gives each document (or each ``seq_len`` piece of a long one) its own row, right
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
-
+import numpy as np
 import torch
 
 from ..data import IGNORE_INDEX, SequenceParallelSampler
-from ..tasks import EOS_ID, PAD_ID, passkey_batch, passkey_eval_batch
+from ..tasks import PAD_ID, passkey_batch, passkey_eval_batch
 from ..topology import Topology
 from .config import JobError, TrainConfig
+from .tokens import default_cache, token_file
 
-__all__ = ["Rows", "load_tokenizer", "load_texts", "tokenize", "pack", "pad_each", "pad_id", "build_rows", "TrainBatches", "eval_batches", "passkey_eval_batches"]
-
-_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".txt": "text", ".text": "text"}
+__all__ = ["Rows", "load_tokenizer", "pack", "pad_each", "pad_id", "build_rows", "TrainBatches", "eval_batches", "passkey_eval_batches"]
 
 
-@dataclass
 class Rows:
-    """``[N, seq_len]`` tensors: token ids, labels (-100 on padding) and position ids."""
+    """``seq_len`` rows cut from a token file, built on demand (the corpus stays on disk): token
+    ids, labels (-100 on padding) and position ids, as ``[batch, seq_len]`` tensors."""
 
-    input_ids: torch.Tensor
-    labels: torch.Tensor
-    position_ids: torch.Tensor
+    def __init__(self, tokens: np.ndarray, ends: np.ndarray, seq_len: int, pad_id: int, *, packing: bool):
+        self.tokens, self.seq_len, self.pad_id, self.packing = tokens, seq_len, pad_id, packing
+        self.starts = np.concatenate([[0], ends[:-1]]).astype(np.int64)
+        if packing:  # rows of the stream; a document starts at each document and row start
+            self.n = len(tokens)
+            self._len = -(-self.n // seq_len)
+        else:  # one row per document, or per seq_len piece of a longer one
+            lengths = ends - self.starts
+            pieces = -(-lengths // seq_len)
+            doc = np.repeat(np.arange(len(ends)), pieces)
+            within = np.arange(len(doc)) - np.repeat(np.cumsum(pieces) - pieces, pieces)
+            self.piece_start = self.starts[doc] + within * seq_len
+            self.piece_len = np.minimum(seq_len, lengths[doc] - within * seq_len)
+            self._len = len(doc)
 
     def __len__(self) -> int:
-        return self.input_ids.shape[0]
+        return self._len
 
     def batch(self, indices) -> dict:
-        idx = torch.as_tensor(list(indices), dtype=torch.long)
-        return {"input_ids": self.input_ids[idx], "labels": self.labels[idx], "position_ids": self.position_ids[idx]}
+        rows = [self._packed(i) if self.packing else self._padded(i) for i in indices]
+        return {k: torch.stack([r[j] for r in rows]) for j, k in enumerate(("input_ids", "labels", "position_ids"))}
+
+    def _packed(self, i: int):
+        first = i * self.seq_len
+        g = np.arange(first, first + self.seq_len)
+        ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        real = min(self.seq_len, self.n - first)
+        ids[:real] = self.tokens[first : first + real]
+        doc_start = self.starts[np.searchsorted(self.starts, g, side="right") - 1]
+        start = np.maximum(np.where(g < self.n, doc_start, self.n), first)  # the padding is a document of its own
+        labels = ids.copy()
+        labels[real:] = IGNORE_INDEX
+        return torch.from_numpy(ids), torch.from_numpy(labels), torch.from_numpy(g - start)
+
+    def _padded(self, i: int):
+        start, length = int(self.piece_start[i]), int(self.piece_len[i])
+        ids = np.full(self.seq_len, self.pad_id, dtype=np.int64)
+        ids[:length] = self.tokens[start : start + length]
+        labels = np.full(self.seq_len, IGNORE_INDEX, dtype=np.int64)
+        labels[:length] = ids[:length]
+        return torch.from_numpy(ids), torch.from_numpy(labels), torch.arange(self.seq_len)
 
 
 def load_tokenizer(cfg: TrainConfig):
@@ -63,73 +92,19 @@ def load_tokenizer(cfg: TrainConfig):
     return tokenizer
 
 
-def load_texts(path: str, *, say=None) -> list[str]:
-    """The non-empty ``text`` records of a local JSON-lines, JSON, Parquet or text file (a text
-    file is one document), through Hugging Face ``datasets``; ``say`` gets a line counting the
-    records skipped for having no text."""
-    import datasets
-
-    builder = _BUILDERS.get(os.path.splitext(path)[1].lower())
-    if builder is None:
-        raise JobError(f"{path}: unknown data format; use .jsonl/.json or .parquet (a 'text' column) or .txt")
-    datasets.utils.logging.set_verbosity_error()
-    datasets.disable_progress_bars()
-    options = {"sample_by": "document"} if builder == "text" else {}
-    try:
-        ds = datasets.load_dataset(builder, data_files=path, split="train", **options)
-    except Exception as e:  # datasets raises many kinds for a malformed file
-        raise JobError(f"{path}: cannot read it as {builder} ({type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''})") from None
-    if "text" not in ds.column_names:
-        raise JobError(f"{path}: no 'text' column (columns: {', '.join(ds.column_names)})")
-    texts = [t for t in ds["text"] if isinstance(t, str) and t]
-    if not texts:
-        raise JobError(f"{path}: no non-empty 'text' records")
-    if len(texts) < len(ds) and say is not None:
-        say(f"{path}: {len(ds) - len(texts)} of {len(ds)} records have no text (empty, null or not a string) and are skipped")
-    return texts
-
-
-def tokenize(texts: list[str], tokenizer, *, progress: bool = False) -> list[list[int]]:
-    """Token ids per document, each ending in EOS; ``tokenizer`` None: UTF-8 bytes (the embedded model)."""
-    if tokenizer is None:
-        return [list(t.encode()) + [EOS_ID] for t in texts]
-    from tqdm import tqdm
-
-    eos, docs, step = tokenizer.eos_token_id, [], 256
-    for start in tqdm(range(0, len(texts), step), desc="tokenize", unit="batch", disable=not progress):
-        for ids in tokenizer(texts[start : start + step], add_special_tokens=True)["input_ids"]:
-            docs.append(ids if ids and ids[-1] == eos else ids + [eos])
-    return docs
-
-
 def pack(docs: list[list[int]], seq_len: int, pad_id: int) -> Rows:
-    """Documents concatenated and cut into rows of ``seq_len`` (the last padded)."""
-    flat = torch.tensor([t for d in docs for t in d], dtype=torch.long)
-    n = len(flat)
-    rows = -(-n // seq_len)
-    starts = torch.zeros(rows * seq_len, dtype=torch.bool)
-    offsets = torch.tensor([0] + [len(d) for d in docs[:-1]], dtype=torch.long).cumsum(0)
-    starts[offsets] = True
-    starts[::seq_len] = True  # a row starts a new document
-    starts[n:n + 1] = True  # the padding is a document of its own
-    index = torch.arange(rows * seq_len)
-    last_start = torch.where(starts, index, torch.zeros_like(index)).cummax(0).values
-    ids = torch.full((rows * seq_len,), pad_id, dtype=torch.long)
-    ids[:n] = flat
-    labels = ids.clone()
-    labels[n:] = IGNORE_INDEX
-    shape = (rows, seq_len)
-    return Rows(ids.view(shape), labels.view(shape), (index - last_start).view(shape))
+    """Documents (token ids, each ending in EOS) concatenated and cut into rows of ``seq_len``
+    (the last padded)."""
+    return Rows(*_flat(docs), seq_len, pad_id, packing=True)
 
 
 def pad_each(docs: list[list[int]], seq_len: int, pad_id: int) -> Rows:
     """One row per document, or per ``seq_len`` piece of a longer one, right-padded."""
-    pieces = [d[i : i + seq_len] for d in docs for i in range(0, len(d), seq_len)]
-    ids = torch.full((len(pieces), seq_len), pad_id, dtype=torch.long)
-    labels = torch.full_like(ids, IGNORE_INDEX)
-    for row, piece in enumerate(pieces):
-        ids[row, : len(piece)] = labels[row, : len(piece)] = torch.tensor(piece)
-    return Rows(ids, labels, torch.arange(seq_len).expand(len(pieces), seq_len).clone())
+    return Rows(*_flat(docs), seq_len, pad_id, packing=False)
+
+
+def _flat(docs):
+    return np.array([t for d in docs for t in d], dtype=np.int64), np.cumsum([len(d) for d in docs]).astype(np.int64)
 
 
 def pad_id(tokenizer) -> int:
@@ -140,8 +115,11 @@ def pad_id(tokenizer) -> int:
 
 
 def build_rows(path: str, tokenizer, cfg: TrainConfig, *, progress: bool) -> Rows:
-    docs = tokenize(load_texts(path, say=(lambda line: print(line, flush=True)) if progress else None), tokenizer, progress=progress)
-    return (pack if cfg.packing else pad_each)(docs, cfg.seq_len, pad_id(tokenizer))
+    """The rows of data file ``path``, from its token file (built by this node's local rank 0)."""
+    say = (lambda line: print(line, flush=True)) if progress else None
+    builder = int(os.environ.get("LOCAL_RANK", "0")) == 0
+    tf = token_file(path, tokenizer, cfg.token_cache or default_cache(), builder=builder, say=say)
+    return Rows(tf.tokens, tf.ends, cfg.seq_len, pad_id(tokenizer), packing=cfg.packing)
 
 
 class TrainBatches:

@@ -161,6 +161,8 @@ class Job:
         self.topo = topo = init_sequence_parallel(sp_size, ulysses_degree=cfg.ulysses_degree, layout=self.layout, profile=cfg.profile,
                                                   timeout=cfg.dist_timeout)
         self.rank0 = topo.rank == 0
+        self.io_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.io_timeout))
+        """Waits while rank 0 writes files (checkpoints, export): their own timeout, on CPU whatever the device."""
         self.resume_state = {"seq_len": cfg.seq_len, "packing": cfg.packing, "data": cfg.data and os.path.abspath(cfg.data),
                              "data_bytes": cfg.data and _size(cfg.data),
                              "data_mtime": cfg.data and int(os.path.getmtime(cfg.data)), "seed": cfg.seed, "micro_batch": self.ds.micro_batch,
@@ -332,7 +334,7 @@ class Job:
                     print(line, flush=True)
             except JobError as e:
                 error = str(e)
-        found, error = comm.broadcast_object((found, error), src=0, group=dist.group.WORLD)
+        found, error = comm.broadcast_object((found, error), src=0, group=self.io_group)
         if error:
             raise JobError(error)
         if found is None:
@@ -375,7 +377,7 @@ class Job:
         if self.rank0:  # a crashed save's leftovers, cleared before anyone writes there
             os.makedirs(directory, exist_ok=True)
             shutil.rmtree(os.path.join(directory, checkpoint.partial_tag(step)), ignore_errors=True)
-        dist.barrier()
+        dist.barrier(group=self.io_group)
         self.engine.save_checkpoint(directory, tag=checkpoint.partial_tag(step), client_state={"step": step}, save_latest=False)
         checkpoint.save_rng(directory, step, self.topo.rank)
         dist.barrier()  # every rank's files are written
@@ -385,7 +387,7 @@ class Job:
             for line in checkpoint.rotate(directory, self.cfg.keep_last, self.run, {tag}):
                 print(f"warning: {line}", flush=True)
             print(f"checkpoint {tag} written to {directory}", flush=True)
-        tag = comm.broadcast_object(tag, src=0, group=dist.group.WORLD)  # nobody goes on, or exits, before it is in place
+        tag = comm.broadcast_object(tag, src=0, group=self.io_group)  # nobody goes on, or exits, before it is in place
         self.last_checkpoint = os.path.join(directory, tag)
 
     # -- eval --------------------------------------------------------------------------------
@@ -446,7 +448,7 @@ class Job:
         return logits
 
     def export(self, path: str) -> None:
-        export_hf(self.engine, path, self.tokenizer)
+        export_hf(self.engine, path, self.tokenizer, wait_group=self.io_group)
         if self.rank0:
             print(f"Hugging Face model written to {path}", flush=True)
 
