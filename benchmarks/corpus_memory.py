@@ -73,7 +73,7 @@ def measure(which: str, mib: int, work: str, old_source: str) -> dict:
     warm = os.path.join(work, "warm.jsonl")
     with open(warm, "w") as f:
         f.write(json.dumps({"text": "warm up"}) + "\n")
-    env = {**os.environ, "HF_DATASETS_CACHE": os.path.join(work, "hf"), "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "HF_DATASETS_CACHE": os.path.join(work, f"hf-{which}-{mib}"), "OMP_NUM_THREADS": "1"}  # each converts afresh
     out = subprocess.run([sys.executable, "-c", _MEASURE, which, data, warm, os.path.join(work, f"cache-{which}"), old_source],
                          capture_output=True, text=True, env=env, check=True)
     return {"which": which, "corpus_mib": round(os.path.getsize(data) / 2**20), **json.loads(out.stdout.splitlines()[-1])}

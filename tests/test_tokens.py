@@ -129,7 +129,7 @@ def test_a_corpus_far_larger_than_the_memory_it_takes(tmp_path):
     of text; what remains is datasets' fixed conversion buffers), so a corpus 10x a rank's memory
     share tokenizes and trains. The pages mapped from disk (Arrow, the token file) are not
     counted: the kernel drops them when memory is short. benchmarks/corpus_memory.py measures
-    both at larger sizes."""
+    both at larger sizes, and the code it replaced."""
     small, large = _peak_anon_kib(tmp_path, 8_000), _peak_anon_kib(tmp_path, 32_000)
     grew = (large - small) * 1024
     assert grew < 69 * 2**20 / 4, f"4x the corpus took {grew >> 20} MiB more anonymous memory"
