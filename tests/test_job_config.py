@@ -2,6 +2,8 @@
 passkey eval, and the errors users meet first (one clear line, before any collective)."""
 
 import json
+import os
+import tempfile
 from types import SimpleNamespace
 
 import pytest
@@ -150,6 +152,7 @@ def test_passkey_eval_prompts_are_held_out_and_mark_the_key():
 
 def _job_error(monkeypatch, world=2, **fields):
     monkeypatch.setenv("WORLD_SIZE", str(world))
+    monkeypatch.setenv("XDG_CACHE_HOME", os.path.join(tempfile.gettempdir(), "ulysses_sp-test-cache"))  # token files not in ~/.cache
     with pytest.raises(JobError) as e:
         Job(TrainConfig(**fields))
     return str(e.value)

@@ -20,7 +20,8 @@ from ulysses_sp.testing.tiny_checkpoint import write_corpus, write_tiny_llama  #
 SEQ, STEPS = 128, 6
 def _make_files(root: str) -> dict:
     """A model directory (config, weights, tokenizer), train/eval JSON lines and DeepSpeed configs."""
-    files = {"model": os.path.join(root, "model"), "train": os.path.join(root, "train.jsonl"), "eval": os.path.join(root, "eval.jsonl")}
+    files = {"model": os.path.join(root, "model"), "train": os.path.join(root, "train.jsonl"), "eval": os.path.join(root, "eval.jsonl"),
+             "tokens": os.path.join(root, "tokens")}
     write_tiny_llama(files["model"])
     write_corpus(files["train"], 40, seed=0)
     write_corpus(files["eval"], 7, seed=1)
@@ -36,7 +37,7 @@ def _cfg(files, **overrides):
     from ulysses_sp.job import TrainConfig
 
     base = dict(model=files["model"], data=files["train"], eval_data=files["eval"], seq_len=SEQ, steps=STEPS, lr=1e-2,
-                deepspeed=files["fp32"], warmup_steps=2)
+                deepspeed=files["fp32"], warmup_steps=2, token_cache=files["tokens"])
     return TrainConfig(**{**base, **overrides})
 
 
