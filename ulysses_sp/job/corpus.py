@@ -1,6 +1,7 @@
 """The job's data: local files tokenized once with the model's tokenizer (into a memory-mapped
-token file, :mod:`.tokens`), packed or padded into ``seq_len`` rows as they are drawn, and handed out per DP group by micro-batch index (so a resumed run picks
-up mid-epoch where it stopped).
+token file, :mod:`.tokens`), packed or padded into ``seq_len`` rows as they are drawn, and
+handed out per DP group by micro-batch index (so a resumed run picks up mid-epoch where it
+stopped).
 
 Packing (the default) concatenates documents, each ended by EOS, and cuts the stream into
 rows of ``seq_len`` tokens. Position ids restart at 0 at every document start and at every
@@ -13,6 +14,7 @@ gives each document (or each ``seq_len`` piece of a long one) its own row, right
 from __future__ import annotations
 
 import os
+
 import numpy as np
 import torch
 
