@@ -3,8 +3,9 @@
 For each corpus size, a fresh process builds the job's rows from a JSON-lines corpus (byte-level,
 as the embedded model reads ``--data``) and draws 64 rows, while a thread samples its anonymous
 memory (RssAnon: what the kernel cannot drop) every 2 ms. It reports that peak and the peak RSS
-(which also counts pages mapped from the Arrow cache and the token file; the kernel drops those
-when memory is short), both over the process after its imports. ``before`` runs the
+(sp-bench's ``PeakMemory``: VmHWM reset at the start; it also counts pages mapped from the Arrow
+cache and the token file, which the kernel drops when memory is short), both over the process
+after its imports. ``before`` runs the
 ``build_rows`` of commit 1c0fb39 (every rank: load the texts, tokenize into lists, pack into
 tensors), taken from git; ``after`` the token file (what one node's first rank runs; the other
 ranks only map the file).
@@ -26,9 +27,11 @@ BEFORE = "1c0fb39"
 _LINE = json.dumps({"text": "".join(chr(97 + (i * 7) % 26) for i in range(3000))}) + "\n"
 
 _MEASURE = r"""
-import json, resource, sys, threading, time, types
+import json, sys, threading, time, types
 import numpy as np
+import torch
 import ulysses_sp.job.corpus as corpus
+from ulysses_sp.cli.bench import PeakMemory
 
 def anon_kib():
     with open("/proc/self/status") as f:
@@ -41,27 +44,23 @@ if which == "before":
     old = types.ModuleType("old_corpus")
     exec(compile(source, "old_corpus.py", "exec"), old.__dict__)
     build = lambda path: old.build_rows(path, None, cfg, progress=False)
-    draw = lambda rows, i: rows.batch([i])
 else:
     build = lambda path: corpus.build_rows(path, None, cfg, progress=False)
-    draw = lambda rows, i: rows.batch([i])
 build(warm)  # imports and first-use costs before the baseline
-base_anon, base_rss = anon_kib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-peak, done = [0], threading.Event()
+base, peak, done = anon_kib(), [0], threading.Event()
 def watch():
     while not done.is_set():
         peak[0] = max(peak[0], anon_kib())
         time.sleep(0.002)
 threading.Thread(target=watch, daemon=True).start()
-start = time.perf_counter()
-rows = build(data)
-seconds = time.perf_counter() - start
-for i in np.random.default_rng(0).integers(0, len(rows), 64):
-    draw(rows, int(i))
+with PeakMemory(torch.device("cpu")) as rss:
+    start = time.perf_counter()
+    rows = build(data)
+    seconds = time.perf_counter() - start
+    for i in np.random.default_rng(0).integers(0, len(rows), 64):
+        rows.batch([int(i)])
 done.set()
-print(json.dumps({"anon_mib": (max(peak[0], anon_kib()) - base_anon) / 1024,
-                  "rss_mib": (resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - base_rss) / 1024,
-                  "rows": len(rows), "seconds": seconds}))
+print(json.dumps({"anon_mib": (max(peak[0], anon_kib()) - base) / 1024, "rss_mib": rss.peak / 2**20, "rows": len(rows), "seconds": seconds}))
 """
 
 
@@ -87,11 +86,12 @@ def main() -> None:
     a = p.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as work:
-        old_source = os.path.join(work, "old_corpus.py")
-        with open(old_source, "w") as f:
-            f.write(subprocess.run(["git", "-C", ROOT, "show", f"{BEFORE}:ulysses_sp/job/corpus.py"], capture_output=True, text=True,
-                                   check=True).stdout)
         plan = [("before", int(m)) for m in a.before.split(",") if m] + [("after", int(m)) for m in a.sizes.split(",") if m]
+        old_source = os.path.join(work, "old_corpus.py")
+        if any(which == "before" for which, _ in plan):
+            with open(old_source, "w") as f:
+                f.write(subprocess.run(["git", "-C", ROOT, "show", f"{BEFORE}:ulysses_sp/job/corpus.py"], capture_output=True, text=True,
+                                       check=True).stdout)
         print(f"{'code':<8}{'corpus MiB':>11}{'peak anon MiB':>15}{'peak RSS MiB':>14}{'build s':>9}")
         for which, mib in plan:
             r = measure(which, mib, work, old_source)
