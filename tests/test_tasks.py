@@ -11,20 +11,13 @@ from ulysses_sp.tasks import KEY_LENGTH, MIN_DOC, cross_shard_depths, doc_length
 SYMBOLS = range(0x80, 0x80 + 10 * KEY_LENGTH)
 
 
-def _owner(seq_len, sp_size, lay):
-    owner = torch.empty(seq_len, dtype=torch.long)
-    for rank in range(sp_size):
-        owner[layout.positions(lay, seq_len, sp_size, rank, cu_seqlens=(0, seq_len))] = rank
-    return owner
-
-
 @pytest.mark.parametrize("lay", ["zigzag", "balanced", "contiguous"])
 @pytest.mark.parametrize("sp_size", [2, 3, 4])
 def test_every_held_out_key_lies_on_other_ranks_than_its_answer(sp_size, lay):
     """16 prompts per case: the key's symbols (found in the bytes, not taken from the generator)
     lie on ranks that hold none of the answer's tokens, at depths spread over the row."""
     seq = 1536 if sp_size == 3 else 1024
-    owner = _owner(seq, sp_size, lay)
+    owner = layout.owners(lay, seq, sp_size, (0, seq))
     depths = set()
     for index in range(16):
         b = passkey_eval_batch(seq, seed=0, index=index, sp_size=sp_size, layout=lay)

@@ -109,22 +109,15 @@ def passkey_batch(seq_len: int, *, seed: int, step: int, dp_rank: int, batch_siz
     return {key: torch.stack([r[i] for r in rows]) for i, key in enumerate(("input_ids", "labels", "position_ids"))}
 
 
-def _owners(seq_len: int, sp_size: int, layout: str) -> torch.Tensor:
-    from .layout import positions
-
-    owner = torch.empty(seq_len, dtype=torch.long)
-    for rank in range(sp_size):
-        owner[positions(layout, seq_len, sp_size, rank, cu_seqlens=(0, seq_len))] = rank
-    return owner
-
-
 def cross_shard_depths(seq_len: int, sp_size: int, layout: str) -> list[int]:
     """Key depths of a one-document row whose key symbols all lie on SP ranks holding none of
     the answer's tokens (every depth when ``sp_size`` is 1)."""
     room = seq_len - _overhead()
     if sp_size == 1:
         return list(range(room + 1))
-    owner = _owners(seq_len, sp_size, layout)
+    from .layout import owners
+
+    owner = owners(layout, seq_len, sp_size, (0, seq_len))
     near_answer = torch.isin(owner, owner[seq_len - KEY_LENGTH :])
     shared = near_answer.unfold(0, KEY_LENGTH, 1).any(1)  # [i]: a rank of the answer holds one of tokens i .. i + KEY_LENGTH - 1
     return [d for d in range(room + 1) if not shared[key_positions(d).start]]

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ..layout import positions
+from ..layout import owners
 from ..tasks import passkey_eval_batch
 
 __all__ = ["shard_cut_mask", "retrieval"]
@@ -18,9 +18,7 @@ __all__ = ["shard_cut_mask", "retrieval"]
 
 def shard_cut_mask(seq_len: int, sp_size: int, layout: str) -> torch.Tensor:
     """``[seq_len, seq_len]`` bool: query i may attend to key j when j <= i and one rank holds both."""
-    owner = torch.empty(seq_len, dtype=torch.long)
-    for rank in range(sp_size):
-        owner[positions(layout, seq_len, sp_size, rank, cu_seqlens=(0, seq_len))] = rank
+    owner = owners(layout, seq_len, sp_size, (0, seq_len))
     return torch.ones(seq_len, seq_len, dtype=torch.bool).tril() & (owner[:, None] == owner[None, :])
 
 
