@@ -38,11 +38,11 @@ def test_without_sp_the_key_may_lie_anywhere():
 
 
 def test_training_rows_pack_short_documents_first_then_whole_rows():
-    """Documents of MIN_DOC tokens for the first 30% of the steps, as long as the row from 70%;
+    """Documents of MIN_DOC tokens for the first 20% of the steps, as long as the row from 50%;
     each ends with its question and answer, the only targets."""
     steps, seq = 100, 1024
-    assert [doc_length_cap(seq, s, steps) for s in (0, 29, 30, 50, 69, 70, 99)] == [MIN_DOC, MIN_DOC, MIN_DOC, 181, 939, seq, seq]
-    for step, most in ((0, MIN_DOC), (50, 181), (90, seq)):
+    assert [doc_length_cap(seq, s, steps) for s in (0, 19, 20, 35, 49, 50, 99)] == [MIN_DOC, MIN_DOC, MIN_DOC, 181, 912, seq, seq]
+    for step, most in ((0, MIN_DOC), (35, 181), (90, seq)):
         b = passkey_batch(seq, seed=1, step=step, dp_rank=0, steps=steps)
         ids, labels, pos = b["input_ids"][0], b["labels"][0], b["position_ids"][0]
         starts = (pos == 0).nonzero().flatten().tolist() + [seq]

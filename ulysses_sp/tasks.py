@@ -10,9 +10,9 @@ answer's symbols are targets: the filler, trained on too, outweighs them in the 
 delays retrieval past the default run (measured: see ``docs/architecture.md``).
 
 Training rows pack documents (position ids restart at each), their lengths drawn log-uniformly
-between :data:`MIN_DOC` tokens and a cap that stays at :data:`MIN_DOC` for the first 30% of the
+between :data:`MIN_DOC` tokens and a cap that stays at :data:`MIN_DOC` for the first 20% of the
 steps (short documents, where attention finds the key at once, so retrieval is learnt early),
-then grows to the whole row by 70% (so it carries over to any distance). Held-out prompts are one
+then grows to the whole row by 50% (so it carries over to any distance). Held-out prompts are one
 document per row whose key lies on SP ranks other than those holding the answer, under the run's
 layout: answering them means attention reaching another rank. Nothing is downloaded: every sample
 is generated from (seed, step, DP group) or (seed, prompt index).
@@ -42,7 +42,7 @@ _NEEDLE = b" key: "
 _QUESTION = b" key?\xff"
 MIN_DOC = 32
 """The shortest training document (the key, the question and a few filler bytes)."""
-_HOLD, _GROWN = 0.3, 0.7
+_HOLD, _GROWN = 0.2, 0.5
 """Documents are at most MIN_DOC tokens until this share of the steps, as long as the row from that one."""
 
 
