@@ -144,8 +144,8 @@ def test_a_documents_first_token_is_not_the_previous_ones_target():
 def test_passkey_eval_prompts_are_held_out_and_mark_the_key():
     b = passkey_eval_batch(256, seed=0, index=3)
     key = b["answer_labels"][0][b["answer_labels"][0] != IGNORE_INDEX]
-    assert len(key) == 5 and bytes(key.tolist()).isdigit()
-    assert torch.equal(b["input_ids"][0, -5:], key)
+    assert key.tolist() == [0x80 + 10 * k + d for k, d in enumerate((key - 0x80) % 10)], "symbol k is one of ten bytes of its own"
+    assert torch.equal(b["input_ids"][0, -5:], key) and torch.equal(b["labels"], b["answer_labels"])
     training = {tuple(passkey_batch(256, seed=0, step=s, dp_rank=0)["input_ids"][0].tolist()) for s in range(50)}
     assert tuple(b["input_ids"][0].tolist()) not in training
 
@@ -162,7 +162,8 @@ def test_launch_errors_come_before_any_process_group(monkeypatch, tmp_path):
     """Every rank raises the same JobError from its own arguments: no collective is reached."""
     assert "--sp-size 3 does not divide the 2 ranks" in _job_error(monkeypatch, sp_size=3)
     assert "--seq-len 1001 is not a multiple of 2 x sp = 4" in _job_error(monkeypatch, seq_len=1001)
-    assert "--seq-len: seq_len 128 is too short for the passkey task (need at least 194)" in _job_error(monkeypatch, seq_len=128)
+    assert "--seq-len: seq_len 20 is too short for the passkey task (need at least 23)" in _job_error(monkeypatch, seq_len=20)
+    assert "--seq-len 32 leaves no place for a held-out pass key on other ranks" in _job_error(monkeypatch, seq_len=32, layout="balanced")
     bad = tmp_path / "ds.json"
     bad.write_text("{not json")
     assert "cannot read it as JSON" in _job_error(monkeypatch, deepspeed=str(bad))

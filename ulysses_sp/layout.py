@@ -41,6 +41,7 @@ __all__ = [
     "required_multiple",
     "chunk_table",
     "positions",
+    "owners",
     "check_seq_len",
     "shard",
     "pad_to_multiple",
@@ -161,6 +162,14 @@ def positions(layout: str, seq_len: int, sp_size: int, rank: int, cu_seqlens=Non
     _needs_documents(layout, cu_seqlens)
     c = seq_len // (chunks_per_rank(layout, seq_len, sp_size) * sp_size)
     return torch.cat([torch.arange(i * c, (i + 1) * c) for i in chunk_table(layout, sp_size, seq_len, cu_seqlens)[rank]])
+
+
+def owners(layout: str, seq_len: int, sp_size: int, cu_seqlens=None) -> torch.Tensor:
+    """The SP rank holding each global token position (int64, ``[seq_len]``)."""
+    owner = torch.empty(seq_len, dtype=torch.long)
+    for rank in range(sp_size):
+        owner[positions(layout, seq_len, sp_size, rank, cu_seqlens)] = rank
+    return owner
 
 
 def check_seq_len(seq_len: int, layout: str, sp_size: int) -> None:

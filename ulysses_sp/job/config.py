@@ -13,7 +13,7 @@ from ..kernels import KERNEL_NAMES
 from ..layout import LAYOUTS, required_multiple
 from ..mixers import MIXER_CHOICES
 from ..registry import get_backend, list_backends
-from ..tasks import passkey_sample
+from ..tasks import cross_shard_depths, passkey_sample
 
 __all__ = ["JobError", "TrainConfig", "parse_args", "check_launch", "memory_options", "DEFAULT_LR"]
 
@@ -245,6 +245,10 @@ def check_launch(cfg: TrainConfig, world_size: int) -> int:
             passkey_sample(cfg.seq_len, torch.Generator().manual_seed(0))
         except ValueError as e:
             raise JobError(f"--seq-len: {e}") from None
+        layout = "zigzag" if cfg.layout == "auto" else cfg.layout
+        if not cross_shard_depths(cfg.seq_len, sp, layout):
+            raise JobError(f"--seq-len {cfg.seq_len} leaves no place for a held-out pass key on other ranks than its answer "
+                           f"({sp} ranks, layout {layout}); use a longer --seq-len")
     if cfg.eval_data is not None and cfg.data is None:
         raise JobError("--eval-data needs --data (the passkey task has its own held-out prompts)")
     for name in ("data", "eval_data", "deepspeed", "profile"):

@@ -146,8 +146,10 @@ class TrainBatches:
         return self.rows.batch(self._order[offset * self.micro : (offset + 1) * self.micro])
 
 
-def passkey_train_batches(cfg: TrainConfig, topo: Topology, micro_batch: int):
-    return lambda m: passkey_batch(cfg.seq_len, seed=cfg.seed, step=m, dp_rank=topo.dp_rank, batch_size=micro_batch)
+def passkey_train_batches(cfg: TrainConfig, topo: Topology, micro_batch: int, accumulation: int):
+    """Micro-batch ``m`` of the passkey task, whose documents grow with ``m`` (:mod:`ulysses_sp.tasks`)."""
+    return lambda m: passkey_batch(cfg.seq_len, seed=cfg.seed, step=m, dp_rank=topo.dp_rank, batch_size=micro_batch,
+                                   steps=cfg.steps * accumulation)
 
 
 def _no_targets(batch: dict) -> dict:
@@ -166,9 +168,11 @@ def eval_batches(rows: Rows, topo: Topology, micro_batch: int) -> list[dict]:
 
 
 def passkey_eval_batches(cfg: TrainConfig, topo: Topology) -> list[dict]:
-    """Held-out passkey prompts (never drawn in training), shared out like :func:`eval_batches`.
+    """Held-out passkey prompts (never drawn in training; each key on other SP ranks than its
+    answer), shared out like :func:`eval_batches`.
     Each batch also holds ``answer_labels``: the labels with everything but the key ignored."""
-    mine = [passkey_eval_batch(cfg.seq_len, seed=cfg.seed, index=i) for i in range(topo.dp_rank, cfg.eval_samples, topo.dp_size)]
+    prompt = lambda i: passkey_eval_batch(cfg.seq_len, seed=cfg.seed, index=i, sp_size=topo.sp_size, layout=topo.layout)  # noqa: E731
+    mine = [prompt(i) for i in range(topo.dp_rank, cfg.eval_samples, topo.dp_size)]
     per_group = -(-cfg.eval_samples // topo.dp_size)
-    filler = passkey_eval_batch(cfg.seq_len, seed=cfg.seed, index=0)
+    filler = prompt(0)
     return mine + [{**_no_targets(filler), "answer_labels": torch.full_like(filler["labels"], IGNORE_INDEX)}] * (per_group - len(mine))

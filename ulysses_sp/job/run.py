@@ -36,7 +36,7 @@ from ..data import IGNORE_INDEX, gather_sequence, model_inputs, shard_batch, sp_
 from ..devices import bind_device, check_one_rank_per_device, local_world_size, move_batch
 from ..integrations.deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
 from ..loss import causal_lm_loss
-from ..tasks import PAD_ID, VOCAB_SIZE
+from ..tasks import KEY_LENGTH, PAD_ID, VOCAB_SIZE
 from ..topology import init_sequence_parallel
 from . import checkpoint, corpus
 from .config import JobError, TrainConfig, check_launch, memory_options, parse_args
@@ -53,6 +53,7 @@ def default_model_config():
     return LlamaConfig(
         vocab_size=VOCAB_SIZE, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
         num_key_value_heads=2, head_dim=32, max_position_embeddings=1 << 16, pad_token_id=PAD_ID,
+        rope_parameters={"rope_type": "default", "rope_theta": 1e6},  # Llama 3's long-context scale: far keys stay findable
         bos_token_id=None, eos_token_id=None, tie_word_embeddings=False, use_cache=False,
     )
 
@@ -172,7 +173,7 @@ class Job:
         self.run = uuid.uuid4().hex  # rank 0's names the checkpoints of this run (kept across resumes)
         resume = self._checkpoint_to_resume() if cfg.resume is not None or cfg.save else None  # checked before the model is built
         self.batches = (corpus.TrainBatches(self.train_rows, topo, self.ds.micro_batch, cfg.seed) if self.train_rows is not None
-                        else corpus.passkey_train_batches(cfg, topo, self.ds.micro_batch))
+                        else corpus.passkey_train_batches(cfg, topo, self.ds.micro_batch, self.ds.grad_accum))
 
         model = build_model(cfg)
         try:  # before anything reads the config: a model SP does not cover stops here, on every rank
@@ -430,8 +431,9 @@ class Job:
         result = self.evaluate()
         line = f"eval after step {step}: loss {result['eval_loss']:.4f} over {result['eval_tokens']} tokens"
         if "passkey_accuracy" in result:
-            line += (f"; passkey retrieved in {result['passkey_accuracy']:.1%} of {self.cfg.eval_samples} held-out prompts, key digits "
-                     f"right {result['key_digit_accuracy']:.1%} and key loss {result['key_loss']:.2f} (chance: 10%, {math.log(10):.2f})")
+            line += (f"; passkey retrieved in {result['passkey_accuracy']:.1%} of {self.cfg.eval_samples} held-out prompts (each key on "
+                     f"other ranks than its answer; chance {0.1 ** KEY_LENGTH:.3%}), key symbols right {result['key_digit_accuracy']:.1%} "
+                     f"(chance 10%) and key loss {result['key_loss']:.2f} (chance {math.log(10):.2f})")
         say(line)
         self.metrics.write(step=step, **result)
         return result
