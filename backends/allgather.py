@@ -197,12 +197,15 @@ class AllGatherBackend:
         q_bytes = spec.head_bytes * spec.q_heads
         # the first chunk's gather is exposed; the rest overlaps the previous chunk's compute
         imbalance = spec.work_imbalance(spec.chunk_table(p))
-        seconds = transfer / chunks + profile.overlapped(profile.attention_fwd_bwd_seconds(spec, p) * imbalance, transfer * (1 - 1 / chunks))
+        efficiency = profile.efficiency(self.name, chunk)  # one varlen call per chunk of queries
+        seconds = transfer / chunks + profile.overlapped(profile.attention_fwd_bwd_seconds(spec, p, efficiency) * imbalance,
+                                                         transfer * (1 - 1 / chunks), "all_gather")
         groups = spec.q_heads // spec.kv_heads
         seen = spec.seq_len if spec.window is None else min(spec.seq_len, chunk + spec.window)  # a query chunk's keys
         workspace = spec.kernel_workspace_bytes(self.stride(spec) * groups, chunk, seen)
         return Estimate(seconds=seconds, peak_bytes=int(q_bytes * (2 + acc) + kv_local + gathered + workspace), comm_bytes=comm_bytes,
-                        bwd_comm_bytes=int(comm_bytes * (1 + acc)), work_imbalance=imbalance)  # re-gather K/V, reduce-scatter dK/dV
+                        bwd_comm_bytes=int(comm_bytes * (1 + acc)), work_imbalance=imbalance,  # re-gather K/V, reduce-scatter dK/dV
+                        kernel_efficiency=efficiency)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         group = topo.sp_group if topo.sp_size > 1 else None  # one rank: no collectives

@@ -182,12 +182,14 @@ class HaloBackend:
         link = profile.link("p2p", topo.spans_nodes("sp"))
         transfer = link.seconds(max(comm_bytes, recv * token_bytes), 1) + link.seconds(max(bwd_bytes, int(sent * token_bytes * acc)), 1)
         imbalance = spec.work_imbalance(spec.chunk_table(topo.sp_size))
-        seconds = profile.overlapped(profile.attention_fwd_bwd_seconds(spec, topo.sp_size) * imbalance, transfer)
-        q_bytes = spec.head_bytes * spec.q_heads
         chunk = spec.local_seq_len // spec.chunks_per_rank(topo.sp_size)
+        efficiency = profile.efficiency(self.name, chunk)
+        seconds = profile.overlapped(profile.attention_fwd_bwd_seconds(spec, topo.sp_size, efficiency) * imbalance, transfer, "p2p")
+        q_bytes = spec.head_bytes * spec.q_heads
         peak = int(q_bytes * (2 + acc) + 2 * spec.head_bytes * spec.kv_heads + recv * token_bytes * (1 + acc))
         peak += spec.kernel_workspace_bytes(spec.q_heads, chunk, min(chunk + spec.window, spec.seq_len))
-        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=bwd_bytes, work_imbalance=imbalance)
+        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=bwd_bytes, work_imbalance=imbalance,
+                        kernel_efficiency=efficiency)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         return _HaloAttention.apply(q, k, v, topo.sp_group, _plan(q, spec, topo), spec.kernel, spec)

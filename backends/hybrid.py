@@ -73,8 +73,10 @@ class HybridBackend:
         group_len = spec.local_seq_len * u
         peak += spec.kernel_workspace_bytes(spec.q_heads // u, group_len, group_len)
         imbalance = spec.work_imbalance(ring_chunks)  # a ring rank does its Ulysses group's chunks' work
-        seconds = a2a_s + profile.overlapped(profile.attention_fwd_bwd_seconds(spec, topo.sp_size) * imbalance, ring_s)
-        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=a2a + ring, bwd_comm_bytes=a2a + ring_bwd, work_imbalance=imbalance)
+        efficiency = profile.efficiency(self.name, spec.query_run_tokens(ring_chunks))  # its group's chunks, joined where adjacent
+        seconds = a2a_s + profile.overlapped(profile.attention_fwd_bwd_seconds(spec, topo.sp_size, efficiency) * imbalance, ring_s, "p2p")
+        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=a2a + ring, bwd_comm_bytes=a2a + ring_bwd, work_imbalance=imbalance,
+                        kernel_efficiency=efficiency)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         split = self.groups(topo)

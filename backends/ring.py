@@ -38,8 +38,10 @@ class RingBackend:
         peak = int(q_bytes * (2 + acc) + 3 * kv_bytes)  # q, out, fp32 accumulator; own, in-flight and next K/V
         peak += spec.kernel_workspace_bytes(spec.q_heads, spec.local_seq_len, spec.local_seq_len)  # a query chunk, a key run
         imbalance = spec.work_imbalance(table)
-        seconds = profile.overlapped(profile.attention_fwd_bwd_seconds(spec, p) * imbalance, transfer)
-        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=bwd_bytes, work_imbalance=imbalance)
+        efficiency = profile.efficiency(self.name, spec.query_run_tokens(table))
+        seconds = profile.overlapped(profile.attention_fwd_bwd_seconds(spec, p, efficiency) * imbalance, transfer, "p2p")
+        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=bwd_bytes, work_imbalance=imbalance,
+                        kernel_efficiency=efficiency)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         plans = ring_plans(topo, spec.chunk_table(topo.sp_size), topo.sp_rank, spec, q)

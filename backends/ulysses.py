@@ -191,16 +191,18 @@ class UlyssesBackend:
         comm_bytes = comm.head_scatter_bytes(spec, p)
         # forward and backward: two all-to-alls each per head group, of the same volume in all
         transfer = profile.link("all_to_all", topo.spans_nodes("sp")).seconds(2 * comm_bytes, calls=4 * groups) if p > 1 else 0.0
-        compute = profile.attention_fwd_bwd_seconds(spec, p)
+        efficiency = profile.efficiency(self.name, spec.seq_len)  # one call over the whole sequence
+        compute = profile.attention_fwd_bwd_seconds(spec, p, efficiency)
         # pipelined, one group's transfers in and out wait; the rest run alongside the attention
-        seconds = transfer / groups + profile.overlapped(compute, transfer * (groups - 1) / groups)
+        seconds = transfer / groups + profile.overlapped(compute, transfer * (groups - 1) / groups, "all_to_all")
         hkv = comm.kv_heads_sent(spec.kv_heads, p)
         peak = spec.shard_bytes + spec.head_bytes * (2 * spec.q_heads + 2 * hkv)  # and the head-sharded copies
         peak += spec.kernel_workspace_bytes(spec.q_heads // p, spec.seq_len, spec.seq_len)
         if groups > 1:  # the backward holds every group's head shards until its last send, and sums dK, dV in fp32 unless split
             peak += spec.head_bytes * (2 * spec.q_heads + 2 * hkv)
             peak += int(2 * spec.head_bytes * hkv * spec.accumulator_ratio) if (hkv // p) % groups else 0
-        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=comm_bytes)  # dout in, dq dk dv out
+        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=comm_bytes,  # dout in, dq dk dv out
+                        kernel_efficiency=efficiency)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         p = topo.sp_size

@@ -209,6 +209,41 @@ def memory_checks() -> None:
         return f"worst gradient error {max(errs):.1e}; {moved / 2**20:.1f} MiB offloaded to host"
 
 
+def efficiency_checks() -> None:
+    """The built-in GPU profile's block-size term on this GPU: the local kernel's forward+backward
+    rate (bf16, causal, 32/8 heads x 128) at 512 to 16k tokens, against the profile's
+    n / (n + kernel_half_rate_tokens) (fitted to flash-attn 2's published H100 curve). Prints the
+    measured rates and the n0 that fits them; fails when a ratio to the 16k rate is off by over 25%."""
+    from ulysses_sp.profile import NVLINK_PROFILE
+
+    lengths = (512, 1024, 2048, 4096, 8192, 16384)
+
+    @check("kernel rate against the GPU profile's block-size term (bf16 causal 32/8 x 128)")
+    def _():
+        rates = {}
+        for n in lengths:
+            q = torch.randn(1, n, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+            k, v = (torch.randn(1, n, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+            step = lambda: kernels.local_attention(q, k, v, causal=True).sum().backward()  # noqa: E731
+            for _ in range(3):
+                step()
+            torch.cuda.synchronize()
+            start, end, repeat = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), max(3, 16384 // n)
+            start.record()
+            for _ in range(repeat):
+                step()
+            end.record()
+            torch.cuda.synchronize()
+            rates[n] = 3.5 * 4 * n * n * 32 * 128 / 2 / (start.elapsed_time(end) / 1e3 / repeat)  # fwd + bwd (2.5x) FLOPs, causal
+        modelled = {n: NVLINK_PROFILE.efficiency("ulysses", n) / NVLINK_PROFILE.efficiency("ulysses", lengths[-1]) for n in lengths}
+        measured = {n: rates[n] / rates[lengths[-1]] for n in lengths}
+        fit = min(range(0, 4001, 10), key=lambda n0: sum((n / (n + n0) / (lengths[-1] / (lengths[-1] + n0)) - measured[n]) ** 2 for n in lengths))
+        worst = max(abs(measured[n] / modelled[n] - 1) for n in lengths)
+        detail = ", ".join(f"{n}: {rates[n] / 1e12:.0f}" for n in lengths) + f" TFLOP/s; n0 fitted here {fit} (profile {NVLINK_PROFILE.kernel_half_rate_tokens:.0f})"
+        assert worst < 0.25, f"a rate ratio is {worst:.0%} off the profile's curve: {detail}"
+        return detail
+
+
 PARITY = {  # name: (q heads, kv heads, causal, documents of the 4096 tokens or None, sliding window or None, softcap)
     "gqa-causal": (16, 4, True, None, None, 0.0),
     "mqa-full": (8, 1, False, None, None, 0.0),
@@ -344,6 +379,7 @@ def main() -> int:
     hybrid_checks()
     stream_checks()
     memory_checks()
+    efficiency_checks()
     dist.destroy_process_group()
     print(f"gpu_check: {sum(RESULTS)} passed, {len(RESULTS) - sum(RESULTS)} failed", flush=True)
     return 0 if all(RESULTS) else 1

@@ -4,7 +4,11 @@ On N spawned gloo ranks (CPU, one thread each), or inside an existing
 torchrun/deepspeed launch (NCCL on GPUs): latency (small messages) and
 bandwidth (large ones) of all-to-all, all-gather, reduce-scatter and p2p, the
 local attention kernel's forward and backward rate per dtype, and whether a
-p2p exchange overlaps computation. Every rank measures at once, as in training.
+p2p exchange overlaps computation (and, where it does, the share of the exchange that stays
+exposed: ``comm_exposed``, taken for every collective). Every rank measures at once, as in
+training. The built-in GPU profile's ``kernel_efficiency`` and ``kernel_half_rate_tokens``
+(published figures) are not measured: a calibrated profile has none, and the backends'
+measured overheads (below) stand in for them on the machine measured.
 
 Last, every backend ``auto`` weighs runs two reference attentions (8 q and 8 kv heads,
 then 16 and 1; dim 64, fp32, causal, ``backend_seq`` tokens); what it takes beyond the
@@ -35,7 +39,7 @@ from ulysses_sp import comm, kernels
 from ulysses_sp.profile import COLLECTIVES, LinkCost, Profile
 from ulysses_sp.registry import candidates
 
-__all__ = ["measure", "rotated", "slowest_seconds"]
+__all__ = ["measure", "rotated", "slowest_seconds", "exposed_share"]
 
 SMALL, LARGE = 1 << 6, 1 << 22  # elements of float32: 256 B and 16 MiB
 
@@ -75,6 +79,12 @@ def _collective(kind: str, n: int, group, device):
         wait()
 
     return exchange, n * 4
+
+
+def exposed_share(comm_s: float, compute_s: float, both_s: float) -> float:
+    """The share of a transfer run alongside a computation that it still adds: 0 when both
+    together take the longer one's time, 1 when they take the sum."""
+    return min(1.0, max(0.0, (both_s - max(comm_s, compute_s)) / max(min(comm_s, compute_s), 1e-12)))
 
 
 def _kernel_rates(dtype, seq: int, repeat: int, device) -> tuple[float, float]:
@@ -255,6 +265,7 @@ def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), pr
     t_both = slowest_seconds(both, repeat, device)
     overlap = t_both < 0.8 * (t_comm + t_compute)
     measured["overlap"] = {"comm_s": t_comm, "compute_s": t_compute, "both_s": t_both}
+    exposed = exposed_share(t_comm, t_compute, t_both) if overlap else 0.0
     step(1)
     profile = Profile(
         name=f"calibrated: {p} x {device.type}, {dist.get_backend()}",
@@ -263,6 +274,7 @@ def measure(repeat: int = 5, seq: int = 2048, dtypes=("float32", "bfloat16"), pr
         attention_fwd_flops=fwd,
         attention_bwd_flops=bwd,
         overlap=overlap,
+        comm_exposed={kind: exposed for kind in COLLECTIVES} if exposed else {},  # measured on p2p
         measured=measured,
     )
     overhead, overhead_kv, measured["backends"] = _backend_overhead(profile, backend_seq, repeat, device, step)

@@ -98,7 +98,8 @@ def calibrate(nproc, out, repeat, seq, backend_seq):
     click.echo(f"wrote {out}: " + ", ".join(f"{k} {c.latency * 1e6:.0f} us + {c.bandwidth / 1e9:.2f} GB/s" for k, c in profile.collectives.items()))
     click.echo("attention fwd/bwd GFLOP/s: " + ", ".join(
         f"{d} {profile.attention_fwd_flops[d] / 1e9:.1f}/{profile.attention_bwd_flops[d] / 1e9:.1f}" for d in profile.attention_fwd_flops
-    ) + f"; overlap {profile.overlap}; ulysses head groups {profile.ulysses_head_groups}")
+    ) + f"; overlap {profile.overlap}" + (f" ({profile.comm_exposed.get('p2p', 0.0):.0%} of a transfer stays exposed)" if profile.overlap else "")
+      + f"; ulysses head groups {profile.ulysses_head_groups}")
     per_kv = profile.backend_overhead_kv or profile.backend_overhead
     click.echo("backend overhead beyond the model, ns per byte of a rank's q and output / k and v shards: "
                + ", ".join(f"{n} {x * 1e9:.2f} / {per_kv.get(n, 0.0) * 1e9:.2f}" for n, x in profile.backend_overhead.items()))

@@ -187,12 +187,24 @@ def render(rows, *, title: str, sp_size: int) -> None:
             mark = "[bold green]" + name if name == chosen else name
             if isinstance(what, Estimate):
                 work = f" (slowest rank x{what.work_imbalance:.2f} work)" if what.work_imbalance > 1.005 else ""
-                table.add_row(*head, mark, f"{what.seconds * 1e3:.2f} ms{work}", _size(what.comm_bytes), _size(what.peak_bytes), "")
+                kernel = f" (kernel at {what.kernel_efficiency:.0%})" if what.kernel_efficiency < 0.995 else ""
+                why = "" if name == chosen else _slower(what, considered[chosen], chosen)
+                table.add_row(*head, mark, f"{what.seconds * 1e3:.2f} ms{work}{kernel}", _size(what.comm_bytes), _size(what.peak_bytes), why)
             elif isinstance(what, MixerEstimate):
                 table.add_row(*head, mark, f"{what.compute:.3g} x the mixer's compute", _size(what.comm_bytes), "", "")
             else:
                 table.add_row(*head, mark, "", "", "", what)
     Console(width=None if sys.stdout.isatty() else 150).print(table)
+
+
+def _slower(what: Estimate, best, chosen: str) -> str:
+    """Why an estimate lost to the chosen backend's: by how much, and the kernel rates where they differ."""
+    if not isinstance(best, Estimate):  # a mixer layer's choice
+        return ""
+    why = f"{what.seconds / best.seconds - 1:+.1%} on {chosen}"
+    if abs(what.kernel_efficiency - best.kernel_efficiency) >= 0.005:
+        why += f"; kernel at {what.kernel_efficiency:.0%} of its rate against {best.kernel_efficiency:.0%}"
+    return why
 
 
 def _size(n: float) -> str:

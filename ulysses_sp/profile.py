@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 from dataclasses import dataclass, field
 
 __all__ = ["LinkCost", "Profile", "CPU_GLOO_PROFILE", "CPU_GLOO_PROFILE_P4", "NVLINK_PROFILE", "load_profile", "default_profile", "profile_for",
@@ -60,6 +61,22 @@ class Profile:
     shape and solves for both figures, so that costs growing with the q heads (merges of
     the all-gather's GQA blocks) are told from those growing with K/V. None (a profile
     measured at one shape): ``backend_overhead``'s figures count every shard byte."""
+    kernel_efficiency: dict[str, float] = field(default_factory=dict)
+    """Per backend family (``ulysses``, ``allgather``, ``ring``, ``hybrid``, ``halo``; a
+    ``hybrid-u{U}`` or ``ulysses-g{G}`` reads its family's), the share of the local kernel's rate
+    its attention reaches on long blocks: what its extra kernel calls, block merges and
+    interleaved transfers cost that the link and kernel figures miss. 1 when absent."""
+    kernel_half_rate_tokens: float = 0.0
+    """A kernel call over n query tokens runs at n / (n + this) of the kernel's rate on long
+    ones (small blocks leave the GPU's units idle); each backend's estimate passes the query
+    block of its calls (Ulysses: the sequence; all-gather, halo: a layout chunk; ring, hybrid:
+    a run of adjacent chunks a rank, or its Ulysses group, holds: ``AttnSpec.query_run_tokens``).
+    0: every length at the full rate."""
+    comm_exposed: dict[str, float] = field(default_factory=dict)
+    """Per collective of ``COLLECTIVES``, the share of a transfer posted alongside computation
+    that stays exposed all the same (NCCL's kernels take SMs from the attention; gloo's threads
+    take the cores): with ``overlap``, such a transfer costs max(compute, hidden part) + exposed
+    part. 0 when absent."""
     ulysses_head_groups: int = 1
     """Head groups the Ulysses backend pipelines its all-to-alls over (one group's transfer
     in flight while another's attention computes); 1: one fused all-to-all each way."""
@@ -74,13 +91,24 @@ class Profile:
         name = str(dtype).replace("torch.", "")
         return flops / rates.get(name, rates.get("float32"))
 
-    def overlapped(self, compute: float, transfer: float) -> float:
-        """Seconds for computation and communication posted alongside it."""
-        return max(compute, transfer) if self.overlap else compute + transfer
+    def efficiency(self, backend: str, block_tokens: float) -> float:
+        """The share of the kernel's rate ``backend``'s attention reaches with calls over
+        ``block_tokens`` query tokens: ``kernel_efficiency`` of its family times the block's
+        ``kernel_half_rate_tokens`` term."""
+        share = self.kernel_efficiency.get(re.sub(r"-[ug][0-9]+$", "", backend), 1.0)
+        n0 = self.kernel_half_rate_tokens
+        return share * block_tokens / (block_tokens + n0) if n0 else share
 
-    def attention_fwd_bwd_seconds(self, spec, ranks: int) -> float:
+    def overlapped(self, compute: float, transfer: float, collective: str | None = None) -> float:
+        """Seconds for computation and ``collective``'s transfer posted alongside it."""
+        exposed = transfer * self.comm_exposed.get(collective, 0.0)
+        return (max(compute, transfer - exposed) if self.overlap else compute + transfer - exposed) + exposed
+
+    def attention_fwd_bwd_seconds(self, spec, ranks: int, efficiency: float = 1.0) -> float:
+        """Forward and backward seconds of a rank's share of ``spec``'s attention, the kernel
+        running at ``efficiency`` of its rate (:meth:`efficiency`)."""
         flops = spec.attention_flops(ranks)
-        return self.attention_seconds(flops, spec.dtype) + self.attention_seconds(flops, spec.dtype, backward=True)
+        return (self.attention_seconds(flops, spec.dtype) + self.attention_seconds(flops, spec.dtype, backward=True)) / efficiency
 
     def overhead_seconds(self, backend: str, spec) -> float:
         """``backend_overhead`` and ``backend_overhead_kv`` of ``backend`` for one call of ``spec``."""
@@ -173,6 +201,8 @@ NVLINK_PROFILE = Profile(
     attention_fwd_flops={"bfloat16": 3e14, "float16": 3e14, "float32": 4e13, "float64": 2e13},
     attention_bwd_flops={"bfloat16": 1.2e14, "float16": 1.2e14, "float32": 1.6e13, "float64": 8e12},
     overlap=True,
+    kernel_half_rate_tokens=530.0,
+    kernel_efficiency={"ulysses": 1.0, "ring": 0.957, "hybrid": 0.957, "allgather": 0.733},
 )
 """H100/H200 with NVLink inside a node and 400 Gb/s InfiniBand across nodes. Links: NVLink 4
 carries 900 GB/s per GPU both ways together (NVIDIA's H100 and H200 datasheets), of which
@@ -180,7 +210,34 @@ NCCL's collectives reach a bus bandwidth of about 350 GB/s in nccl-tests on 8-GP
 NDR InfiniBand is 400 Gb/s = 50 GB/s per GPU on the wire, about 45 GB/s achieved. Kernel
 rates are flash-attn 2's published H100 figures, rounded down. None of it was measured by
 this project (no GPU yet): ``sp-bench calibrate`` on the machine replaces it. No memory
-budget: ``auto`` takes what the device reports free."""
+budget: ``auto`` takes what the device reports free.
+
+Efficiency terms (``tests/test_gpu_profile.py`` checks the model reproduces each source):
+
+- ``kernel_half_rate_tokens`` 530: the least-squares fit of n / (n + n0) to flash-attn 2's
+  H100 SXM5 forward+backward rates, causal, head dim 128: 163, 221, 265, 294, 308, 328
+  TFLOP/s at 512 to 16k tokens (flash-attention repository, assets/flash2_h100_fwd_bwd_benchmark.png;
+  within 1% RMS; the A100 curve fits 480).
+- ``ring`` 0.957: ring-flash-attn's README, 8xH800, batch API, forward+backward, Llama-3-8B
+  heads (32/8 x 128), 8k tokens per GPU: the zigzag ring reaches 90.2% of eight local 8k
+  flash-attn calls (17.4 against 154.7 / 8 iterations/s). The share is what gives 90.2% at
+  those shapes, its calls running 4k-token chunks against the reference's 8k.
+- ``allgather`` 0.733: the same README's varlen table (8xH800, forward+backward): the
+  Llama 3 all-gather reaches 58.1% where the zigzag ring reaches 75.9%, on the same
+  documents; the all-gather's share is the ring's times 58.1 / 75.9.
+- ``hybrid`` 0.957: its ring part is the ring's code; the Ulysses part runs no extra kernel.
+- ``ulysses`` 1.0: one call of the local kernel over the whole sequence; its all-to-alls
+  are counted by the links, exposed.
+- No share for ``halo`` (no published figure), nor ``comm_exposed`` (no published figure
+  isolates it; ``sp-bench calibrate`` measures it).
+
+The direction these give (Ulysses ahead of the ring inside a node by 5-10%, the all-gather
+behind both, the hybrid with Ulysses inside a node ahead across nodes) is the one the
+end-to-end comparisons report: Ulysses about 15% faster than ring on 8xA100 (EasyContext
+issue 37); ring 29-32% below no context parallelism, Ulysses within 8%, on 8xH200 at 64k
+(prime-rl PR 2418); Ulysses 52.2%, all-gather 52.9%, ring 28.5% MFU on TPU v5p (maxtext PR
+4687); on 2 nodes of 8xA800 at 64k, pure ring 196.9 TFLOP/s per GPU, Ulysses 8 x ring 2
+220.3, Ulysses 4 x ring 4 222.2 (USP, arXiv 2405.07719, table 6 of the May 2024 report)."""
 
 
 def default_profile(device_type: str, sp_size: int = 2) -> Profile:

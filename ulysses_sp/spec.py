@@ -49,6 +49,13 @@ class AttnSpec:
     def chunks_per_rank(self, sp_size: int) -> int:
         return _layout.chunks_per_rank(self.layout, self.seq_len, sp_size)
 
+    def query_run_tokens(self, table) -> int:
+        """The tokens of one kernel call's queries when each row of ``table`` (ranks' chunks, or
+        ring ranks' groups' chunks) runs its chunks joined into contiguous runs: the shortest
+        row average, the one at which a rank's kernel runs least efficiently."""
+        chunk = self.seq_len // sum(len(row) for row in table)
+        return min(chunk * len(row) // (1 + sum(b != a + 1 for a, b in zip(row, row[1:]))) for row in map(sorted, table))
+
     def work_imbalance(self, table) -> float:
         """The slowest row of ``table`` (ranks' chunks, or ring ranks' groups' chunks) over the mean
         in attention work for this call's documents, mask and window: the factor by which a
@@ -126,3 +133,7 @@ class Estimate:
     work_imbalance: float = 1.0
     """The slowest rank's attention work over the mean (:meth:`AttnSpec.work_imbalance`), by which
     ``seconds`` scaled the compute: above 1 on packed rows the layout splits unevenly."""
+    kernel_efficiency: float = 1.0
+    """The share of the local kernel's rate the estimate ran its attention at
+    (:meth:`Profile.efficiency`): below 1 where the profile knows the backend's calls fall
+    short of it (the built-in GPU profile)."""
