@@ -979,3 +979,4 @@ def bench_rounds(env: Env) -> dict:
 from . import reliability_cases  # noqa: E402,F401
 from . import loss_cases  # noqa: E402,F401
 from . import tiling_cases  # noqa: E402,F401
+from . import fsdp_cases  # noqa: E402,F401

@@ -42,7 +42,9 @@ goes through ZeRO's usual gradient hooks (reduce, partition). Given a DeepSpeed 
 any wrapper with ``.module``) instead of the model, the whole forward is routed through
 the wrapper's call the same way (the model's ``forward`` temporarily replaced), so the
 engine's forward bookkeeping and output hooks run as for ``engine(**batch)``; use the
-loss with ``engine.backward`` and ``gradient_scale`` as usual. A weight tied to the
+loss with ``engine.backward`` and ``gradient_scale`` as usual. A model sharded with FSDP2
+(``ulysses_sp.integrations.fsdp.apply_fsdp2``) is its own wrapper the same way: the root's
+hooks gather the embeddings and the head around the loss. A weight tied to the
 input embeddings is the same parameter: its two gradients add up through autograd.
 """
 
@@ -245,6 +247,14 @@ def _head_loss(head, hidden, labels, topo, chunk_tokens, count_group):
             head.forward = previous
 
 
+def _fsdp2_root(model) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(model, FSDPModule)
+
+
 def causal_lm_loss(model, local_batch: dict, topo: Topology, *, chunk_tokens: int | None = None, count_group=None) -> torch.Tensor:
     """The loss of a Hugging Face causal LM on this rank's ``local_batch`` (from
     :func:`ulysses_sp.shard_batch`) without materialising its logits:
@@ -260,6 +270,8 @@ def causal_lm_loss(model, local_batch: dict, topo: Topology, *, chunk_tokens: in
     wrapper = None
     if not hasattr(model, "get_output_embeddings") and isinstance(getattr(model, "module", None), torch.nn.Module):
         wrapper, model = model, model.module
+    elif _fsdp2_root(model):
+        wrapper = model  # its forward hooks gather the root's parameters (embeddings, final norm, head) around the loss
     transforms = _logit_transforms(model)
     if transforms:
         raise ValueError(

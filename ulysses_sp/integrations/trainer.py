@@ -277,7 +277,7 @@ class SequenceParallelTrainer(Trainer):
             "compute_loss_func": kwargs.get("compute_loss_func") is not None,
             "label_smoothing_factor": args.label_smoothing_factor != 0,
             "parallelism_config (accelerate's own SP/CP)": getattr(args, "parallelism_config", None) is not None,
-            "fsdp": bool(args.fsdp),
+            "fsdp (not yet: in your own loop, ulysses_sp.integrations.fsdp.apply_fsdp2 shards an SP model with FSDP2)": bool(args.fsdp),
             f"train_sampling_strategy={args.train_sampling_strategy!r}": args.train_sampling_strategy not in ("random", "sequential"),
         }
         refused = [name for name, on in unsupported.items() if on]

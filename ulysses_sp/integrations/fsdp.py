@@ -1,0 +1,73 @@
+"""FSDP2 (``torch.distributed.fsdp.fully_shard``) with sequence parallelism.
+
+Parameters are sharded over every rank of the topology, DP x SP, as torchtitan's
+``dp_shard_cp`` does: the ranks of an SP group hold different tokens of the same samples, so
+they are data-parallel for the parameters. What SP changes is the gradient's scale. Each rank's
+loss covers only its tokens, so the exact gradient sums over the SP ranks: FSDP2's reduce-scatter
+divides by ``gradient_divide_factor`` instead of by the world size.
+
+- Loss ``sp_cross_entropy(..., topo)`` (each SP group's token mean, the default): the DP groups'
+  losses are averaged, so the factor is the DP size (the default here).
+- Loss normalised over the whole global batch (``count_group=torch.distributed.group.WORLD``,
+  what the job and the Trainer use): the exact gradient is the plain sum; pass 1.
+
+``causal_lm_loss`` (the tiled loss) runs through the root module's forward, so FSDP2 gathers the
+embeddings and the LM head around it as it does for ``model(...)``.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["device_mesh", "apply_fsdp2"]
+
+
+def device_mesh(topo):
+    """The 2-D ``DeviceMesh`` ("dp", "sp") over the topology's own groups (rank = dp_rank x
+    sp_size + sp_rank); :func:`apply_fsdp2` shards over its flattened form, "dp_sp"."""
+    from torch.distributed.device_mesh import DeviceMesh
+
+    if not dist.is_initialized():
+        raise RuntimeError("device_mesh needs torch.distributed initialised (init_sequence_parallel first)")
+    world = dist.get_world_size()
+    if topo.dp_size * topo.sp_size != world:
+        raise ValueError(f"the topology covers dp {topo.dp_size} x sp {topo.sp_size} ranks, the world has {world}")
+    layout = torch.arange(world).view(topo.dp_size, topo.sp_size)
+    groups = [topo.dp_group or _single(), topo.sp_group or _single()]
+    return DeviceMesh.from_group(groups, topo.device.type, mesh=layout, mesh_dim_names=("dp", "sp"))
+
+
+def _single():
+    return dist.new_group([dist.get_rank()])
+
+
+def apply_fsdp2(model: torch.nn.Module, topo, *, mesh=None, layers=None, gradient_divide_factor: float | None = None, **fully_shard_kwargs):
+    """Shard ``model`` with FSDP2 over the DP x SP ranks: each decoder layer (``layers``, default
+    :func:`ulysses_sp.tiling.decoder_layers`) one unit, the rest (embeddings, final norm, LM head)
+    the root's. ``gradient_divide_factor`` (default: the DP size) is what the summed gradient is
+    divided by (see the module docstring). ``fully_shard_kwargs`` pass through (``mp_policy``,
+    ``reshard_after_forward``, ``offload_policy``...). Call it after
+    :func:`ulysses_sp.apply_sequence_parallel` and before building the optimizer; returns ``model``."""
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    from ..tiling import decoder_layers
+
+    mesh = device_mesh(topo) if mesh is None else mesh
+    shard_mesh = mesh if mesh.ndim == 1 else mesh._flatten("dp_sp")  # a user's 1-D mesh as it is
+    units = list(decoder_layers(model) if layers is None else layers)
+    if not units:
+        raise ValueError(f"apply_fsdp2: no decoder layers found in {type(model).__name__}; pass layers=[...]")
+    for layer in units:
+        fully_shard(layer, mesh=shard_mesh, **fully_shard_kwargs)
+    fully_shard(model, mesh=shard_mesh, **fully_shard_kwargs)
+    factor = float(topo.dp_size if gradient_divide_factor is None else gradient_divide_factor)
+    if factor <= 0:
+        raise ValueError(f"gradient_divide_factor must be > 0, got {factor}")
+    gloo = dist.get_backend(shard_mesh.get_group()) == "gloo"
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(factor)
+            if gloo:  # gloo has no pre-multiplied sum: a plain sum, then the division
+                module.set_force_sum_reduction_for_comms(True)
+    return model
