@@ -431,7 +431,8 @@ class Job:
         result = self.evaluate()
         line = f"eval after step {step}: loss {result['eval_loss']:.4f} over {result['eval_tokens']} tokens"
         if "passkey_accuracy" in result:
-            line += (f"; passkey retrieved in {result['passkey_accuracy']:.1%} of {self.cfg.eval_samples} held-out prompts (each key on "
+            line += (f" (chance {math.log(VOCAB_SIZE):.2f}: any byte equally likely)"
+                     f"; passkey retrieved in {result['passkey_accuracy']:.1%} of {self.cfg.eval_samples} held-out prompts (each key on "
                      f"other ranks than its answer; chance {0.1 ** KEY_LENGTH:.3%}), key symbols right {result['key_digit_accuracy']:.1%} "
                      f"(chance 10%) and key loss {result['key_loss']:.2f} (chance {math.log(10):.2f})")
         say(line)
