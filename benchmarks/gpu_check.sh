@@ -5,7 +5,7 @@
 #
 # Installs the package (and flash-attn if it is missing and installs in time), prints the
 # versions, runs benchmarks/gpu_check.py, then the main job for 20 bf16 steps on one GPU (and on
-# real data with its resume, and fp16 with its overflow steps counted) and, with 2+ GPUs, with SP=2 on two with the memory stack on (--tiled-loss --tiled-mlp
+# real data with its resume, fp16 with its overflow steps counted, and --engine fsdp2 in bf16) and, with 2+ GPUs, with SP=2 on two with the memory stack on (--tiled-loss --tiled-mlp
 # --checkpoint offload), the Trainer on two against one, the NCCL parity, sp-bench run (--check)
 # and sp-bench calibrate under torchrun (its profile is left in the logs). One summary line per check: "PASS name ...",
 # "FAIL name ..." or "SKIP name ..." (not a failure). Exit status 1 if any check failed,
@@ -108,8 +108,9 @@ if ((NGPU >= 2)); then R_PAR=$((150 + R_BENCH)); fi  # the NCCL parity, then sp-
 R_HF=0
 if ((NGPU >= 2)); then R_HF=120; fi  # the Trainer example: one GPU and two
 R_RESUME=60  # its resume from the step-10 checkpoint
-R_FP16=60  # fp16 from a loss scale of 2^32: the overflow steps DeepSpeed skips, counted in the metrics
-R_REAL=$((90 + R_RESUME + R_FP16))  # the real-data job on 1 GPU, then its resume, then fp16
+R_FSDP2=60  # the job under --engine fsdp2 in bf16 (FSDP2's mixed precision on CUDA)
+R_FP16=$((60 + R_FSDP2))  # fp16 from a loss scale of 2^32: the overflow steps DeepSpeed skips, counted in the metrics; then fsdp2
+R_REAL=$((90 + R_RESUME + R_FP16))  # the real-data job on 1 GPU, then its resume, then fp16 and fsdp2
 R_TRAIN1=$((100 + R_REAL + R_TRAIN2 + R_HF + R_PAR))
 R_PY=$((150 + R_TRAIN1))
 PIP=("$PYTHON" -m pip install --disable-pip-version-check --retries 1 --timeout 15)  # fail fast when offline
@@ -220,7 +221,7 @@ grep -q -- '--resume: checkpoint step10 ' "$LOGS/train_1gpu_resume.log" || fail 
 # overflow and are skipped; the metrics file must count them (skipped_steps, which CPU runs cannot exercise)
 echo '{"fp16": {"enabled": true, "initial_scale_power": 32}, "steps_per_print": 1000000}' >"$LOGS/ds_fp16_overflow.json"
 rm -f "$LOGS/fp16_metrics.jsonl"
-train train_1gpu_fp16_overflow 1 "$R_FP16" "$((R_TRAIN2 + R_HF + R_PAR))" --sp-size 1 --steps 20 \
+train train_1gpu_fp16_overflow 1 "$((R_FP16 - R_FSDP2))" "$((R_FSDP2 + R_TRAIN2 + R_HF + R_PAR))" --sp-size 1 --steps 20 \
     --deepspeed "$LOGS/ds_fp16_overflow.json" --metrics-file "$LOGS/fp16_metrics.jsonl"
 verdict=$("$PYTHON" -c 'import json, sys
 steps = [r for r in map(json.loads, open(sys.argv[1])) if "skipped_steps" in r]
@@ -228,6 +229,11 @@ n = steps[-1]["skipped_steps"] if steps else None
 print(f"skipped_steps {n} of {len(steps)} steps in the metrics")
 sys.exit(0 if steps and 0 < n < len(steps) else 1)' "$LOGS/fp16_metrics.jsonl" 2>&1) \
     && pass "fp16_skipped_steps $verdict" || fail "fp16_skipped_steps $verdict"
+# the torch-native stack on CUDA: fully_shard, bf16 compute with fp32 reductions, DCP checkpoint written at the end
+rm -rf "$LOGS/fsdp2_ckpt"  # a rerun's
+train train_1gpu_fsdp2_bf16 1 "$R_FSDP2" "$((R_TRAIN2 + R_HF + R_PAR))" --sp-size 1 --steps 20 --dtype bf16 --engine fsdp2 \
+    --save "$LOGS/fsdp2_ckpt"
+rm -rf "$LOGS/fsdp2_ckpt"
 if ((NGPU >= 2)); then
     # SP=2 with the memory stack on: tiled loss, tiled MLP, checkpoints offloaded to pinned host memory
     train train_2gpu_sp2_bf16_memory_stack 2 240 "$((R_HF + R_PAR))" --sp-size 2 --steps 20 --dtype bf16 --tiled-loss --tiled-mlp --checkpoint offload

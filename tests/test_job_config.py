@@ -85,6 +85,8 @@ def test_parse_args_takes_both_deepspeed_spellings_and_the_hf_names():
     (["--resume", "latest"], "--resume latest looks in the --save directory"),
     (["--gradient-checkpointing", "--checkpoint", "none"], "contradicts --checkpoint none"),
     (["--seq-len", "0"], "must be at least 1"),
+    (["--engine", "fsdp2", "--deepspeed", "a.json", "--zero-stage", "3"], "--engine fsdp2 takes no --deepspeed, --zero-stage"),
+    (["--engine", "fsdp2", "--dtype", "fp16"], "--engine fsdp2 takes no --dtype fp16"),
 ])
 def test_parse_args_errors(argv, message, capsys):
     with pytest.raises(SystemExit):

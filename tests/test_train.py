@@ -27,6 +27,11 @@ def sp2_losses():
     return _run(2)
 
 
+@pytest.fixture(scope="module")
+def fsdp2_losses():
+    return _run(2, engine="fsdp2")
+
+
 def test_the_loss_falls(sp2_losses):
     """From ln 257 = 5.55 (a uniform guess over the bytes) to 4.48 in 8 steps on the answers of
     the default task (observed); a model that learnt nothing stays near 5.5."""
@@ -95,17 +100,20 @@ def _launch(root, port, *flags):
                              stderr=subprocess.STDOUT, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
 
 
-def test_a_job_killed_with_sigkill_resumes_with_the_identical_losses(sp2_losses, tmp_path):
+@pytest.mark.parametrize("engine", ["deepspeed", "fsdp2"])
+def test_a_job_killed_with_sigkill_resumes_with_the_identical_losses(request, engine, tmp_path):
     """Both ranks SIGKILLed once the step-3 checkpoint is announced (step 4 and its save under way),
     then the same command with --resume latest: it resumes from a complete checkpoint, and the
-    metrics file holds every step once, with the losses of the uninterrupted run."""
+    metrics file holds every step once, with the losses of the uninterrupted run (under each
+    engine: DeepSpeed's checkpoints, and FSDP2's torch.distributed.checkpoint ones)."""
     import json
     import os
     import signal
 
+    uninterrupted = request.getfixturevalue("sp2_losses" if engine == "deepspeed" else "fsdp2_losses")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     flags = ["--sp-size", "2", "--seq-len", str(SEQ), "--steps", str(STEPS), "--eval-samples", "4", "--save", str(tmp_path / "ckpt"),
-             "--save-every", "1", "--metrics-file", str(tmp_path / "m.jsonl")]
+             "--save-every", "1", "--metrics-file", str(tmp_path / "m.jsonl"), "--engine", engine]
     ranks, seen = _launch(root, free_port(), *flags), []
     for line in ranks[0].stdout:
         seen.append(line)
@@ -124,7 +132,7 @@ def test_a_job_killed_with_sigkill_resumes_with_the_identical_losses(sp2_losses,
     with open(tmp_path / "m.jsonl") as f:
         steps = [json.loads(line) for line in f if '"loss"' in line]
     assert [line["step"] for line in steps] == list(range(1, STEPS + 1))
-    assert [line["loss"] for line in steps] == sp2_losses[0]
+    assert [line["loss"] for line in steps] == uninterrupted[0]
 
 
 def _no_targets(rank, world, cfg):
@@ -152,6 +160,44 @@ def test_a_step_without_targets_makes_no_optimizer_step():
         assert math.isnan(empty) and unchanged and math.isfinite(normal)
 
 
+def test_fsdp2_engine_trains_like_deepspeed(sp2_losses, fsdp2_losses):
+    """--engine fsdp2 (fully_shard over both ranks, torch AdamW, clipping 1.0) gives DeepSpeed
+    ZeRO-2's loss curve: both apply the one-process update, up to summation order."""
+    for step, (a, b) in enumerate(zip(fsdp2_losses[0], sp2_losses[0])):
+        assert abs(a - b) < 1e-4, f"step {step + 1}: {a} with FSDP2, {b} with DeepSpeed"
+
+
+def _exported(rank, world, cfg, path):
+    """The job's own logits for a probe, and where it exported the model."""
+    import torch
+
+    job = Job(cfg)
+    for step in range(cfg.steps):
+        job.step(step)
+    probe = torch.arange(SEQ)[None] % 200
+    logits = job.full_logits(probe)
+    job.export(path)
+    job.close()
+    return logits
+
+
+def test_fsdp2_export_loads_with_the_jobs_logits(tmp_path):
+    """--engine fsdp2 --export-hf: the shards gathered to rank 0 load with from_pretrained and give
+    the job's logits (fp32), under the model's own class name."""
+    import json
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    cfg = TrainConfig(sp_size=2, seq_len=SEQ, steps=2, engine="fsdp2")
+    logits = run_ranks(_exported, 2, cfg, str(tmp_path / "hf"), timeout=600)[0]
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    with torch.no_grad():
+        exported = model(input_ids=torch.arange(SEQ)[None] % 200).logits
+    assert (exported - logits).abs().max() < 1e-5
+    assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
+
+
 def test_zero3_trains_like_zero2(sp2_losses):
     """ZeRO-3 (reduce-scatter, its default) applies the same gradients as ZeRO-2."""
     zero3 = _run(2, zero_stage=3)
@@ -159,13 +205,14 @@ def test_zero3_trains_like_zero2(sp2_losses):
         assert abs(a - b) < 1e-4, f"step {step + 1}: {a} with ZeRO-3, {b} with ZeRO-2"
 
 
-@pytest.mark.parametrize("zero_stage", [2, 3])
-def test_memory_stack_trains_like_without(sp2_losses, zero_stage):
+@pytest.mark.parametrize("engine", [{"zero_stage": 2}, {"zero_stage": 3}, {"engine": "fsdp2"}], ids=["zero2", "zero3", "fsdp2"])
+def test_memory_stack_trains_like_without(sp2_losses, engine):
     """Tiled loss, tiled MLP and per-layer checkpointing (offload: nothing to move on CPU,
-    the hooks still run) through DeepSpeed give the same loss curve (ZeRO-3 also equals ZeRO-2)."""
-    tiled = _run(2, zero_stage=zero_stage, tiled_loss=True, tiled_mlp=True, checkpoint="offload")
+    the hooks still run) through DeepSpeed, and under FSDP2, give the same loss curve (ZeRO-3 and
+    FSDP2 also equal ZeRO-2)."""
+    tiled = _run(2, tiled_loss=True, tiled_mlp=True, checkpoint="offload", **engine)
     for step, (a, b) in enumerate(zip(tiled[0], sp2_losses[0])):
-        assert abs(a - b) < 1e-4, f"step {step + 1}: {a} with the memory stack (ZeRO-{zero_stage}), {b} without"
+        assert abs(a - b) < 1e-4, f"step {step + 1}: {a} with the memory stack ({engine}), {b} without"
 
 
 def test_memory_options_follow_the_length():

@@ -33,6 +33,8 @@ class TrainConfig:
     """Ranks that share one sequence; the rest of the world is data parallel. None: every rank."""
     sp_backend: str = "auto"
     """A backend name, ``auto``, or comma-separated names, one per attention layer."""
+    engine: str = "deepspeed"
+    """``deepspeed`` (ZeRO, the config file) or ``fsdp2`` (torch's fully_shard over DP x SP, AdamW, DCP checkpoints)."""
     zero_stage: int | None = None
     """None: the DeepSpeed config's stage, else 2."""
     deepspeed: str | None = None
@@ -154,6 +156,10 @@ def parse_args(argv=None) -> TrainConfig:
                    help="before training, check on a small fp64 copy of the model's architecture that SP gives the one-process loss and "
                         "every gradient (verify_sequence_parallel); the first thing to run on a new model")
     g.add_argument("--profile", default=None, help="a profile from sp-bench calibrate, for auto (default: built in)")
+    g = p.add_argument_group("engine")
+    g.add_argument("--engine", choices=("deepspeed", "fsdp2"), default="deepspeed",
+                   help="deepspeed (ZeRO; default) or fsdp2: torch's fully_shard over every rank, torch AdamW, torch.distributed.checkpoint "
+                        "checkpoints (no DeepSpeed config; bf16 or fp32)")
     g = p.add_argument_group("DeepSpeed (the config file's values win; flags fill what it leaves out or sets to \"auto\")")
     g.add_argument("--deepspeed", nargs="?", const="", default=None, metavar="DS_CONFIG",
                    help="DeepSpeed config JSON (micro batch, accumulation, bf16/fp16, optimizer, scheduler, ZeRO, offload)")
@@ -213,12 +219,16 @@ def parse_args(argv=None) -> TrainConfig:
     paths = {path for path in (a.deepspeed, a.deepspeed_config) if path}
     if len(paths) > 1:
         p.error(f"--deepspeed {a.deepspeed} and --deepspeed_config {a.deepspeed_config} name different files; give one")
+    if a.engine == "fsdp2":
+        given = [flag for flag, value in (("--deepspeed", paths), ("--zero-stage", a.zero_stage), ("--dtype fp16", a.dtype == "fp16")) if value]
+        if given:
+            p.error(f"--engine fsdp2 takes no {', '.join(given)}: those are DeepSpeed's (fp16 needs its loss scaler); use bf16 or fp32")
     if a.resume == "latest" and not a.save:
         p.error("--resume latest looks in the --save directory: give --save too")
     if a.gradient_checkpointing and a.checkpoint not in ("auto", "layers"):
         p.error(f"--gradient-checkpointing is --checkpoint layers; it contradicts --checkpoint {a.checkpoint}")
     return TrainConfig(
-        sp_size=a.sp_size, sp_backend=a.sp_backend, zero_stage=a.zero_stage, deepspeed=next(iter(paths), None), model=a.model,
+        sp_size=a.sp_size, sp_backend=a.sp_backend, engine=a.engine, zero_stage=a.zero_stage, deepspeed=next(iter(paths), None), model=a.model,
         tokenizer=a.tokenizer, data=a.data, eval_data=a.eval_data, token_cache=a.token_cache, packing=a.packing, seq_len=a.seq_len, steps=a.steps,
         micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
         weight_decay=a.weight_decay, seed=a.seed, eval_every=a.eval_every, eval_samples=a.eval_samples, save=a.save,

@@ -83,8 +83,8 @@ class ResolvedConfig:
     sources: dict[str, str] = field(default_factory=dict)
     """Each setting's value and where it came from, for the log."""
 
-    def describe(self) -> str:
-        return ", ".join(f"{name} {value}" for name, value in self.sources.items())
+    def describe(self, without=()) -> str:
+        return ", ".join(f"{name} {value}" for name, value in self.sources.items() if name not in without)
 
 
 def _given(value):

@@ -32,11 +32,14 @@ def export_hf(engine, path: str, tokenizer=None, wait_group=None) -> None:
     partitions group by group, :data:`GATHER_BYTES` at a time, and rank 0 copies each to host
     memory). Switches the model back from SP attention; it is not trained further. The ranks
     wait for rank 0's writing on ``wait_group`` (default: the world's)."""
-    import deepspeed
-
     model = remove_sequence_parallel(engine.module)
     rank0 = dist.get_rank() == 0
-    if engine.zero_optimization_stage() == 3:
+    if hasattr(engine, "full_state_dict"):  # --engine fsdp2: its shards gathered to rank 0's CPU
+        state = engine.full_state_dict()
+        model.config.architectures = [engine.architecture]
+    elif engine.zero_optimization_stage() == 3:
+        import deepspeed
+
         names = {}  # a parameter under each of its names (tied weights have two)
         for name, p in model.named_parameters(remove_duplicate=False):
             names.setdefault(p, []).append(name)

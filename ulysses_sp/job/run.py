@@ -1,4 +1,5 @@
-"""The main job: train a Hugging Face causal LM with sequence parallelism under DeepSpeed.
+"""The main job: train a Hugging Face causal LM with sequence parallelism under DeepSpeed
+(or, with ``--engine fsdp2``, under FSDP2: ``job.fsdp_engine``).
 
 ``train.py`` at the repository root calls :func:`main`. Runs under the ``deepspeed``
 launcher or ``torchrun``; on a machine without CUDA it uses DeepSpeed's CPU accelerator and
@@ -131,8 +132,10 @@ class Job:
     engine), then :meth:`fit`, :meth:`evaluate`, :meth:`export`, :meth:`close`."""
 
     def __init__(self, cfg: TrainConfig):
-        use_cpu_accelerator_if_needed()
-        import deepspeed
+        fsdp2 = cfg.engine == "fsdp2"
+        if not fsdp2:
+            use_cpu_accelerator_if_needed()
+            import deepspeed
 
         from ..integrations.transformers import apply_sequence_parallel
         from ..integrations.mixers import check_supported
@@ -154,7 +157,12 @@ class Job:
         self.eval_rows = corpus.build_rows(cfg.eval_data, self.tokenizer, cfg, progress=first) if cfg.eval_data else None
 
         self.device = bind_device()  # cuda:LOCAL_RANK before NCCL starts; CPU without CUDA
-        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", timeout=datetime.timedelta(seconds=cfg.dist_timeout))
+        timeout = datetime.timedelta(seconds=cfg.dist_timeout)
+        if fsdp2:
+            if not dist.is_initialized():
+                dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timeout)
+        else:
+            deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", timeout=timeout)
         check_one_rank_per_device(dist.group.WORLD, self.device)
         if not on_gpu:  # ranks share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size(default=dist.get_world_size())))
@@ -168,7 +176,7 @@ class Job:
                              "data_bytes": cfg.data and _size(cfg.data),
                              "data_mtime": cfg.data and int(os.path.getmtime(cfg.data)), "seed": cfg.seed, "micro_batch": self.ds.micro_batch,
                              "grad_accum": self.ds.grad_accum, "sp_size": topo.sp_size, "dp_size": topo.dp_size, "steps": cfg.steps,
-                             "lr": self.ds.lr, "warmup_steps": self.ds.warmup_steps, "min_lr_ratio": cfg.min_lr_ratio}
+                             "lr": self.ds.lr, "warmup_steps": self.ds.warmup_steps, "min_lr_ratio": cfg.min_lr_ratio, "engine": cfg.engine}
         """What decides the data and the schedule: a resume with any of it changed is refused."""
         self.run = uuid.uuid4().hex  # rank 0's names the checkpoints of this run (kept across resumes)
         resume = self._checkpoint_to_resume() if cfg.resume is not None or cfg.save else None  # checked before the model is built
@@ -197,6 +205,22 @@ class Job:
         except (ValueError, SequenceParallelMismatch) as e:  # the same on every rank: uncovered layers, or SP not exact
             raise JobError(str(e)) from None
         model.train()
+        self.start, self.resumed, self.last_checkpoint = 0, None, None
+        if fsdp2:
+            from .fsdp_engine import FSDP2Engine
+
+            self.engine = FSDP2Engine(model, topo, lr=self.ds.lr, weight_decay=cfg.weight_decay, warmup_steps=self.ds.warmup_steps,
+                                      steps=cfg.steps, min_lr_ratio=cfg.min_lr_ratio, grad_accum=self.ds.grad_accum,
+                                      clip=float(self.ds.config.get("gradient_clipping", 0.0)), dtype=self.ds.dtype)
+            self.scale = 1.0  # reduce-scatters sum (divide factor 1): the loss is counted over the world
+        else:
+            self._deepspeed_engine(deepspeed, model, cfg, topo)
+        if resume is not None:
+            self._load(*resume[:2])
+        self.metrics = MetricsFile(cfg.metrics_file, self.rank0, keep_through=self.start if self.resumed else None)
+        self.peak = peak_tflops(self.device, self.ds.dtype, cfg.peak_tflops)
+
+    def _deepspeed_engine(self, deepspeed, model, cfg, topo) -> None:
         extra = {}
         if not self.ds.ds_optimizer:
             extra["optimizer"] = torch.optim.AdamW(model.parameters(), lr=self.ds.lr, weight_decay=cfg.weight_decay)
@@ -208,11 +232,6 @@ class Job:
         self.engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters() if self.ds.ds_optimizer else None,
                                                config=self.ds.config, mpu=SequenceParallelMPU(topo), **extra)
         self.scale = gradient_scale(self.engine, topo)  # undoes the averaging of this ZeRO stage
-        self.start, self.resumed, self.last_checkpoint = 0, None, None
-        if resume is not None:
-            self._load(*resume[:2])
-        self.metrics = MetricsFile(cfg.metrics_file, self.rank0, keep_through=self.start if self.resumed else None)
-        self.peak = peak_tflops(self.device, self.ds.dtype, cfg.peak_tflops)
 
     # -- losses ------------------------------------------------------------------------------
 
@@ -273,7 +292,7 @@ class Job:
             data = "passkey task (byte-level)" if cfg.data is None else f"{cfg.data} ({len(self.train_rows)} rows, {'packed' if cfg.packing else 'padded'})"
             print(f"ulysses-sp: world {topo.world_size} = dp {topo.dp_size} x sp {topo.sp_size}, backend {cfg.sp_backend}, "
                   f"kernel {cfg.sp_kernel}, on {topo.device}, seq {cfg.seq_len}, steps {self.start}..{cfg.steps}, data {data}", flush=True)
-            print("deepspeed: " + self.ds.describe(), flush=True)
+            print(f"{cfg.engine}: " + self.ds.describe(without=("ZeRO stage",) if cfg.engine == "fsdp2" else ()), flush=True)
             print("memory: " + ", ".join(f"{name} {value} ({self.memory_why[name]})" for name, value in self.memory.items()), flush=True)
         from tqdm import tqdm
 
@@ -346,7 +365,7 @@ class Job:
         if unseen:
             raise JobError(f"--resume: ranks {unseen} cannot see {os.path.join(directory, tag)}; checkpoints need a file system every rank shares")
         if manifest is not None:
-            changed = checkpoint.resume_mismatches(manifest.get("resume", {}), self.resume_state)
+            changed = checkpoint.resume_mismatches({"engine": "deepspeed", **manifest.get("resume", {})}, self.resume_state)
             if changed:
                 raise JobError(f"--resume: checkpoint {tag} was trained with other settings, and continuing would train on other data "
                                f"or another schedule: {'; '.join(changed)}. Resume with the same settings (--steps may grow), or start a new run "
@@ -359,7 +378,7 @@ class Job:
         have loaded the same step."""
         path, client = self.engine.load_checkpoint(directory, tag)
         if path is None:
-            raise JobError(f"--resume: DeepSpeed found no checkpoint {tag} in {directory}")
+            raise JobError(f"--resume: the {self.cfg.engine} engine found no checkpoint {tag} in {directory}")
         checkpoint.load_rng(directory, tag, self.topo.rank)
         sched = self.engine.lr_scheduler
         if not self.ds.ds_scheduler and hasattr(sched, "lr_lambdas"):  # ours, planned for this run's --steps
