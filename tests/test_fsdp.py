@@ -3,6 +3,7 @@ trained on the same global batch. Cases in tests/fsdp_cases.py; fp32, tolerance 
 at most 1.5e-8 after SGD, 5.2e-8 after AdamW)."""
 
 import pytest
+import torch
 
 from .conftest import values
 
@@ -31,3 +32,16 @@ def test_fully_shard_options_pass_through(ranks):
     """bf16 parameters (fp32 reductions) within bf16's tolerance; no reshard and CPU offload exact."""
     for result in values(ranks(2), "fsdp-options/"):
         assert result["bf16"] < 3e-2 and result["no-reshard"] < 1e-5 and result["offload"] < 1e-5, result
+
+
+def test_bad_input_is_refused_before_any_collective():
+    from ulysses_sp.integrations.fsdp import apply_fsdp2
+    from ulysses_sp.topology import Topology
+
+    from .hf_cases import tiny_model
+
+    topo = Topology.for_planning(2)
+    with pytest.raises(ValueError, match="gradient_divide_factor must be > 0"):
+        apply_fsdp2(tiny_model("llama"), topo, gradient_divide_factor=0)
+    with pytest.raises(ValueError, match="no decoder layers found in Linear"):
+        apply_fsdp2(torch.nn.Linear(2, 2), topo)

@@ -33,13 +33,10 @@ def device_mesh(topo):
     world = dist.get_world_size()
     if topo.dp_size * topo.sp_size != world:
         raise ValueError(f"the topology covers dp {topo.dp_size} x sp {topo.sp_size} ranks, the world has {world}")
+    if topo.dp_group is None or topo.sp_group is None:
+        raise ValueError("device_mesh needs a topology with process groups (init_sequence_parallel), not a planning one")
     layout = torch.arange(world).view(topo.dp_size, topo.sp_size)
-    groups = [topo.dp_group or _single(), topo.sp_group or _single()]
-    return DeviceMesh.from_group(groups, topo.device.type, mesh=layout, mesh_dim_names=("dp", "sp"))
-
-
-def _single():
-    return dist.new_group([dist.get_rank()])
+    return DeviceMesh.from_group([topo.dp_group, topo.sp_group], topo.device.type, mesh=layout, mesh_dim_names=("dp", "sp"))
 
 
 def apply_fsdp2(model: torch.nn.Module, topo, *, mesh=None, layers=None, gradient_divide_factor: float | None = None, **fully_shard_kwargs):
@@ -53,17 +50,17 @@ def apply_fsdp2(model: torch.nn.Module, topo, *, mesh=None, layers=None, gradien
 
     from ..tiling import decoder_layers
 
-    mesh = device_mesh(topo) if mesh is None else mesh
-    shard_mesh = mesh if mesh.ndim == 1 else mesh._flatten("dp_sp")  # a user's 1-D mesh as it is
-    units = list(decoder_layers(model) if layers is None else layers)
-    if not units:
-        raise ValueError(f"apply_fsdp2: no decoder layers found in {type(model).__name__}; pass layers=[...]")
-    for layer in units:
-        fully_shard(layer, mesh=shard_mesh, **fully_shard_kwargs)
-    fully_shard(model, mesh=shard_mesh, **fully_shard_kwargs)
     factor = float(topo.dp_size if gradient_divide_factor is None else gradient_divide_factor)
     if factor <= 0:
         raise ValueError(f"gradient_divide_factor must be > 0, got {factor}")
+    units = list(decoder_layers(model) if layers is None else layers)
+    if not units:
+        raise ValueError(f"apply_fsdp2: no decoder layers found in {type(model).__name__}; pass layers=[...]")
+    mesh = device_mesh(topo) if mesh is None else mesh
+    shard_mesh = mesh if mesh.ndim == 1 else mesh._flatten("dp_sp")  # a user's 1-D mesh as it is
+    for layer in units:
+        fully_shard(layer, mesh=shard_mesh, **fully_shard_kwargs)
+    fully_shard(model, mesh=shard_mesh, **fully_shard_kwargs)
     gloo = dist.get_backend(shard_mesh.get_group()) == "gloo"
     for module in model.modules():
         if isinstance(module, FSDPModule):
