@@ -209,6 +209,29 @@ def memory_checks() -> None:
         return f"worst gradient error {max(errs):.1e}; {moved / 2**20:.1f} MiB offloaded to host"
 
 
+def kernel_rate(n: int, device, dtype=torch.bfloat16, repeat: int = 3) -> float:
+    """Forward+backward FLOP/s of the local kernel (causal, 32/8 heads x 128) on ``n`` tokens:
+    the backward counted as 2.5 forwards, a causal forward as 4 n^2 H D / 2."""
+    q = torch.randn(1, n, 32, 128, device=device, dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, n, 8, 128, device=device, dtype=dtype, requires_grad=True) for _ in range(2))
+    step = lambda: kernels.local_attention(q, k, v, causal=True).sum().backward()  # noqa: E731
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    step()  # warm-up
+    sync()
+    t0 = time.perf_counter()
+    for _ in range(repeat):
+        step()
+    sync()
+    return 3.5 * 4 * n * n * 32 * 128 / 2 / ((time.perf_counter() - t0) / repeat)
+
+
+def half_rate_fit(rates: dict) -> int:
+    """The n0 (0 to 4000, step 10) whose n / (n + n0), relative to the longest length's, fits
+    ``rates`` (tokens: FLOP/s) best."""
+    top = max(rates)
+    return min(range(0, 4001, 10), key=lambda n0: sum((n / (n + n0) / (top / (top + n0)) - rates[n] / rates[top]) ** 2 for n in rates))
+
+
 def efficiency_checks() -> None:
     """The built-in GPU profile's block-size term on this GPU: the local kernel's forward+backward
     rate (bf16, causal, 32/8 heads x 128) at 512 to 16k tokens, against the profile's
@@ -220,26 +243,11 @@ def efficiency_checks() -> None:
 
     @check("kernel rate against the GPU profile's block-size term (bf16 causal 32/8 x 128)")
     def _():
-        rates = {}
-        for n in lengths:
-            q = torch.randn(1, n, 32, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-            k, v = (torch.randn(1, n, 8, 128, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
-            step = lambda: kernels.local_attention(q, k, v, causal=True).sum().backward()  # noqa: E731
-            for _ in range(3):
-                step()
-            torch.cuda.synchronize()
-            start, end, repeat = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True), max(3, 16384 // n)
-            start.record()
-            for _ in range(repeat):
-                step()
-            end.record()
-            torch.cuda.synchronize()
-            rates[n] = 3.5 * 4 * n * n * 32 * 128 / 2 / (start.elapsed_time(end) / 1e3 / repeat)  # fwd + bwd (2.5x) FLOPs, causal
+        rates = {n: kernel_rate(n, "cuda", repeat=max(3, 16384 // n)) for n in lengths}
         modelled = {n: NVLINK_PROFILE.efficiency("ulysses", n) / NVLINK_PROFILE.efficiency("ulysses", lengths[-1]) for n in lengths}
-        measured = {n: rates[n] / rates[lengths[-1]] for n in lengths}
-        fit = min(range(0, 4001, 10), key=lambda n0: sum((n / (n + n0) / (lengths[-1] / (lengths[-1] + n0)) - measured[n]) ** 2 for n in lengths))
-        worst = max(abs(measured[n] / modelled[n] - 1) for n in lengths)
-        detail = ", ".join(f"{n}: {rates[n] / 1e12:.0f}" for n in lengths) + f" TFLOP/s; n0 fitted here {fit} (profile {NVLINK_PROFILE.kernel_half_rate_tokens:.0f})"
+        worst = max(abs(rates[n] / rates[lengths[-1]] / modelled[n] - 1) for n in lengths)
+        detail = (", ".join(f"{n}: {rates[n] / 1e12:.0f}" for n in lengths)
+                  + f" TFLOP/s; n0 fitted here {half_rate_fit(rates)} (profile {NVLINK_PROFILE.kernel_half_rate_tokens:.0f})")
         assert worst < 0.25, f"a rate ratio is {worst:.0%} off the profile's curve: {detail}"
         return detail
 

@@ -20,10 +20,10 @@ VARIANTS = {"plain": {}, "tiled": {"tiled_mlp": 8}}
 """What apply_sequence_parallel gets; "tiled" also takes the loss through causal_lm_loss (tiles of the head)."""
 
 
-def _model():
-    from .hf_cases import tiny_model
+def _model(family: str = "llama"):
+    from .hf_trainer_cases import model_for
 
-    return tiny_model("llama")
+    return model_for({"family": family})  # tiny_model for the attention families; hybrids from tests/model_families.py
 
 
 def _batch(samples: int, seed: int) -> dict:
@@ -59,10 +59,10 @@ def _max_difference(model, ref) -> float:
     return max((p.full_tensor() - q).abs().max().item() for p, q in zip(model.parameters(), ref.parameters()))
 
 
-def sgd_step(topo, variant: str, divide_factor=None) -> float:
+def sgd_step(topo, variant: str, divide_factor=None, family: str = "llama") -> float:
     """One SGD step; each SP group's loss its samples' token mean (sp_cross_entropy's default),
     the DP groups averaged: the one-process loss is the mean of the samples' token means."""
-    ref = _model()
+    ref = _model(family)
     model = _sharded(ref, topo, variant, gradient_divide_factor=divide_factor)
     data = _batch(topo.dp_size, seed=1)
     torch.stack([s / n for s, n in (_token_sums(ref, {k: v[i : i + 1] for k, v in data.items()}) for i in range(topo.dp_size))]).mean().backward()
@@ -108,10 +108,19 @@ def adamw_steps(topo, variant: str, steps: int = 3, accumulation: int = 2, equal
 
 if importlib.util.find_spec("transformers") is not None:
 
-    @case("fsdp/", worlds=(2, 4))
+    @case("fsdp/", worlds=(2, 3, 4))
     def _fsdp(env: Env):
-        topo = env.topo(2)
+        """SP = 2 (DP = 2 on 4 ranks), SP = 3 on 3 ranks."""
+        topo = env.topo(3 if env.world == 3 else 2)
         return {f"{what.__name__}-{variant}": what(topo, variant) for what in (sgd_step, adamw_steps) for variant in VARIANTS}
+
+    @case("fsdp-placements/", worlds=(2,))
+    def _placements(env: Env):
+        """One SGD step under the contiguous and balanced layouts (zigzag: the case above), and a
+        hybrid model (Qwen3.5: Gated DeltaNet layers under their mixer strategy, and attention)."""
+        out = {layout: sgd_step(env.topo(2, layout=layout), "plain") for layout in ("contiguous", "balanced")}
+        out["qwen3_5"] = sgd_step(env.topo(2), "plain", family="qwen3_5")
+        return out
 
     @case("fsdp-options/", worlds=(2,))
     def _options(env: Env):

@@ -115,3 +115,20 @@ def test_plan_shows_the_kernel_share_and_why_a_backend_lost():
     assert "228.34 ms (kernel at 90%)" in result.output and "+9.9% on" in result.output
     (_, _, _, chosen, considered), = plan_rows([LLAMA_8B], seq_len=128 * K, sp_size=8, ranks_per_node=8, profile=NVLINK_PROFILE)
     assert _slower(considered["ring"], considered[chosen], chosen) == "+9.9% on ulysses; kernel at 90% of its rate against 100%"
+
+
+def test_the_gpu_checks_kernel_curve_measurement_runs_here():
+    """benchmarks/gpu_check.py's efficiency check, its GPU-only parts aside: the rate measurement
+    runs the kernel with the check's shapes (on CPU here, fp32), and the fit recovers the n0 of a
+    curve made from it, so the first GPU run prints a meaningful n0."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    assert gpu_check.kernel_rate(64, "cpu", dtype=torch.float32, repeat=1) > 0
+    lengths = (512, 1024, 2048, 4096, 8192, 16384)
+    assert gpu_check.half_rate_fit({n: 333e12 * n / (n + 530) for n in lengths}) == 530
+    assert gpu_check.half_rate_fit({n: 1.0 for n in lengths}) == 0

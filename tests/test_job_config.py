@@ -85,8 +85,6 @@ def test_parse_args_takes_both_deepspeed_spellings_and_the_hf_names():
     (["--resume", "latest"], "--resume latest looks in the --save directory"),
     (["--gradient-checkpointing", "--checkpoint", "none"], "contradicts --checkpoint none"),
     (["--seq-len", "0"], "must be at least 1"),
-    (["--engine", "fsdp2", "--deepspeed", "a.json", "--zero-stage", "3"], "--engine fsdp2 takes no --deepspeed, --zero-stage"),
-    (["--engine", "fsdp2", "--dtype", "fp16"], "--engine fsdp2 takes no --dtype fp16"),
 ])
 def test_parse_args_errors(argv, message, capsys):
     with pytest.raises(SystemExit):
@@ -165,6 +163,9 @@ def test_launch_errors_come_before_any_process_group(monkeypatch, tmp_path):
     assert "--sp-size 3 does not divide the 2 ranks" in _job_error(monkeypatch, sp_size=3)
     assert "--seq-len 1001 is not a multiple of 2 x sp = 4" in _job_error(monkeypatch, seq_len=1001)
     assert "--seq-len: seq_len 20 is too short for the passkey task (need at least 23)" in _job_error(monkeypatch, seq_len=20)
+    assert "--engine fsdp2 takes no --deepspeed, --zero-stage" in _job_error(monkeypatch, engine="fsdp2", deepspeed="a.json", zero_stage=3)
+    assert "--engine fsdp2 takes no --dtype fp16" in _job_error(monkeypatch, engine="fsdp2", dtype="fp16")
+    assert "--engine 'fsdp': choose from deepspeed, fsdp2" in _job_error(monkeypatch, engine="fsdp")
     assert "--seq-len 32 leaves no place for a held-out pass key on other ranks" in _job_error(monkeypatch, seq_len=32, layout="balanced")
     bad = tmp_path / "ds.json"
     bad.write_text("{not json")

@@ -24,6 +24,8 @@ import math
 
 import torch
 
+from .layout import owners
+
 __all__ = ["VOCAB_SIZE", "PAD_ID", "EOS_ID", "KEY_LENGTH", "MIN_DOC", "passkey_sample", "passkey_batch", "passkey_eval_batch",
            "doc_length_cap", "key_positions", "cross_shard_depths"]
 
@@ -112,15 +114,13 @@ def passkey_batch(seq_len: int, *, seed: int, step: int, dp_rank: int, batch_siz
 def cross_shard_depths(seq_len: int, sp_size: int, layout: str) -> list[int]:
     """Key depths of a one-document row whose key symbols all lie on SP ranks holding none of
     the answer's tokens (every depth when ``sp_size`` is 1)."""
-    room = seq_len - _overhead()
+    depths = torch.arange(seq_len - _overhead() + 1)
     if sp_size == 1:
-        return list(range(room + 1))
-    from .layout import owners
-
+        return depths.tolist()
     owner = owners(layout, seq_len, sp_size, (0, seq_len))
     near_answer = torch.isin(owner, owner[seq_len - KEY_LENGTH :])
     shared = near_answer.unfold(0, KEY_LENGTH, 1).any(1)  # [i]: a rank of the answer holds one of tokens i .. i + KEY_LENGTH - 1
-    return [d for d in range(room + 1) if not shared[key_positions(d).start]]
+    return depths[~shared[depths + key_positions(0).start]].tolist()
 
 
 def passkey_eval_batch(seq_len: int, *, seed: int, index: int, sp_size: int = 1, layout: str = "zigzag") -> dict:

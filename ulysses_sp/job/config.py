@@ -15,12 +15,14 @@ from ..mixers import MIXER_CHOICES
 from ..registry import get_backend, list_backends
 from ..tasks import cross_shard_depths, passkey_sample
 
-__all__ = ["JobError", "TrainConfig", "parse_args", "check_launch", "memory_options", "DEFAULT_LR"]
+__all__ = ["JobError", "TrainConfig", "parse_args", "check_launch", "job_layout", "memory_options", "DEFAULT_LR", "ENGINES"]
 
 
 class JobError(ValueError):
     """A mistake in the job's input (flags, files, DeepSpeed config); ``main`` prints it as one line."""
 
+
+ENGINES = ("deepspeed", "fsdp2")
 
 DEFAULT_LR = {"embedded": 3e-3, "pretrained": 2e-5}
 """--lr when neither the flag nor the DeepSpeed config gives one: the embedded model trains from
@@ -157,7 +159,7 @@ def parse_args(argv=None) -> TrainConfig:
                         "every gradient (verify_sequence_parallel); the first thing to run on a new model")
     g.add_argument("--profile", default=None, help="a profile from sp-bench calibrate, for auto (default: built in)")
     g = p.add_argument_group("engine")
-    g.add_argument("--engine", choices=("deepspeed", "fsdp2"), default="deepspeed",
+    g.add_argument("--engine", choices=ENGINES, default="deepspeed",
                    help="deepspeed (ZeRO; default) or fsdp2: torch's fully_shard over every rank, torch AdamW, torch.distributed.checkpoint "
                         "checkpoints (no DeepSpeed config; bf16 or fp32)")
     g = p.add_argument_group("DeepSpeed (the config file's values win; flags fill what it leaves out or sets to \"auto\")")
@@ -219,10 +221,6 @@ def parse_args(argv=None) -> TrainConfig:
     paths = {path for path in (a.deepspeed, a.deepspeed_config) if path}
     if len(paths) > 1:
         p.error(f"--deepspeed {a.deepspeed} and --deepspeed_config {a.deepspeed_config} name different files; give one")
-    if a.engine == "fsdp2":
-        given = [flag for flag, value in (("--deepspeed", paths), ("--zero-stage", a.zero_stage), ("--dtype fp16", a.dtype == "fp16")) if value]
-        if given:
-            p.error(f"--engine fsdp2 takes no {', '.join(given)}: those are DeepSpeed's (fp16 needs its loss scaler); use bf16 or fp32")
     if a.resume == "latest" and not a.save:
         p.error("--resume latest looks in the --save directory: give --save too")
     if a.gradient_checkpointing and a.checkpoint not in ("auto", "layers"):
@@ -240,6 +238,11 @@ def parse_args(argv=None) -> TrainConfig:
     )
 
 
+def job_layout(cfg: TrainConfig) -> str:
+    """``--layout``, or for auto: balanced for packed data files (documents placed by work), zigzag otherwise."""
+    return cfg.layout if cfg.layout != "auto" else ("balanced" if cfg.data and cfg.packing else "zigzag")
+
+
 def check_launch(cfg: TrainConfig, world_size: int) -> int:
     """The SP size, after checking what the launch can take; raises :class:`JobError` naming the fix."""
     sp = cfg.sp_size or world_size
@@ -250,12 +253,19 @@ def check_launch(cfg: TrainConfig, world_size: int) -> int:
     if cfg.seq_len % multiple:
         raise JobError(f"--seq-len {cfg.seq_len} is not a multiple of 2 x sp = {multiple} (each rank holds two chunks of every "
                        f"sequence); use {cfg.seq_len + (-cfg.seq_len % multiple)}")
+    if cfg.engine not in ENGINES:
+        raise JobError(f"--engine {cfg.engine!r}: choose from {', '.join(ENGINES)}")
+    if cfg.engine == "fsdp2":
+        given = [flag for flag, value in (("--deepspeed", cfg.deepspeed is not None), ("--zero-stage", cfg.zero_stage is not None),
+                                          ("--dtype fp16", cfg.dtype == "fp16")) if value]
+        if given:
+            raise JobError(f"--engine fsdp2 takes no {', '.join(given)}: those are DeepSpeed's (fp16 needs its loss scaler); use bf16 or fp32")
     if cfg.data is None:
         try:
             passkey_sample(cfg.seq_len, torch.Generator().manual_seed(0))
         except ValueError as e:
             raise JobError(f"--seq-len: {e}") from None
-        layout = "zigzag" if cfg.layout == "auto" else cfg.layout
+        layout = job_layout(cfg)
         if not cross_shard_depths(cfg.seq_len, sp, layout):
             raise JobError(f"--seq-len {cfg.seq_len} leaves no place for a held-out pass key on other ranks than its answer "
                            f"({sp} ranks, layout {layout}); use a longer --seq-len")

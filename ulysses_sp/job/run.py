@@ -40,7 +40,7 @@ from ..loss import causal_lm_loss
 from ..tasks import KEY_LENGTH, PAD_ID, VOCAB_SIZE
 from ..topology import init_sequence_parallel
 from . import checkpoint, corpus
-from .config import JobError, TrainConfig, check_launch, memory_options, parse_args
+from .config import JobError, TrainConfig, check_launch, job_layout, memory_options, parse_args
 from .ds_config import load_ds_config, resolve_ds_config
 from .export import export_hf
 from .metrics import MetricsFile, count_params, flops_per_token, peak_tflops
@@ -135,7 +135,6 @@ class Job:
         fsdp2 = cfg.engine == "fsdp2"
         if not fsdp2:
             use_cpu_accelerator_if_needed()
-            import deepspeed
 
         from ..integrations.transformers import apply_sequence_parallel
         from ..integrations.mixers import check_supported
@@ -162,11 +161,13 @@ class Job:
             if not dist.is_initialized():
                 dist.init_process_group("nccl" if on_gpu else "gloo", timeout=timeout)
         else:
+            import deepspeed
+
             deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", timeout=timeout)
         check_one_rank_per_device(dist.group.WORLD, self.device)
         if not on_gpu:  # ranks share the cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world_size(default=dist.get_world_size())))
-        self.layout = cfg.layout if cfg.layout != "auto" else ("balanced" if cfg.data and cfg.packing else "zigzag")
+        self.layout = job_layout(cfg)
         self.topo = topo = init_sequence_parallel(sp_size, ulysses_degree=cfg.ulysses_degree, layout=self.layout, profile=cfg.profile,
                                                   timeout=cfg.dist_timeout)
         self.rank0 = topo.rank == 0
@@ -214,13 +215,16 @@ class Job:
                                       clip=float(self.ds.config.get("gradient_clipping", 0.0)), dtype=self.ds.dtype)
             self.scale = 1.0  # reduce-scatters sum (divide factor 1): the loss is counted over the world
         else:
-            self._deepspeed_engine(deepspeed, model, cfg, topo)
+            self._deepspeed_engine(model)
         if resume is not None:
             self._load(*resume[:2])
         self.metrics = MetricsFile(cfg.metrics_file, self.rank0, keep_through=self.start if self.resumed else None)
         self.peak = peak_tflops(self.device, self.ds.dtype, cfg.peak_tflops)
 
-    def _deepspeed_engine(self, deepspeed, model, cfg, topo) -> None:
+    def _deepspeed_engine(self, model) -> None:
+        import deepspeed
+
+        cfg, topo = self.cfg, self.topo
         extra = {}
         if not self.ds.ds_optimizer:
             extra["optimizer"] = torch.optim.AdamW(model.parameters(), lr=self.ds.lr, weight_decay=cfg.weight_decay)
