@@ -9,7 +9,9 @@ torch's CUDA attention ops (signatures, GQA without repeated K/V, flash-attn's +
 for empty rows, bottom-right causal masks for Sq != Sk, varlen lse layout; sliding windows
 and soft-capping: flash-attn's and ``_flash_attention_forward``'s window_size, the
 memory-efficient op with a per-tile mask, softcap in flash-attn's backward) at bf16
-tolerances, and each backend's path through them on one rank with NCCL.
+tolerances, and each backend's path through them on one rank with NCCL; and torch.compile
+on CUDA: Inductor's Triton code around the SP attention op in compiled layers (one GPU) and
+every backend compiled with NCCL (``--ranks``).
 """
 
 from __future__ import annotations
@@ -209,6 +211,37 @@ def memory_checks() -> None:
         return f"worst gradient error {max(errs):.1e}; {moved / 2**20:.1f} MiB offloaded to host"
 
 
+def compile_checks() -> None:
+    """Decoder layers under torch.compile on one GPU, bf16 (Inductor's Triton code around the SP
+    attention op, layer checkpointing around the compiled layer): the eager gradients."""
+    import copy
+
+    import transformers
+
+    from ulysses_sp import tiling
+
+    topo = usp.init_sequence_parallel(1)
+    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
+                                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, use_cache=False)
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config).cuda().bfloat16()
+    ids = torch.randint(0, 32000, (1, 8192))
+    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in usp.shard_batch({"input_ids": ids, "labels": ids.clone()}, topo).items()}
+
+    @check("compiled layers bf16 (checkpointed, tiled MLP) == eager")
+    def _():
+        grads = []
+        for compiled in (False, True):
+            model = usp.apply_sequence_parallel(copy.deepcopy(ref), topo, tiled_mlp=1024, checkpoint="layers")
+            if compiled:
+                tiling.compile_layers(model, fullgraph=True)
+            usp.causal_lm_loss(model, batch, topo).backward()
+            grads.append([p.grad.float() for p in model.parameters()])
+        errs = [rel(a, b) for a, b in zip(grads[1], grads[0])]
+        assert max(errs) < TOL[torch.bfloat16], f"worst gradient error {max(errs):.2e}"
+        return f"worst gradient error {max(errs):.1e}"
+
+
 def kernel_rate(n: int, device, dtype=torch.bfloat16, repeat: int = 3) -> float:
     """Forward+backward FLOP/s of the local kernel (causal, 32/8 heads x 128) on ``n`` tokens:
     the backward counted as 2.5 forwards, a causal forward as 4 n^2 H D / 2."""
@@ -274,8 +307,9 @@ def _reference(full, causal, cu, window, softcap):
 
 def parity_rank(rank: int, world: int, port: int) -> None:
     """Every backend (and ulysses-g2, the all-to-alls pipelined over 2 head groups on side streams,
-    and hybrid-u2 on 8 GPUs, where it is not the topology's degree) x layout x kernel x case (windows
-    and soft-capping included) on ``world`` GPUs with NCCL, bf16, against fp64 one-process attention;
+    and hybrid-u2 on 8 GPUs, where it is not the topology's degree) x layout x kernel (and the auto
+    kernel under torch.compile) x case (windows and soft-capping included) on ``world`` GPUs with
+    NCCL, bf16, against fp64 one-process attention;
     rank 0 prints one line per combination (the worst rank's error), then the pipeline's timing."""
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), LOCAL_RANK=str(rank))
     torch.cuda.set_device(rank)
@@ -293,12 +327,14 @@ def parity_rank(rank: int, world: int, port: int) -> None:
             for backend in usp.list_backends() + ["ulysses-g2"] + (["hybrid-u2"] if world == 8 else []):
                 if backend == "halo" and window is None:  # halo runs windowed layers only
                     continue
-                for kernel in ("auto", "torch"):
-                    name = f"nccl P={world} {backend} {layout} kernel={kernel} bf16 {case}"
+                for kernel, compiled in (("auto", False), ("torch", False), ("auto", True)):
+                    name = f"nccl P={world} {backend} {layout} kernel={kernel}{' compiled' if compiled else ''} bf16 {case}"
                     try:
                         shards = [usp.shard_sequence(t, topo, cu_seqlens=docs).requires_grad_() for t in full[:3]]
-                        out = usp.sp_attention(*shards, topo, backend=backend, kernel=kernel, causal=causal, window=window, softcap=softcap,
-                                               cu_seqlens=None if cu is None else torch.tensor(cu, device="cuda"))
+                        torch._dynamo.reset()  # the compiled form: one graph per combination, no recompile limit
+                        attention = torch.compile(usp.sp_attention, fullgraph=True) if compiled else usp.sp_attention
+                        out = attention(*shards, topo, backend=backend, kernel=kernel, causal=causal, window=window, softcap=softcap,
+                                        cu_seqlens=None if cu is None else torch.tensor(cu, device="cuda"))
                         out.backward(usp.shard_sequence(full[3], topo, cu_seqlens=docs))
                         got = [usp.gather_sequence(t, topo, cu_seqlens=docs) for t in (out.detach(), *(s.grad for s in shards))]
                         errs = torch.tensor([rel(a, b) for a, b in zip(got, want)], device="cuda")
@@ -387,6 +423,7 @@ def main() -> int:
     hybrid_checks()
     stream_checks()
     memory_checks()
+    compile_checks()
     efficiency_checks()
     dist.destroy_process_group()
     print(f"gpu_check: {sum(RESULTS)} passed, {len(RESULTS) - sum(RESULTS)} failed", flush=True)

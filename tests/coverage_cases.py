@@ -348,6 +348,11 @@ def planted(topo) -> dict:
     layer_config = model.model.layers[1].self_attn.config = type(model.config).from_dict(model.config.to_dict())
     layer_config._attn_implementation = "sdpa"
     out["other implementation"] = raised(lambda: model(**usp.model_inputs(data)))
+    torch._dynamo.reset()
+    from ulysses_sp.tiling import compile_layers
+
+    compile_layers(model, fullgraph=True, backend="aot_eager")  # the same check, made when the layer is compiled
+    out["other implementation, compiled"] = raised(lambda: model(**usp.model_inputs(data)), errors=(Exception,))
     out["no position_ids"] = raised(lambda: model(input_ids=data["input_ids"]))
     usp.remove_sequence_parallel(model)
     out["hooks after remove"] = len(model._forward_pre_hooks) + sum(len(m._forward_hooks) for m in model.modules())

@@ -20,6 +20,7 @@ from torch import nn
 
 from . import comm
 from . import layout as _layout
+from .eager_ops import EagerCall, compiled_attention
 from .kernels import check_options, get_kernel, resolve_kernel, sliding_band
 from .registry import choose_backend, get_backend
 from .profile import Profile
@@ -208,12 +209,19 @@ class SequenceParallelAttention(nn.Module):
             get_kernel(kernel)
         self.topo, self.backend, self.layer_idx, self.profile, self.kernel = topo, backend, layer_idx, profile, kernel
         self._chosen: dict[AttnSpec, object] = {}
+        self._eager = EagerCall(self._forward)  # what a compiled graph calls (ulysses_sp.eager_ops)
 
     def forward(self, q, k, v, *, causal: bool = True, softmax_scale: float | None = None, cu_seqlens=None, window: int | None = None,
                 softcap: float | None = None) -> torch.Tensor:
+        options = dict(causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, softcap=softcap)
+        if torch.compiler.is_compiling():
+            return compiled_attention(self._eager, q, k, v, **options)
+        return self._forward(q, k, v, **options)
+
+    def _forward(self, q, k, v, *, causal, softmax_scale, cu_seqlens, window, softcap) -> torch.Tensor:
         q, k, v, softmax_scale, d_v = _same_head_dim(q, k, v, softmax_scale)
         if d_v is not None:
-            return self.forward(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, softcap=softcap)[..., :d_v]
+            return self._forward(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, softcap=softcap)[..., :d_v]
         spec = make_spec(q, k, v, self.topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, kernel=self.kernel,
                          window=window, softcap=softcap)
         _check_ranks_agree(spec, self.backend, self.topo, (q, k, v))
@@ -233,6 +241,12 @@ def sp_attention(
     kernel: str = "auto", window: int | None = None, softcap: float | None = None,
 ) -> torch.Tensor:
     """Functional form of :class:`SequenceParallelAttention` (no per-layer cache)."""
+    if torch.compiler.is_compiling():  # one op of the graph, which calls this again outside it
+        if profile is not None:
+            raise ValueError("sp_attention(profile=...) cannot be compiled: give the profile to init_sequence_parallel, "
+                             "or use SequenceParallelAttention(topo, profile=...)")
+        return compiled_attention(topo.eager_attention, q, k, v, backend=backend, kernel=kernel, causal=causal, softmax_scale=softmax_scale,
+                                  cu_seqlens=cu_seqlens, window=window, softcap=softcap)
     q, k, v, softmax_scale, d_v = _same_head_dim(q, k, v, softmax_scale)
     if d_v is not None:
         return sp_attention(q, k, v, topo, backend=backend, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, profile=profile,

@@ -291,8 +291,9 @@ def causal_lm_loss(model, local_batch: dict, topo: Topology, *, chunk_tokens: in
         hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
         return _head_loss(head, hidden, local_batch["shift_labels"], topo, chunk_tokens, count_group)
 
-    if wrapper is None:
-        return forward(**inputs)
+    # called through the model itself when nothing wraps it: its forward hooks (the mixers' context,
+    # the coverage checks) run as for model(**inputs)
+    wrapper = wrapper or model
     previous = model.__dict__.get("forward")
     model.forward = forward
     try:

@@ -45,6 +45,7 @@ both cases (``offload_store(model)``).
 from __future__ import annotations
 
 import collections
+import contextlib
 import functools
 import math
 
@@ -52,12 +53,15 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from .eager_ops import EagerCall, compiled_tiled_mlp
+
 __all__ = [
     "CHECKPOINT_MODES",
     "OffloadStore",
     "TiledMLP",
     "TiledMLPFunction",
     "checkpoint_layers",
+    "compile_layers",
     "default_tile_tokens",
     "offload_store",
     "tile_count",
@@ -71,6 +75,7 @@ CHECKPOINT_MODES = ("none", "layers", "offload")
 MIN_DEFAULT_TILE = 1024
 _TILED = "_ulysses_sp_tiled_mlp"
 _CKPT = "_ulysses_sp_checkpoint"
+_COMPILED = "_ulysses_sp_compiled"
 _STORE = "_ulysses_sp_offload_store"
 
 
@@ -156,10 +161,16 @@ class TiledMLP:
     def __init__(self, module, tile_tokens: int, world_group, agree: bool):
         self.module, self.tile_tokens, self.world_group, self.agree = module, tile_tokens, world_group, agree
         self.counts: collections.deque[int] = collections.deque(maxlen=64)  # the tile counts of the last forwards (equal on every rank)
+        self._eager = EagerCall(self._tiles)  # what a compiled graph calls (ulysses_sp.eager_ops)
 
     def __call__(self, x, *args, **kwargs):
         if args or kwargs or not isinstance(x, torch.Tensor) or x.dim() < 2:
             return self.module(x, *args, **kwargs)
+        if torch.compiler.is_compiling():  # one op of the graph: a graph cannot hold the backward's recomputation
+            return compiled_tiled_mlp(self._eager, x, [p for p in self.module.parameters() if p.requires_grad])
+        return self._tiles(x)
+
+    def _tiles(self, x):
         tile = self.tile_tokens or default_tile_tokens(x.shape[-1])
         n = tile_count(x.shape[:-1].numel(), tile)
         params = [p for p in self.module.parameters() if p.requires_grad]
@@ -254,22 +265,28 @@ class OffloadStore:
         return {"packed": self.packed, "packed_bytes": self.packed_bytes, "unpacked": self.unpacked, "offloaded_bytes": self.offloaded_bytes}
 
 
-def _checkpointed_forward(layer, mode: str, store: OffloadStore | None):
-    original = type(layer).forward
+def _own_forward(layer):
+    """The layer's forward without checkpointing: compiled after :func:`compile_layers`."""
+    return layer.__dict__.get(_COMPILED) or functools.partial(type(layer).forward, layer)
 
-    @functools.wraps(original)
+
+def _checkpointed_forward(layer, mode: str, store: OffloadStore | None):
+    @functools.wraps(type(layer).forward)
     def forward(*args, **kwargs):
+        original = _own_forward(layer)
         if not (layer.training and torch.is_grad_enabled()):
-            return original(layer, *args, **kwargs)
+            return original(*args, **kwargs)
         if not args:
             args = (kwargs.pop("hidden_states"),)
-        if mode == "layers":
-            return checkpoint(functools.partial(original, layer, **kwargs), *args, use_reentrant=False)
+        if mode == "layers" and _COMPILED not in layer.__dict__:
+            return checkpoint(functools.partial(original, **kwargs), *args, use_reentrant=False)
+        # re-entrant: offload, and a compiled layer (non-reentrant recomputation is keyed by the backward's graph
+        # task, and the attention op runs its graph's backward as a task of its own: it would recompute the layer again)
         hidden, rest = args[0], args[1:]
         if isinstance(hidden, torch.Tensor) and not hidden.requires_grad:
             hidden = hidden.detach().requires_grad_()  # re-entrant checkpointing gives no parameter gradients otherwise
-        with torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack):
-            return checkpoint(lambda h, *a: original(layer, h, *a, **kwargs), hidden, *rest, use_reentrant=True)
+        with torch.autograd.graph.saved_tensors_hooks(store.pack, store.unpack) if store else contextlib.nullcontext():
+            return checkpoint(lambda h, *a: original(h, *a, **kwargs), hidden, *rest, use_reentrant=True)
 
     return forward
 
@@ -300,7 +317,28 @@ def uncheckpoint_layers(model) -> None:
     for layer in decoder_layers(model):
         if layer.__dict__.pop(_CKPT, None) is not None:
             layer.__dict__.pop("forward", None)
+            if _COMPILED in layer.__dict__:
+                layer.__dict__["forward"] = layer.__dict__[_COMPILED]
     model.__dict__.pop(_STORE, None)
+
+
+def _call_forward(layer, *args, **kwargs):
+    return type(layer).forward(layer, *args, **kwargs)
+
+
+def compile_layers(model, **compile_options) -> None:
+    """``torch.compile`` each decoder layer's own forward (``compile_options`` go to it, e.g.
+    ``fullgraph=True``); the checkpointing of :func:`checkpoint_layers` stays outside the compiled
+    code, which torch.compile cannot trace (re-entrant checkpointing, the offload hooks), and the
+    SP attention and the tiled MLP are one op each in the graph (``ulysses_sp.eager_ops``)."""
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"compile_layers: {type(model).__name__} has no decoder layers to compile")
+    compiled = torch.compile(_call_forward, **compile_options)  # one function: the layer is an input, not a constant per layer
+    for layer in layers:
+        layer.__dict__[_COMPILED] = functools.partial(compiled, layer)
+        if _CKPT not in layer.__dict__:
+            layer.__dict__["forward"] = layer.__dict__[_COMPILED]
 
 
 def offload_store(model) -> OffloadStore | None:

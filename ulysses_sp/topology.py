@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import comm
+from .eager_ops import EagerCall
 from .devices import local_world_size
 from . import layout as _layout
 from .profile import load_profile
@@ -99,6 +100,17 @@ class Topology:
     cache: dict = field(default_factory=dict, repr=False, compare=False)
     """What is derived once per call signature and reused by every layer: block plans with
     their device tensors, all-gather index tensors, the last ``cu_seqlens`` read back."""
+    eager_attention: object = field(default=None, init=False, repr=False, compare=False)
+    """What a graph compiled around :func:`ulysses_sp.sp_attention` calls (``ulysses_sp.eager_ops``):
+    made here because torch.compile cannot make it inside the graph."""
+
+    def __post_init__(self):
+        self.eager_attention = EagerCall(self._sp_attention)
+
+    def _sp_attention(self, q, k, v, **options):
+        from .attention import sp_attention
+
+        return sp_attention(q, k, v, self, **options)
 
     def cached(self, key, make):
         """``cache[key]``, made by ``make()`` the first time (the cache is cleared past 4096 entries)."""

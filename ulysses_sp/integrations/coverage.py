@@ -41,7 +41,7 @@ RECURRENT_PARAMETERS = {
 TOKEN_SHIFT_PARAMETERS = ("time_mix", "time_maa")
 """Parameter-name prefixes of RWKV's token shift, which mixes each token with the one before it."""
 _ROUTED = ("ALL_ATTENTION_FUNCTIONS",)
-_CALLS, _SEEN = "_ulysses_sp_calls", "_ulysses_sp_calls_seen"
+_CALLS = "_ulysses_sp_calls"
 _HOOKS = "_ulysses_sp_coverage_hooks"
 MIXER = "_ulysses_sp_mixer"
 """Where :mod:`ulysses_sp.integrations.mixers` keeps a covered mixer's strategy (in the module's ``__dict__``)."""
@@ -214,13 +214,14 @@ def check_coverage(model) -> None:
 
 def mark_called(module, kwargs) -> None:
     """Called by the "ulysses_sp" attention function with the layer that called it and its keyword
-    arguments: counts the call for every attention module running around it, and refuses a layer
+    arguments: marks the call for every attention module running around it, and refuses a layer
     that dropped the packed-document boundaries the model was given (a family whose attention does
     not forward the model's keyword arguments would let packed documents attend to each other)."""
     calls = module.__dict__.get(_CALLS)
     if calls is None:
         return
-    calls[0] += 1
+    running = calls[0]
+    running[:] = [True] * len(running)
     if calls[1] and kwargs.get("cu_seq_lens_q") is None:
         raise ValueError(
             f"{type(module).__name__} (layer {_layer_of('', module)}) did not receive the packed documents' boundaries "
@@ -230,12 +231,12 @@ def mark_called(module, kwargs) -> None:
 
 
 def _before_attention(module, args):
-    module.__dict__[_SEEN] = module.__dict__[_CALLS][0]
+    module.__dict__[_CALLS][0].append(False)
 
 
 def _after_attention(path):
     def hook(module, args, output):
-        if module.__dict__[_CALLS][0] == module.__dict__.pop(_SEEN, None):
+        if not module.__dict__[_CALLS][0].pop():
             raise ValueError(
                 f"{type(module).__name__} (layer {_layer_of(path, module)}, {path}) ran without calling the 'ulysses_sp' attention "
                 f"function: it computes attention in its own code or under another attn_implementation, so under SP it would "
@@ -246,6 +247,7 @@ def _after_attention(path):
 
 def _before_model(sp_size: int, calls: list):
     def hook(model, args, kwargs):
+        calls[0].clear()  # what a forward that raised left
         calls[1] = kwargs.get("cu_seq_lens_q") is not None  # packed input: every attention call must get it
         if sp_size > 1 and kwargs.get("position_ids") is None and len(args) < 3:  # (input_ids, attention_mask, position_ids)
             raise ValueError(
@@ -260,7 +262,10 @@ def install_guards(model, sp_size: int) -> None:
     """The first-forward checks: every attention module must call our attention function,
     and the model must get global ``position_ids``."""
     remove_guards(model)
-    calls = [0, False]  # attention calls so far; whether the model was given packed-document boundaries
+    # whether each attention module running now (outermost first) has called our attention function: a list,
+    # not a count, so that torch.compile reads no value it would have to guard on; whether the model was
+    # given packed-document boundaries
+    calls = [[], False]
     handles = [model.register_forward_pre_hook(_before_model(sp_size, calls), with_kwargs=True)]
     mixed = [path for path, m in model.named_modules() if MIXER in m.__dict__]
     for path, module in attention_modules(model):
@@ -277,4 +282,3 @@ def remove_guards(model) -> None:
         handle.remove()
     for _, module in attention_modules(model):
         module.__dict__.pop(_CALLS, None)
-        module.__dict__.pop(_SEEN, None)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import types
 
+import torch
 from torch import nn
 
 from .. import mixers as _mixers
@@ -21,6 +22,7 @@ __all__ = ["check_supported", "install_mixers", "remove_mixers", "mixer_layers"]
 _CONTEXT_HOOK = "_ulysses_sp_mixer_context_hook"
 
 
+@torch.compiler.disable(reason="a mixer strategy's collectives and host reads run eagerly, between compiled graphs")
 def _sp_forward(self, *args, **kwargs):
     strategy, context = self.__dict__[MIXER]
     if context.get("batch") is None:

@@ -60,6 +60,8 @@ def sp_attention_forward(module, query, key, value, attention_mask, dropout: flo
     if kwargs.get("position_bias") is not None:
         raise _unsupported(module, "an additive attention (position) bias", "use a model without one")
     # a mask is dropped here, so only one that masks nothing may pass: all True, or (additive) all 0
+    if attention_mask is not None and torch.compiler.is_compiling():  # reading it back would be a graph break
+        raise _unsupported(module, "an attention mask under torch.compile", "drop attention_mask (shard_batch's batches need none)")
     if attention_mask is not None and not bool(attention_mask.all() if attention_mask.dtype == torch.bool else (attention_mask == 0).all()):
         raise _unsupported(module, "a padding attention mask or an additive bias", "pad on the right with ulysses_sp.shard_batch and drop attention_mask")
     past = kwargs.get("past_key_values")

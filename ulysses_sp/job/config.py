@@ -100,6 +100,9 @@ class TrainConfig:
     tiled_mlp: bool | None = None
     checkpoint: str = "auto"
     """``none``, ``layers``, ``offload`` or ``auto`` (decided by length); --gradient-checkpointing is ``layers``."""
+    compile: bool = False
+    """``torch.compile`` each decoder layer (``tiling.compile_layers``; fullgraph unless hybrid mixers run between
+    graphs); checkpointing stays around it. Not with ZeRO-3."""
 
 
 MEMORY_TILE_ELEMENTS = 1 << 26
@@ -196,6 +199,8 @@ def parse_args(argv=None) -> TrainConfig:
                    help="LM head + loss over tiles of tokens (default: on when local tokens x vocab >= 2^26)")
     g.add_argument("--tiled-mlp", action=argparse.BooleanOptionalAction, default=None,
                    help="each MLP over tiles of tokens, recomputed in backward (default: on when local tokens x intermediate >= 2^26)")
+    g.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (the SP attention one op in its graph; "
+                   "hybrid models' mixers run eagerly between graphs); not with ZeRO-3")
     g.add_argument("--checkpoint", choices=("auto", "none", "layers", "offload"), default="auto",
                    help="activation checkpointing per layer; offload: to pinned host memory (default auto: layers from 8k local "
                         "tokens, offload on GPUs from 32k)")
@@ -234,7 +239,7 @@ def parse_args(argv=None) -> TrainConfig:
         io_timeout=a.io_timeout,
         from_scratch=a.from_scratch,
         peak_tflops=a.peak_tflops, ulysses_degree=a.ulysses_degree, verify=a.verify, profile=a.profile, dtype=a.dtype, sp_kernel=a.sp_kernel, sp_mixer=a.sp_mixer, layout=a.layout,
-        tiled_loss=a.tiled_loss, tiled_mlp=a.tiled_mlp, checkpoint="layers" if a.gradient_checkpointing else a.checkpoint,
+        tiled_loss=a.tiled_loss, tiled_mlp=a.tiled_mlp, checkpoint="layers" if a.gradient_checkpointing else a.checkpoint, compile=a.compile,
     )
 
 

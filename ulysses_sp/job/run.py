@@ -38,6 +38,7 @@ from ..devices import bind_device, check_one_rank_per_device, local_world_size, 
 from ..integrations.deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
 from ..loss import causal_lm_loss
 from ..tasks import KEY_LENGTH, PAD_ID, VOCAB_SIZE
+from ..tiling import compile_layers
 from ..topology import init_sequence_parallel
 from . import checkpoint, corpus
 from .config import JobError, TrainConfig, check_launch, job_layout, memory_options, parse_args
@@ -137,7 +138,7 @@ class Job:
             use_cpu_accelerator_if_needed()
 
         from ..integrations.transformers import apply_sequence_parallel
-        from ..integrations.mixers import check_supported
+        from ..integrations.mixers import check_supported, mixer_layers
         from ..integrations.verify import SequenceParallelMismatch, verify_sequence_parallel
 
         self.cfg = cfg
@@ -147,6 +148,9 @@ class Job:
         sp_size = check_launch(cfg, world)
         self.ds = resolve_ds_config(cfg, load_ds_config(cfg.deepspeed), dp_size=world // sp_size, sp_size=sp_size, on_gpu=on_gpu,
                                     pretrained=_has_weights(cfg.model) and not cfg.from_scratch)
+        if cfg.compile and not fsdp2 and self.ds.zero_stage == 3:
+            raise JobError("--compile with ZeRO-3: its parameter hooks run inside every layer, where torch.compile cannot trace them; "
+                           "use --zero-stage 2 or --engine fsdp2")
         self.tokenizer = corpus.load_tokenizer(cfg)
         if cfg.model and os.path.isdir(cfg.model) and not _has_weights(cfg.model) and not cfg.from_scratch:
             raise JobError(f"--model {cfg.model}: no weight files (*.safetensors, *.bin) there; to train this architecture from "
@@ -206,6 +210,8 @@ class Job:
         except (ValueError, SequenceParallelMismatch) as e:  # the same on every rank: uncovered layers, or SP not exact
             raise JobError(str(e)) from None
         model.train()
+        if cfg.compile:  # hybrid models' mixers run eagerly between compiled graphs
+            compile_layers(model, fullgraph=not mixer_layers(model))
         self.start, self.resumed, self.last_checkpoint = 0, None, None
         if fsdp2:
             from .fsdp_engine import FSDP2Engine

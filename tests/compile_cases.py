@@ -1,0 +1,164 @@
+"""SP attention under ``torch.compile(fullgraph=True)`` (ulysses_sp/eager_ops.py), inside the
+spawned ranks; assertions in tests/test_compile.py. Every case runs the same shards eagerly and
+compiled and returns the differences (outputs, each gradient), the bytes each way sent, and what
+``torch._dynamo.explain`` saw."""
+
+from __future__ import annotations
+
+import torch
+
+import ulysses_sp as usp
+
+from .cases import case, generator, max_err, raised
+from .reference import reference_attention
+
+# backend -> attention options it needs (halo runs only windowed layers); at P=4 the hybrid is 2 x 2
+BACKENDS = {"ulysses": {}, "ulysses-g2": {}, "allgather": {}, "ring": {}, "hybrid": {}, "halo": {"window": 6}}
+KERNELS = ("torch", "math")
+HQ, HKV, D = 4, 2, 8
+
+
+def _shards(env, topo, name: str, packed: bool = False, v_dim: int = D):
+    """Global q, k, v (and cu_seqlens), and this rank's shards of them as leaves."""
+    s = 8 * env.world
+    g = generator(name)
+    full = [torch.randn(2, s, h, d, generator=g) for h, d in ((HQ, D), (HKV, D), (HKV, v_dim))]
+    cu = torch.tensor([0, 5, s - 3, s]) if packed else None
+    local = [usp.shard_sequence(t, topo, cu_seqlens=cu).clone().requires_grad_() for t in full]
+    return full, cu, local
+
+
+def _run(fn, local, cu, options, g_out):
+    """fn's output and gradients (of <out, g_out>), and the bytes it sent in attention traffic (the
+    first call's agreement check is not repeated)."""
+    leaves = [t.detach().clone().requires_grad_() for t in local]
+    with usp.CommCounter() as counter:
+        out = fn(*leaves, cu_seqlens=cu, **options)
+        (out * g_out).sum().backward()
+    return [out.detach()] + [t.grad for t in leaves], sum(o.sent for op, o in counter.by_op.items() if op != "handshake")
+
+
+def compare(env, topo, attn, name: str, options: dict, packed: bool = False, v_dim: int = D, backend: str = "inductor",
+            attention: bool = True) -> dict:
+    """Eager against ``torch.compile(attn, fullgraph=True)``: largest differences, bytes, graphs;
+    and when ``attn`` is the attention, the compiled output's difference from the one-process reference."""
+    torch._dynamo.reset()  # each case compiles afresh: SequenceParallelAttention.forward is one code object
+    full, cu, local = _shards(env, topo, name, packed, v_dim)
+    g_out = torch.randn(*local[0].shape[:3], v_dim, generator=generator(name, 1))
+    eager, eager_bytes = _run(attn, local, cu, options, g_out)
+    compiled, compiled_bytes = _run(torch.compile(attn, fullgraph=True, backend=backend), local, cu, options, g_out)
+    explained = torch._dynamo.explain(attn)(*(t.detach() for t in local), cu_seqlens=cu, **options)  # after the compiled run: its agreement check is done
+    want = reference_attention(*full, cu_seqlens=None if cu is None else cu.tolist(), window=options.get("window")) if attention else None
+    return {
+        "eager": max(max_err(a, b) for a, b in zip(eager, compiled)),
+        "reference": None if want is None else max_err(compiled[0], usp.shard_sequence(want, topo, cu_seqlens=cu)),
+        "bytes": (eager_bytes, compiled_bytes),
+        "graphs": (explained.graph_count, explained.graph_break_count),
+    }
+
+
+@case("compile/", worlds=(2, 4))
+def every_backend(env) -> dict:
+    """Each backend with the torch and math kernels, causal GQA (halo: a window of 6)."""
+    topo = env.topo(ulysses_degree=2)
+    return {f"{b}-{k}": compare(env, topo, usp.SequenceParallelAttention(topo, backend=b, kernel=k), f"compile/{b}-{k}", options)
+            for b, options in BACKENDS.items() for k in KERNELS}
+
+
+@case("compile-forms/", worlds=(2,))
+def other_forms(env) -> dict:
+    """Packed documents (cu_seqlens a tensor), a value head dim other than q/k's (MLA), ``auto``,
+    the functional form, and AOTAutograd without Inductor."""
+    topo = env.topo()
+    ring = usp.SequenceParallelAttention(topo, backend="ring", kernel="torch")
+
+    def functional(q, k, v, **options):
+        return usp.sp_attention(q, k, v, topo, backend="allgather", kernel="math", **options)
+
+    return {
+        "packed": compare(env, topo, ring, "compile-forms/packed", {}, packed=True),
+        "mla": compare(env, topo, usp.SequenceParallelAttention(topo, backend="ulysses", kernel="torch"), "compile-forms/mla", {}, v_dim=6),
+        "auto": compare(env, topo, usp.SequenceParallelAttention(topo, kernel="torch"), "compile-forms/auto", {}),
+        "functional": compare(env, topo, functional, "compile-forms/functional", {}),
+        "aot_eager": compare(env, topo, ring, "compile-forms/aot", {"window": 6}, backend="aot_eager"),
+        "surrounded": compare(env, topo, _Surrounded(ring), "compile-forms/surrounded", {}, attention=False),
+        # control: the eager call traced as it is breaks the graph (collectives, host reads), so the check can fail
+        "traced-eager": _graphs(ring._forward, _shards(env, topo, "compile-forms/traced")[2]),
+    }
+
+
+class _Surrounded(torch.nn.Module):
+    """The attention between computations Inductor owns: its inputs made in the graph, its output
+    used once. Inductor reuses a buffer once the graph no longer reads it, so the op must hold no
+    storage of the graph's (the ring saves q, k, v and its output for the backward)."""
+
+    def __init__(self, attn):
+        super().__init__()
+        self.attn = attn
+
+    def forward(self, q, k, v, **options):
+        q, k, v = q * 1.5, k + 0.25, v * 2.0
+        y = self.attn(q, k, v, **options).sin()
+        return (y * 3.0 + q).cos() - (k * v).sum() + y
+
+
+def _graphs(fn, local) -> tuple[int, int]:
+    torch._dynamo.reset()
+    explained = torch._dynamo.explain(fn)(*(t.detach() for t in local), causal=True, softmax_scale=None, cu_seqlens=None, window=None, softcap=None)
+    return explained.graph_count, explained.graph_break_count
+
+
+@case("compile-errors/", worlds=(2,))
+def errors(env) -> dict:
+    """Compiled calls refuse what eager calls refuse, on every rank, before any collective."""
+    topo = env.topo()
+    torch._dynamo.reset()
+    attn = torch.compile(usp.SequenceParallelAttention(topo, backend="ulysses", kernel="torch"), fullgraph=True)
+    q = torch.randn(1, 8, 3, D)  # 3 heads do not split over 2 ranks
+    seq = 8 if env.rank == 0 else 12  # the ranks disagree on the shard length
+    shapes = torch.randn(1, seq, HQ, D)
+    good = torch.randn(1, 8, HQ, D)
+    with_profile = torch.compile(lambda t: usp.sp_attention(t, t, t, topo, profile=usp.CPU_GLOO_PROFILE), fullgraph=True)
+    return {"heads": raised(lambda: attn(q, q, q)), "ranks": raised(lambda: attn(shapes, shapes, shapes)),
+            "profile": raised(lambda: with_profile(good), errors=(Exception,))}
+
+
+def _model_grads(ref, topo, data, compiled: bool, **apply) -> tuple[float, dict, int]:
+    """The SP loss and gradients of a copy of ``ref`` switched with ``apply``, and the attention
+    bytes its forward and backward sent; its decoder layers compiled (``tiling.compile_layers``;
+    fullgraph unless it has mixers) when ``compiled``."""
+    import copy
+
+    from ulysses_sp import tiling
+    from ulysses_sp.integrations.mixers import mixer_layers
+
+    model = usp.apply_sequence_parallel(copy.deepcopy(ref), topo, **apply)
+    if compiled:
+        tiling.compile_layers(model, fullgraph=not mixer_layers(model))
+    with usp.CommCounter() as counter:
+        loss = usp.causal_lm_loss(model, usp.shard_batch(data, topo), topo)
+        loss.backward()
+    sent = sum(o.sent for op, o in counter.by_op.items() if op != "handshake")
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}, sent
+
+
+@case("compile-model/", worlds=(2,))
+def compiled_models(env) -> dict:
+    """A packed Llama batch with the memory stack (layer checkpointing around the compiled layer,
+    the tiled MLP one op in it), and Qwen3.5 (its Gated DeltaNet mixers run eagerly between
+    graphs; the tiled loss through the model's hooks): compiled against eager, the loss difference,
+    the gradients' (all parameters as one vector) relative to their norm, and the bytes sent (each
+    attention call, recomputations included, sends its share)."""
+    from .hf_trainer_cases import model_for
+
+    torch._dynamo.reset()
+    ids = torch.randint(0, 64, (1, 48), generator=generator("compile-model/"))
+    packed = {"input_ids": ids, "labels": ids, "position_ids": torch.cat([torch.arange(20), torch.arange(28)])[None]}
+    runs = {"llama-packed-stack": (model_for({"family": "llama"}), packed, dict(backend="ring", checkpoint="layers", tiled_mlp=8)),
+            "qwen3_5": (model_for({"family": "qwen3_5"}), {"input_ids": ids, "labels": ids}, {})}
+    out = {}
+    for name, (ref, data, apply) in runs.items():
+        (eager_loss, eager, eager_sent), (loss, grads, sent) = (_model_grads(ref, env.topo(), data, compiled, **apply) for compiled in (False, True))
+        difference = sum((grads[n] - g).square().sum() for n, g in eager.items()).sqrt()
+        out[name] = (abs(loss - eager_loss), (difference / sum(g.square().sum() for g in eager.values()).sqrt()).item(), (eager_sent, sent))
+    return out
