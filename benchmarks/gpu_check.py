@@ -181,14 +181,10 @@ def hybrid_checks(topo=None, rank: int = 0) -> None:
                 return str(report)
 
 
-def memory_checks() -> None:
-    """The memory stack on one GPU, bf16: the tiled loss, the tiled MLP and offloaded
-    checkpoints give the untiled gradients, and offload really moves bytes to the host."""
-    import copy
-
+def _llama_bf16():
+    """A 2-layer Llama (vocabulary 32000, hidden 256, 8/2 heads) in bf16 on the GPU, one rank's
+    topology, and an 8k-token batch."""
     import transformers
-
-    from ulysses_sp import tiling
 
     topo = usp.init_sequence_parallel(1)
     config = transformers.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=2,
@@ -197,6 +193,17 @@ def memory_checks() -> None:
     ref = transformers.LlamaForCausalLM(config).cuda().bfloat16()
     ids = torch.randint(0, 32000, (1, 8192))
     batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in usp.shard_batch({"input_ids": ids, "labels": ids.clone()}, topo).items()}
+    return topo, ref, batch
+
+
+def memory_checks() -> None:
+    """The memory stack on one GPU, bf16: the tiled loss, the tiled MLP and offloaded
+    checkpoints give the untiled gradients, and offload really moves bytes to the host."""
+    import copy
+
+    from ulysses_sp import tiling
+
+    topo, ref, batch = _llama_bf16()
 
     @check("memory stack bf16: tiled loss + tiled MLP + offload == plain")
     def _():
@@ -216,17 +223,9 @@ def compile_checks() -> None:
     attention op, layer checkpointing around the compiled layer): the eager gradients."""
     import copy
 
-    import transformers
-
     from ulysses_sp import tiling
 
-    topo = usp.init_sequence_parallel(1)
-    config = transformers.LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=1024, num_hidden_layers=4,
-                                      num_attention_heads=8, num_key_value_heads=2, head_dim=32, use_cache=False)
-    torch.manual_seed(0)
-    ref = transformers.LlamaForCausalLM(config).cuda().bfloat16()
-    ids = torch.randint(0, 32000, (1, 8192))
-    batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in usp.shard_batch({"input_ids": ids, "labels": ids.clone()}, topo).items()}
+    topo, ref, batch = _llama_bf16()
 
     @check("compiled layers bf16 (checkpointed, tiled MLP) == eager")
     def _():
