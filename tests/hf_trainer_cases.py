@@ -319,6 +319,8 @@ SP_CASES = {  # name: (reference, case)
     "llama-lora/sp2/ring": ("llama-lora", dict(REFERENCES["llama-lora"], backend="ring")),
     "llama-3heads/sp2/auto": ("llama-3heads", dict(REFERENCES["llama-3heads"], backend="auto")),
     "qwen3_5/sp2": ("qwen3_5", dict(REFERENCES["qwen3_5"])),
+    # TrainingArguments(torch_compile=True): accelerate compiles the whole model; the SP attention is one op in its graphs
+    "qwen2-packed/sp2/ring/compiled": ("qwen2-packed", dict(REFERENCES["qwen2-packed"], backend="ring", args=dict(torch_compile=True))),
 }
 
 

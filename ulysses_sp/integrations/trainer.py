@@ -438,6 +438,7 @@ class SequenceParallelTrainer(Trainer):
         """What undoes the reduction's averaging, so the applied gradient is the plain sum over ranks."""
         if self.is_deepspeed_enabled:
             return gradient_scale(self.model_wrapped, self.topo)
+        model = getattr(model, "_orig_mod", model)  # torch_compile=True: accelerate compiles the DDP module
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
             return float(dist.get_world_size(model.process_group))
         if self.topo.world_size > 1:
