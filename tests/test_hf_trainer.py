@@ -2,7 +2,7 @@
 
 Every SP case of tests/hf_trainer_cases.py runs in ONE spawned group of 2 ranks, the one-process
 references in one more process, side by side. Tiny Llama and Qwen2 (packed) are built in code;
-fp32, 8 optimizer steps of 2 accumulated micro-batches, under DDP and DeepSpeed ZeRO-2 and ZeRO-3, plain SGD without clipping (a gradient off
+fp32, 8 optimizer steps of 2 accumulated micro-batches, under DDP (also compiled: torch_compile=True) and DeepSpeed ZeRO-2 and ZeRO-3, plain SGD without clipping (a gradient off
 by a constant factor shows; Adam would hide it). Two negative controls (num_items_in_batch
 counted on every SP rank; DDP's average left unscaled) prove the comparisons can fail.
 """
