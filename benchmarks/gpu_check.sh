@@ -6,7 +6,7 @@
 # Installs the package (and flash-attn if it is missing and installs in time), prints the
 # versions, runs benchmarks/gpu_check.py, then the main job for 20 bf16 steps on one GPU (and on
 # real data with its resume, fp16 with its overflow steps counted, and --engine fsdp2 in bf16) and, with 2+ GPUs, with SP=2 on two with the memory stack on (--tiled-loss --tiled-mlp
-# --checkpoint offload), the Trainer on two against one, the NCCL parity, sp-bench run (--check)
+# --checkpoint offload), the Trainer on two (DDP, FSDP2) against one, the NCCL parity, sp-bench run (--check)
 # and sp-bench calibrate under torchrun (its profile is left in the logs). One summary line per check: "PASS name ...",
 # "FAIL name ..." or "SKIP name ..." (not a failure). Exit status 1 if any check failed,
 # 0 otherwise; without nvidia-smi or without a GPU it prints "SKIP no GPU" and exits 0.
@@ -106,7 +106,7 @@ if ((NGPU >= 2)); then R_BENCH=$((60 + R_CAL)); fi  # sp-bench run under torchru
 R_PAR=0
 if ((NGPU >= 2)); then R_PAR=$((150 + R_BENCH)); fi  # the NCCL parity, then sp-bench run and calibrate
 R_HF=0
-if ((NGPU >= 2)); then R_HF=120; fi  # the Trainer example: one GPU and two
+if ((NGPU >= 2)); then R_HF=180; fi  # the Trainer example: one GPU, two under DDP, two under FSDP2
 R_RESUME=60  # its resume from the step-10 checkpoint
 R_FSDP2=60  # the job under --engine fsdp2 in bf16 (FSDP2's mixed precision on CUDA)
 R_FP16=$((60 + R_FSDP2))  # fp16 from a loss scale of 2^32: the overflow steps DeepSpeed skips, counted in the metrics; then fsdp2
@@ -240,20 +240,27 @@ if ((NGPU >= 2)); then
     # SequenceParallelTrainer (DDP over NCCL, fp32) on 2 GPUs against the same script on one: losses and eval_loss
     hf_args=(examples/train_with_trainer.py --output_dir "$LOGS/hf" --max_steps 8 --learning_rate 1e-2 --logging_steps 1
              --report_to none --save_strategy no --disable_tqdm true --seq_len 256)
-    run_logged trainer_1gpu 60 "$((60 + R_PAR))" "$PYTHON" "${hf_args[@]}" --sp_size 1 --results "$LOGS/hf1.json"
+    run_logged trainer_1gpu 60 "$((120 + R_PAR))" "$PYTHON" "${hf_args[@]}" --sp_size 1 --results "$LOGS/hf1.json"
     report trainer_1gpu fail "the one-GPU reference ran"
-    run_logged trainer_2gpu_sp2 60 "$R_PAR" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 "${hf_args[@]}" \
-        --sp_size 2 --results "$LOGS/hf2.json"
-    verdict=""
-    if ((RC == 0)); then
-        verdict=$("$PYTHON" -c 'import json, sys
+    # trainer_on_2 NAME RESERVE ARGS...: the example on 2 GPUs (SP=2) against hf1.json: losses and eval_loss
+    trainer_on_2() {
+        local name=$1 reserve=$2
+        shift 2
+        run_logged "$name" 60 "$reserve" "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 "${hf_args[@]}" \
+            --sp_size 2 --results "$LOGS/$name.json" "$@"
+        verdict=""
+        if ((RC == 0)); then
+            verdict=$("$PYTHON" -c 'import json, sys
 one, two = (json.load(open(p)) for p in sys.argv[1:])
 loss = max(abs(a - b) for a, b in zip(one["losses"], two["losses"]))
 ev, steps = abs(one["eval_loss"] - two["eval_loss"]), len(two["losses"])
 print(f"max loss deviation {loss:.2e}, eval_loss deviation {ev:.2e} over {steps} steps against one GPU")
-sys.exit(0 if loss < 1e-3 and ev < 1e-3 and two["world"] == 2 else 1)' "$LOGS/hf1.json" "$LOGS/hf2.json" 2>&1) || RC=1
-    fi
-    report trainer_2gpu_sp2 fail "$verdict" "$verdict"
+sys.exit(0 if loss < 1e-3 and ev < 1e-3 and two["world"] == 2 else 1)' "$LOGS/hf1.json" "$LOGS/$name.json" 2>&1) || RC=1
+        fi
+        report "$name" fail "$verdict" "$verdict"
+    }
+    trainer_on_2 trainer_2gpu_sp2 "$((60 + R_PAR))"
+    trainer_on_2 trainer_2gpu_sp2_fsdp2 "$R_PAR" --fsdp full_shard  # accelerate's FSDP2 (the CPU tests force it; here accelerate chooses it)
     # every backend x layout x kernel on up to 4 GPUs with NCCL against one-process fp64 attention
     run_logged parity_nccl 150 "$R_BENCH" "$PYTHON" benchmarks/gpu_check.py --ranks 4
     grep -E '^(PASS|FAIL|INFO) ' "$LOGS/parity_nccl.log" | sed 's/^/  /'

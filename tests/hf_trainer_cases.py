@@ -8,11 +8,13 @@ so a per-micro-batch mean, or a count off by sp_size, changes the curve.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import tempfile
 import traceback
 
 import torch
+from torch.distributed.fsdp import FSDPModule
 
 STEPS, GA, SEQ = 8, 2, 45
 """8 optimizer steps of 2 micro-batches; 45 tokens, padded to 48 by shard_batch at SP=2."""
@@ -155,6 +157,7 @@ def sp_run(case: dict) -> dict:
         k_needs_grad = _watch_k(trainer.model) if case.get("lora") else None
         trainer.train()
         result["deepspeed"] = trainer.is_deepspeed_enabled
+        result["fsdp2"] = isinstance(getattr(trainer.model_wrapped, "_orig_mod", trainer.model_wrapped), FSDPModule)
         result["layout"] = trainer.topo.layout
         result["losses"] = _losses(trainer)
         result["eval_loss"] = trainer.evaluate()["eval_loss"]
@@ -283,6 +286,8 @@ def error_cases(rank: int) -> dict:
         out["unknown_backend"] = _raised(lambda: SequenceParallelTrainingArguments(sp_size=2, sp_backend="rong", **base))
         out["bad_predict_mode"] = _raised(lambda: SequenceParallelTrainingArguments(sp_size=2, sp_predict_logits="all", **base))
         out["bloom"] = _raised(lambda: SequenceParallelTrainer(model=_bloom(), args=SequenceParallelTrainingArguments(sp_size=2, **base)))
+        out["fsdp1"] = _raised(lambda: SequenceParallelTrainer(model=tiny_model("llama"), args=SequenceParallelTrainingArguments(
+            sp_size=2, fsdp=True, fsdp_config={"version": 1}, **base)))
         # not an error: sp_verify checks the architecture before training
         report = SequenceParallelTrainer(model=tiny_model("llama"), args=SequenceParallelTrainingArguments(sp_size=2, sp_verify=True, **base)).verify_report
         out["sp_verify"] = (report.passed, report.layers, report.worst[2])
@@ -319,6 +324,9 @@ SP_CASES = {  # name: (reference, case)
     "llama-lora/sp2/ring": ("llama-lora", dict(REFERENCES["llama-lora"], backend="ring")),
     "llama-3heads/sp2/auto": ("llama-3heads", dict(REFERENCES["llama-3heads"], backend="auto")),
     "qwen3_5/sp2": ("qwen3_5", dict(REFERENCES["qwen3_5"])),
+    # accelerate's FSDP2 (fully_shard over the world, averaging), which accelerate enables on GPUs only: forced here on CPU
+    "llama/sp2/fsdp2": ("llama", dict(family="llama", fsdp=True, args=dict(fsdp=True, fsdp_config={"version": 2}))),
+    "llama/sp2/fsdp2/unscaled": ("llama", dict(family="llama", fsdp=True, unscaled=True, args=dict(fsdp=True, fsdp_config={"version": 2}))),
     # TrainingArguments(torch_compile=True): accelerate compiles the whole model; the SP attention is one op in its graphs
     "qwen2-packed/sp2/ring/compiled": ("qwen2-packed", dict(REFERENCES["qwen2-packed"], backend="ring", args=dict(torch_compile=True))),
 }
@@ -337,8 +345,31 @@ def run_sp_cases(rank: int, world: int, names) -> dict:
             case = dict(case, trainer_class=_overcounting_class())
         if case.get("unscaled"):
             case = dict(case, trainer_class=_unscaled_class())
-        results[name] = _guarded(lambda c=case: sp_run(c))
+        with _accelerate_fsdp_on_cpu() if case.get("fsdp") else contextlib.nullcontext():
+            results[name] = _guarded(lambda c=case: sp_run(c))
     return results
+
+
+@contextlib.contextmanager
+def _accelerate_fsdp_on_cpu():
+    """accelerate takes an FSDP plugin only for GPU-like distributed types (``AcceleratorState``'s
+    MULTI_GPU ... branch) and otherwise prepares DDP; on CPU ranks the state is set to FSDP with
+    the plugin, so that its FSDP2 preparation (``fully_shard`` over the world, on gloo) runs."""
+    import accelerate.state as state
+    from accelerate.utils import DistributedType
+
+    original = state.AcceleratorState.__init__
+
+    def init(self, *args, fsdp_plugin=None, **kwargs):
+        original(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+        if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+            self.distributed_type, self.fsdp_plugin = DistributedType.FSDP, fsdp_plugin
+
+    state.AcceleratorState.__init__ = init
+    try:
+        yield
+    finally:
+        state.AcceleratorState.__init__ = original
 
 
 def _guarded(fn) -> dict:

@@ -2,9 +2,9 @@
 
 Every SP case of tests/hf_trainer_cases.py runs in ONE spawned group of 2 ranks, the one-process
 references in one more process, side by side. Tiny Llama and Qwen2 (packed) are built in code;
-fp32, 8 optimizer steps of 2 accumulated micro-batches, under DDP (also compiled: torch_compile=True) and DeepSpeed ZeRO-2 and ZeRO-3, plain SGD without clipping (a gradient off
-by a constant factor shows; Adam would hide it). Two negative controls (num_items_in_batch
-counted on every SP rank; DDP's average left unscaled) prove the comparisons can fail.
+fp32, 8 optimizer steps of 2 accumulated micro-batches, under DDP (also compiled: torch_compile=True), accelerate's FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3, plain SGD without clipping (a gradient off
+by a constant factor shows; Adam would hide it). Three negative controls (num_items_in_batch
+counted on every SP rank; DDP's and FSDP2's averages left unscaled) prove the comparisons can fail.
 """
 
 import importlib.util
@@ -97,13 +97,20 @@ def test_the_default_layout_is_balanced_for_packed_rows(runs):
         assert [r["layout"] for r in _pair(runs, name)[1]] == [layout, layout], name
 
 
-@pytest.mark.parametrize("name,least", [("llama/sp2/overcount", 1.0), ("llama/sp2/unscaled", 0.05)])
+@pytest.mark.parametrize("name,least", [("llama/sp2/overcount", 1.0), ("llama/sp2/unscaled", 0.05), ("llama/sp2/fsdp2/unscaled", 0.05)])
 def test_the_comparison_can_fail(runs, name, least):
     """num_items_in_batch counted per SP rank (transformers' cross-device count) halves the loss;
-    DDP's world average left unscaled halves the step: both far outside the tolerance."""
+    DDP's or FSDP2's world average left unscaled halves the step: all far outside the tolerance."""
     ref, ranks = _pair(runs, name)
     worst = max(abs(a - b) for a, b in zip(ranks[0]["losses"], ref["losses"]))
     assert worst > least, (ranks[0]["losses"], ref["losses"])
+
+
+def test_fsdp2_shards_the_model(runs):
+    """The FSDP2 cases ran under accelerate's fully_shard (forced on CPU: accelerate enables FSDP on
+    GPUs only), the DDP case did not; test_loss_per_step_equals_one_process covers their losses."""
+    for name, sharded in (("llama/sp2/fsdp2", True), ("llama/sp2/fsdp2/unscaled", True), ("llama/sp2", False)):
+        assert [r["fsdp2"] for r in _pair(runs, name)[1]] == [sharded, sharded], name
 
 
 def test_predict_gathers_logits_in_global_order(runs):
@@ -151,6 +158,7 @@ def test_bad_input_raises_on_every_rank_before_any_collective(runs):
         assert "unknown SP backend 'rong'" in m["unknown_backend"]
         assert "sp_predict_logits must be one of" in m["bad_predict_mode"]
         assert m["bloom"].startswith("ValueError: BloomForCausalLM cannot run under sequence parallelism") and "BloomAttention (layer 1" in m["bloom"]
+        assert "not supported: FSDP1 (fsdp_config version 1; FSDP2, the default, is)" in m["fsdp1"], m["fsdp1"]
         passed, layers, worst = m["sp_verify"]
         assert passed and layers == 2 and worst < 1e-12, m["sp_verify"]
 

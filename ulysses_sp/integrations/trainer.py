@@ -22,8 +22,8 @@ What the trainer changes, and why:
   transformers' own count would see every sample ``sp_size`` times). A micro-batch's
   loss is its tokens' sum over that count, so the accumulated gradient summed over all
   ranks is the one-process gradient of the window's token-weighted mean.
-- **Gradient reduction.** DDP averages over the world, so the backward loss is multiplied
-  by the world size; DeepSpeed gets :class:`~ulysses_sp.integrations.deepspeed.SequenceParallelMPU`
+- **Gradient reduction.** DDP, and accelerate's FSDP2 (``fsdp=True``: ``fully_shard`` over the
+  world), average over the world, so the backward loss is multiplied by the world size; DeepSpeed gets :class:`~ulysses_sp.integrations.deepspeed.SequenceParallelMPU`
   (injected into ``deepspeed.initialize``) and the loss is multiplied by
   :func:`~ulysses_sp.integrations.deepspeed.gradient_scale`; DeepSpeed's division by the
   accumulation steps is turned off (``scale_wrt_gas=False``), since the count already spans them.
@@ -40,10 +40,12 @@ from __future__ import annotations
 import contextlib
 import math
 import re
+import warnings
 from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.data import DataLoader, IterableDataset, Sampler
 from transformers import Trainer, TrainingArguments
 from transformers.trainer_pt_utils import nested_concat
@@ -277,7 +279,7 @@ class SequenceParallelTrainer(Trainer):
             "compute_loss_func": kwargs.get("compute_loss_func") is not None,
             "label_smoothing_factor": args.label_smoothing_factor != 0,
             "parallelism_config (accelerate's own SP/CP)": getattr(args, "parallelism_config", None) is not None,
-            "fsdp (not yet: in your own loop, ulysses_sp.integrations.fsdp.apply_fsdp2 shards an SP model with FSDP2)": bool(args.fsdp),
+            "FSDP1 (fsdp_config version 1; FSDP2, the default, is)": bool(args.fsdp) and int((args.fsdp_config or {}).get("version", 2)) == 1,
             f"train_sampling_strategy={args.train_sampling_strategy!r}": args.train_sampling_strategy not in ("random", "sequential"),
         }
         refused = [name for name, on in unsupported.items() if on]
@@ -298,6 +300,7 @@ class SequenceParallelTrainer(Trainer):
                 print(f"ulysses-sp verify: {self.verify_report}", flush=True)
         self.apply_sequence_parallel()
         self._mpu = SequenceParallelMPU(self.topo) if args.deepspeed else None  # collective: every rank, here
+        self._warned_no_fsdp = False
         super().__init__(model=model, args=args, **kwargs)
 
     # ---- the model's SP state ----
@@ -439,7 +442,13 @@ class SequenceParallelTrainer(Trainer):
         if self.is_deepspeed_enabled:
             return gradient_scale(self.model_wrapped, self.topo)
         model = getattr(model, "_orig_mod", model)  # torch_compile=True: accelerate compiles the DDP module
+        if isinstance(model, FSDPModule):  # FSDP2 averages over its mesh: accelerate's, without a parallelism_config, is the world
+            return float(self.topo.world_size)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
+            if self.args.fsdp and not self._warned_no_fsdp:
+                self._warned_no_fsdp = True
+                warnings.warn("fsdp was given but accelerate prepared DDP (it enables FSDP on GPUs only): the model is not sharded; "
+                              "the gradients are exact either way", stacklevel=2)
             return float(dist.get_world_size(model.process_group))
         if self.topo.world_size > 1:
             raise RuntimeError(f"{self.topo.world_size} ranks but the model is neither DDP nor DeepSpeed: nothing would reduce the gradients")
