@@ -40,6 +40,10 @@ whose only saved tensors are the layer's tensor inputs (``ctx.save_for_backward`
 input to a pinned host buffer (``non_blocking=True``) and unpack copies it back for the backward;
 on CPU there is nothing to move and the store keeps the tensor, counting tensors and bytes in
 both cases (``offload_store(model)``).
+
+Under :func:`compile_layers` the checkpoint wraps the compiled layer, re-entrant in both modes:
+non-reentrant recomputation is keyed by the backward's graph task, and the compiled attention op
+runs its own graph's backward as a task of its own, which would recompute the layer once more.
 """
 
 from __future__ import annotations
@@ -280,8 +284,7 @@ def _checkpointed_forward(layer, mode: str, store: OffloadStore | None):
             args = (kwargs.pop("hidden_states"),)
         if mode == "layers" and _COMPILED not in layer.__dict__:
             return checkpoint(functools.partial(original, **kwargs), *args, use_reentrant=False)
-        # re-entrant: offload, and a compiled layer (non-reentrant recomputation is keyed by the backward's graph
-        # task, and the attention op runs its graph's backward as a task of its own: it would recompute the layer again)
+        # re-entrant: offload, and a compiled layer (module docstring)
         hidden, rest = args[0], args[1:]
         if isinstance(hidden, torch.Tensor) and not hidden.requires_grad:
             hidden = hidden.detach().requires_grad_()  # re-entrant checkpointing gives no parameter gradients otherwise
