@@ -68,7 +68,8 @@ def every_backend(env) -> dict:
 @case("compile-forms/", worlds=(2,))
 def other_forms(env) -> dict:
     """Packed documents (cu_seqlens a tensor), a value head dim other than q/k's (MLA), ``auto``,
-    the functional form, and AOTAutograd without Inductor."""
+    the functional form, AOTAutograd without Inductor, the attention inside Inductor's own code,
+    and the contiguous and balanced (packed) layouts."""
     topo = env.topo()
     ring = usp.SequenceParallelAttention(topo, backend="ring", kernel="torch")
 
@@ -82,6 +83,10 @@ def other_forms(env) -> dict:
         "functional": compare(env, topo, functional, "compile-forms/functional", {}),
         "aot_eager": compare(env, topo, ring, "compile-forms/aot", {"window": 6}, backend="aot_eager"),
         "surrounded": compare(env, topo, _Surrounded(ring), "compile-forms/surrounded", {}, attention=False),
+        "contiguous": compare(env, env.topo(layout="contiguous"), usp.SequenceParallelAttention(env.topo(layout="contiguous"), backend="ring",
+                                                                                              kernel="torch"), "compile-forms/contiguous", {}),
+        "balanced": compare(env, env.topo(layout="balanced"), usp.SequenceParallelAttention(env.topo(layout="balanced"), backend="ulysses",
+                                                                                          kernel="torch"), "compile-forms/balanced", {}, packed=True),
         # control: the eager call traced as it is breaks the graph (collectives, host reads), so the check can fail
         "traced-eager": _graphs(ring._forward, _shards(env, topo, "compile-forms/traced")[2]),
     }
