@@ -293,7 +293,8 @@ def causal_lm_loss(model, local_batch: dict, topo: Topology, *, chunk_tokens: in
 
     # called through the model itself when nothing wraps it: its forward hooks (the mixers' context,
     # the coverage checks) run as for model(**inputs)
-    wrapper = wrapper or model
+    if wrapper is None:
+        wrapper = model
     previous = model.__dict__.get("forward")
     model.forward = forward
     try:

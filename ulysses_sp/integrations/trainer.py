@@ -300,7 +300,6 @@ class SequenceParallelTrainer(Trainer):
                 print(f"ulysses-sp verify: {self.verify_report}", flush=True)
         self.apply_sequence_parallel()
         self._mpu = SequenceParallelMPU(self.topo) if args.deepspeed else None  # collective: every rank, here
-        self._warned_no_fsdp = False
         super().__init__(model=model, args=args, **kwargs)
 
     # ---- the model's SP state ----
@@ -445,8 +444,7 @@ class SequenceParallelTrainer(Trainer):
         if isinstance(model, FSDPModule):  # FSDP2 averages over its mesh: accelerate's, without a parallelism_config, is the world
             return float(self.topo.world_size)
         if isinstance(model, torch.nn.parallel.DistributedDataParallel):
-            if self.args.fsdp and not self._warned_no_fsdp:
-                self._warned_no_fsdp = True
+            if self.args.fsdp:  # shown once: the warnings module's default filter
                 warnings.warn("fsdp was given but accelerate prepared DDP (it enables FSDP on GPUs only): the model is not sharded; "
                               "the gradients are exact either way", stacklevel=2)
             return float(dist.get_world_size(model.process_group))
