@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 import ulysses_sp as usp
+from ulysses_sp import comm
 
 from .cases import case, generator, max_err, raised
 from .reference import reference_attention
@@ -140,30 +141,63 @@ def _model_grads(ref, topo, data, compiled: bool, **apply) -> tuple[float, dict,
     model = usp.apply_sequence_parallel(copy.deepcopy(ref), topo, **apply)
     if compiled:
         tiling.compile_layers(model, fullgraph=not mixer_layers(model))
+    local = usp.shard_batch(data, topo)
     with usp.CommCounter() as counter:
-        loss = usp.causal_lm_loss(model, usp.shard_batch(data, topo), topo)
+        if getattr(ref.config, "final_logit_softcapping", None):  # the fused loss refuses a transform after the head
+            loss = usp.sp_cross_entropy(model(**usp.model_inputs(local)).logits, local["shift_labels"], topo)
+        else:
+            loss = usp.causal_lm_loss(model, local, topo)
         loss.backward()
     sent = sum(o.sent for op, o in counter.by_op.items() if op != "handshake")
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}, sent
 
 
-@case("compile-model/", worlds=(2,))
+def _one_process(ref, data: dict) -> tuple[float, dict]:
+    """The loss and gradients of a copy of ``ref`` without SP on the whole batch: the token mean over
+    the targets ``shard_batch`` keeps (a document's last token predicts nothing)."""
+    import copy
+
+    import torch.nn.functional as F
+
+    model = copy.deepcopy(ref)
+    logits = model(input_ids=data["input_ids"], position_ids=data.get("position_ids")).logits
+    targets = F.pad(data["labels"][:, 1:], (0, 1), value=-100)
+    if "position_ids" in data:
+        targets = targets.masked_fill(F.pad(data["position_ids"][:, 1:] == 0, (0, 1), value=False), -100)
+    loss = F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100)
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+def _relative(grads: dict, want: dict) -> float:
+    """The gradients' difference, all parameters as one vector, relative to ``want``'s norm."""
+    difference = sum((grads[n] - g).square().sum() for n, g in want.items()).sqrt()
+    return (difference / sum(g.square().sum() for g in want.values()).sqrt()).item()
+
+
+@case("compile-model/", worlds=(2, 3))
 def compiled_models(env) -> dict:
     """A packed Llama batch with the memory stack (layer checkpointing around the compiled layer,
-    the tiled MLP one op in it), and Qwen3.5 (its Gated DeltaNet mixers run eagerly between
-    graphs; the tiled loss through the model's hooks): compiled against eager, the loss difference,
-    the gradients' (all parameters as one vector) relative to their norm, and the bytes sent (each
+    the tiled MLP one op in it), Gemma 2 (sliding windows and soft-capping per layer) and Qwen3.5
+    (its Gated DeltaNet mixers run eagerly between graphs; the tiled loss through the model's
+    hooks), compiled: the loss and gradient differences (all parameters as one vector, relative to
+    the norm) from eager SP and from one process, and the bytes sent eager and compiled (each
     attention call, recomputations included, sends its share)."""
+    from .hf_cases import tiny_model
     from .hf_trainer_cases import model_for
 
     torch._dynamo.reset()
     ids = torch.randint(0, 64, (1, 48), generator=generator("compile-model/"))
-    packed = {"input_ids": ids, "labels": ids, "position_ids": torch.cat([torch.arange(20), torch.arange(28)])[None]}
+    whole = {"input_ids": ids, "labels": ids}
+    packed = {**whole, "position_ids": torch.cat([torch.arange(20), torch.arange(28)])[None]}
     runs = {"llama-packed-stack": (model_for({"family": "llama"}), packed, dict(backend="ring", checkpoint="layers", tiled_mlp=8)),
-            "qwen3_5": (model_for({"family": "qwen3_5"}), {"input_ids": ids, "labels": ids}, {})}
+            "gemma2": (tiny_model("gemma2"), whole, {}),
+            "qwen3_5": (model_for({"family": "qwen3_5"}), whole, {})}
     out = {}
     for name, (ref, data, apply) in runs.items():
         (eager_loss, eager, eager_sent), (loss, grads, sent) = (_model_grads(ref, env.topo(), data, compiled, **apply) for compiled in (False, True))
-        difference = sum((grads[n] - g).square().sum() for n, g in eager.items()).sqrt()
-        out[name] = (abs(loss - eager_loss), (difference / sum(g.square().sum() for g in eager.values()).sqrt()).item(), (eager_sent, sent))
+        one_loss, one = _one_process(ref, data)
+        summed = {n: comm.all_reduce_sum(g, env.topo().sp_group) for n, g in grads.items()}  # each rank holds its tokens' share
+        out[name] = {"eager": (abs(loss - eager_loss), _relative(grads, eager)), "one process": (abs(loss - one_loss), _relative(summed, one)),
+                     "bytes": (eager_sent, sent)}
     return out
