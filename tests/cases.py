@@ -1,10 +1,10 @@
 """Cases that run inside one spawned group of gloo ranks.
 
-Spawning costs seconds of imports per rank, so each world size spawns once
-(tests/conftest.py) and runs every case registered here; the pytest tests then
-assert on what each rank returned. A case returns plain data (errors, byte
-counts, messages); the tolerances and expected values live in the tests.
-``USP_CASES=grad/,fuzz/`` (comma-separated name prefixes) runs only the matching cases.
+Spawning costs seconds of imports per rank, so each world size has one pool of
+ranks for the session (tests/conftest.py) and a case runs in it when a test first
+asks for its result; the pytest tests then assert on what each rank returned. A
+case returns plain data (errors, byte counts, messages); the tolerances and
+expected values live in the tests.
 """
 
 from __future__ import annotations
@@ -12,8 +12,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import importlib.util
-import os
-import traceback
 import zlib
 
 import torch
@@ -21,6 +19,7 @@ import torch
 import ulysses_sp as usp
 from ulysses_sp import comm, layout
 from ulysses_sp.backends.allgather import AllGatherBackend
+from ulysses_sp.launch import kept_groups
 from ulysses_sp.profile import CPU_GLOO_PROFILE, Profile
 from ulysses_sp.registry import choose_backend
 from ulysses_sp.spec import Estimate
@@ -46,29 +45,37 @@ def case(name: str, worlds=WORLDS):
 
 
 class Env:
-    """What a case gets: this rank, the world size and cached topologies."""
+    """What a case gets: this rank, the world size and cached topologies (kept by the pool across cases)."""
 
     def __init__(self, rank: int, world: int):
         self.rank, self.world, self._topos = rank, world, {}
 
     def topo(self, sp_size=None, layout="zigzag", ulysses_degree=None):
         key = (sp_size or self.world, layout, ulysses_degree)
-        if key not in self._topos:
-            self._topos[key] = usp.init_sequence_parallel(key[0], layout=layout, ulysses_degree=ulysses_degree, timeout=60)
+        if key not in self._topos or not _alive(self._topos[key]):
+            with kept_groups():
+                self._topos[key] = usp.init_sequence_parallel(key[0], layout=layout, ulysses_degree=ulysses_degree, timeout=60)
         return self._topos[key]
 
 
-def run_cases(rank: int, world: int) -> dict:
-    env, results = Env(rank, world), {}
-    only = tuple(p for p in os.environ.get("USP_CASES", "").split(",") if p)
-    for name, (fn, worlds) in CASES.items():
-        if world not in worlds or (only and not name.startswith(only)):
-            continue
-        try:
-            results[name] = {"ok": True, "value": fn(env)}
-        except Exception:
-            results[name] = {"ok": False, "error": traceback.format_exc()}
-    return results
+def _alive(topo) -> bool:
+    """False once the process group the topology was built on is gone (a case destroyed it)."""
+    from torch.distributed import distributed_c10d as c10d
+
+    return all(g is None or g in c10d._world.pg_names for g in (topo.sp_group, topo.dp_group, topo.ulysses_group, topo.ring_group))
+
+
+_ENVS: dict = {}
+"""One Env per pool rank process, so its topologies serve every case run there."""
+
+
+def run_case(rank: int, world: int, name: str):
+    """Case ``name`` on this rank of a pool of ``world`` ranks (tests/conftest.py's ``ranks``)."""
+    fn, worlds = CASES[name]
+    if world not in worlds:
+        raise KeyError(f"case {name} runs on {worlds} ranks, not {world}")
+    env = _ENVS.get((rank, world)) or _ENVS.setdefault((rank, world), Env(rank, world))
+    return fn(env)
 
 
 def generator(name: str, offset: int = 0) -> torch.Generator:

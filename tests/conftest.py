@@ -1,35 +1,133 @@
+import itertools
+import queue
+import threading
+
 import pytest
 
-from ulysses_sp.launch import run_ranks
+from ulysses_sp.launch import RankFailure, RankPool
 
-from .cases import WORLDS, run_cases
+from .cases import CASES, WORLDS, run_case
 
 __all__ = ["WORLDS", "free_port", "values"]
 
 
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """``@pytest.mark.quick(name=value, ...)`` puts only the parametrized items whose parameters equal
+    those (a tuple: any of its values) in the quick slice; a bare ``quick`` puts every item. Runs before
+    ``-m`` selects, and records every item's place in the slice for tests/test_quick.py."""
+    for item in items:
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        for mark in [m for m in item.own_markers if m.name == "quick" and m.kwargs]:
+            if any(params.get(k) not in (v if isinstance(v, tuple) else (v,)) for k, v in mark.kwargs.items()):
+                item.own_markers.remove(mark)
+    config.stash[QUICK] = {item.nodeid: item.get_closest_marker("quick") is not None for item in items}
+    args = config.invocation_params.args
+    config.stash[WHOLE] = not (config.option.markexpr or config.option.keyword or any("::" in a or a.endswith(".py") for a in args))
+
+
+QUICK = pytest.StashKey[dict]()
+"""Every collected test's node id: whether it is in the quick slice."""
+WHOLE = pytest.StashKey[bool]()
+"""Whether the session runs the whole suite (no file, node, ``-k`` or ``-m`` chosen): then every case will be asked for."""
+
+CASE_TIMEOUT = 600.0
+"""Seconds one case may take on its pool (the slowest take 20 s here); past it the pool is ended."""
+
+
+class Ranks:
+    """One world size's ``RankPool``, driven by a thread of its own.
+
+    Tests call ``run(fn, *args)`` and ``case(name)`` (tests/cases.py's cases, each run once and kept);
+    while no test waits, the thread runs the cases the session will ask for (``prefetch``), so the
+    pools of every world size and the tests in this process share the cores: a pool of 4 ranks on 2
+    cores spends most of its time waiting for a collective's ranks to be scheduled.
+    """
+
+    def __init__(self, world: int):
+        self.pool, self.done, self.queue, self.seq = RankPool(world), {}, queue.PriorityQueue(), itertools.count()
+        self.thread = threading.Thread(target=self._serve, name=f"usp-pool-{world}", daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            _, _, job = self.queue.get()
+            if job is None:
+                return
+            fn, args, timeout, reply = job
+            if fn is run_case and args[0] in self.done:
+                reply.put(self.done[args[0]])
+                continue
+            try:
+                got = self.pool.run(fn, *args, timeout=timeout)
+            except Exception as e:  # noqa: BLE001 - handed to the test that waits for it
+                got = e
+            if fn is run_case:
+                self.done[args[0]] = got
+            reply.put(got)
+
+    def _submit(self, priority: int, fn, args, timeout: float) -> queue.Queue:
+        reply = queue.Queue(1)
+        self.queue.put((priority, next(self.seq), (fn, args, timeout, reply)))
+        return reply
+
+    def run(self, fn, *args, timeout: float = 240.0) -> list:
+        """``run_ranks(fn, world, *args)`` on the pool, before any prefetched case still queued."""
+        got = self._submit(0, fn, args, timeout).get()
+        if isinstance(got, BaseException):
+            raise got
+        return got
+
+    def case(self, name: str):
+        """Each rank's value of case ``name``, or the ``RankFailure`` it raised (kept, not retried)."""
+        got = self.done.get(name)
+        return got if got is not None else self._submit(0, run_case, (name,), CASE_TIMEOUT).get()
+
+    def prefetch(self, names) -> None:
+        for name in names:
+            self._submit(1, run_case, (name,), CASE_TIMEOUT)
+
+    def close(self) -> None:
+        self.queue.put((-1, -1, None))
+        self.thread.join()
+        self.pool.close()
+        if self.pool.restarts:
+            print(f"\n[{self.pool.world_size}-rank pool] {self.pool.calls} calls, {self.pool.spawns} spawns; ended early: "
+                  + "; ".join(self.pool.restarts))
+
+
 @pytest.fixture(scope="session")
-def ranks():
-    """``ranks(world)``: every case of tests/cases.py run once on ``world`` gloo ranks;
-    a list (one per rank) of ``{case name: {"ok", "value" | "error"}}``."""
-    done = {}
+def pool(request):
+    """``pool(world)``: the session's ``Ranks`` of ``world`` gloo ranks, spawned on first use and kept
+    for every test after (``pool(world).run(fn, *args)`` is ``run_ranks(fn, world, *args)``). When the
+    session runs the whole suite, every world's cases start in the background at once."""
+    made = {}
 
-    def get(world: int):
-        if world not in done:
-            done[world] = run_ranks(run_cases, world, timeout=600)
-        return done[world]
+    def get(world: int) -> Ranks:
+        if world not in made:
+            made[world] = Ranks(world)
+        return made[world]
 
-    return get
+    if request.config.stash.get(WHOLE, False):
+        for world in WORLDS:
+            get(world).prefetch(name for name, (_, worlds) in CASES.items() if world in worlds)
+    yield get
+    for ranks in made.values():
+        ranks.close()
 
 
-def values(results, name: str) -> list:
-    """The value every rank returned for case ``name``; fails with the rank's traceback otherwise."""
-    out = []
-    for rank, per_rank in enumerate(results):
-        r = per_rank[name]
-        if not r["ok"]:
-            pytest.fail(f"case {name} raised on rank {rank}:\n{r['error']}")
-        out.append(r["value"])
-    return out
+@pytest.fixture(scope="session")
+def ranks(pool):
+    """``ranks(world)``: the results of tests/cases.py's cases on ``world`` ranks (see ``values``)."""
+    return pool
+
+
+def values(results: Ranks, name: str) -> list:
+    """The value every rank returned for case ``name``; fails with the ranks' tracebacks otherwise."""
+    got = results.case(name)
+    if isinstance(got, RankFailure):
+        pytest.fail(f"case {name} raised:\n{got}")
+    return got
 
 
 def free_port() -> int:

@@ -116,6 +116,7 @@ def test_environment_csv_and_plot(bench):
     assert (out / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.quick
 def test_entries_run_in_rotating_rounds(ranks):
     """Run i of every entry of a cell ran in round i, so that a ratio taken round by round
     (grid_table.py) pairs calls made one after the other, whatever the machine's drift."""
@@ -144,6 +145,7 @@ def test_efficiency_is_paired_by_round():
     assert "efficiency" not in row and "t1_s" not in row
 
 
+@pytest.mark.quick
 def test_bad_grid_is_a_usage_error():
     for args, message in ((["--backends", "ringg"], "unknown backend 'ringg'"), (["--peers", "megatron"], "unknown peer"),
                           (["--seq", "4q"], "not a token count"), (["--dtype", "float8"], "float32, bfloat16, float16"),

@@ -21,6 +21,7 @@ def _written(directory, step, run="r1", files=None):
     return checkpoint.finish(str(directory), step, {"run": run, "resume": {"seq_len": 64}})
 
 
+@pytest.mark.quick
 def test_a_finished_save_is_complete_and_named_by_latest(tmp_path):
     assert _written(tmp_path, 3) == "step3"
     assert (tmp_path / "latest").read_text() == "step3"

@@ -60,6 +60,7 @@ def expected_bytes(backend, world, hq, hkv, grads):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("name", list(BYTES))
 @pytest.mark.parametrize("backend", (*BACKENDS, "ulysses-g2"))
+@pytest.mark.quick(world=2, name="gqa")
 def test_bytes_match_formula(ranks, world, name, backend):
     expected = expected_bytes(backend, world, *BYTES[name])
     for r in values(ranks(world), f"bytes/{backend}/{name}"):

@@ -36,6 +36,7 @@ def test_packed_mla_auto_functional_and_aot_eager(ranks):
             _check(name, r, eager_tolerance=1e-4 if name == "surrounded" else 0.0)
 
 
+@pytest.mark.quick
 def test_compiled_calls_refuse_bad_input_on_every_rank(ranks):
     for result in values(ranks(2), "compile-errors/"):
         assert "q heads (3) must divide by the all-to-all degree (2)" in result["heads"], result["heads"]

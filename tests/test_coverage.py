@@ -33,6 +33,7 @@ def _assert_exact(r, name, tol=None):
 @pytest.mark.parametrize("world", [2, 3])
 @pytest.mark.parametrize("lay", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("name", EXACT)
+@pytest.mark.quick(world=2, lay="zigzag")
 def test_family_is_exact(ranks, world, lay, name):
     for r in values(ranks(world), f"families{'-contiguous' if lay == 'contiguous' else ''}/{name}"):
         _assert_exact(r, name)
@@ -50,6 +51,7 @@ def test_deepseek_v3_mla_is_exact_under_every_backend(ranks, world, backend):
 
 @hf
 @pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.quick(world=2)
 def test_uncovered_families_are_refused_by_name(ranks, world):
     for r in values(ranks(world), "families/refused"):
         for name, (module, reason) in REFUSED.items():
@@ -65,6 +67,7 @@ def test_uncovered_families_are_refused_by_name(ranks, world):
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("lay", ["zigzag", "contiguous"])
 @pytest.mark.parametrize("name", HYBRID)
+@pytest.mark.quick(world=2, lay="zigzag")
 def test_hybrid_family_is_exact(ranks, world, lay, name):
     """Gated DeltaNet (Qwen3-Next, Qwen3.5), short convolutions (LFM2), Mamba2 (Bamba, Mamba2) and
     RWKV under the strategy auto takes, with the float32 their own code casts to lifted to float64
@@ -103,6 +106,7 @@ def test_family_is_exact_under_the_balanced_layout(ranks, world, name):
 @hf
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", MAMBA2_ADAPTED)
+@pytest.mark.quick(world=2, name="falcon_h1")
 def test_other_mamba2_mixers_are_exact_under_ulysses(ranks, world, name):
     """Granite 4 (GraniteMoeHybrid), Nemotron-H and Falcon-H1 (with and without its norm) through the
     Mamba2 adapter, their default configs shrunk, float32 lifted: loss and every gradient."""
@@ -135,11 +139,14 @@ def test_mixer_layer_is_exact_and_counts_its_bytes(ranks, lay, strategy, name, w
 @hf
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("strategy,name,worlds", MIXER_LAYER_CASES)
+@pytest.mark.quick(world=2)
 def test_mixer_bf16_error_does_not_grow_with_ranks(ranks, world, strategy, name, worlds):
     """In bf16 as shipped, against the layer in float64 on the same inputs: relative RMS of the output
     and input gradient at P ranks within 1.3x that at P=1 (the strategies compute each token as one
     process does), and within bf16's epsilon (observed 0.0051-0.0062 at P = 1, 2 and 4, Gated DeltaNet the
-    highest: its own code rounds to bf16 inside)."""
+    highest: its own code rounds to bf16 inside). The layers go through their adapters:
+    integrations/gated_deltanet.py (Qwen3-Next), integrations/mamba2.py (Bamba) and
+    integrations/short_conv.py (LFM2)."""
     one = values(ranks(1), f"mixers-bf16/{strategy}/{name}")[0]
     for r in values(ranks(world), f"mixers-bf16/{strategy}/{name}"):
         for what in ("out", "dx"):
@@ -169,6 +176,7 @@ def test_hybrid_family_as_shipped_passes_verify(ranks, name):
 
 @pytest.mark.parametrize("world", [1, 2, 3, 4])
 @pytest.mark.parametrize("packed", ["unpacked", "packed"])
+@pytest.mark.quick(world=2, packed="packed")
 def test_allgather_mixer_is_exact_and_counts_its_bytes(ranks, world, packed):
     """A causal convolution under the allgather strategy: output, input gradient and weight
     gradient against one process (documents run one by one when packed), and the bytes: one
@@ -227,6 +235,7 @@ def test_verify_catches_a_backend_that_sees_only_its_shard(ranks):
 
 
 @hf
+@pytest.mark.quick
 def test_verify_runs_without_dropout_and_leaves_the_model_alone(ranks):
     for r in values(ranks(2), "verify/random"):
         _assert_exact(r["report"], "bert-decoder")

@@ -14,6 +14,7 @@ TOL = 1e-12  # fp64; observed ~1e-16
 @pytest.mark.parametrize("world", [1, 2, 4])
 @pytest.mark.parametrize("kind", TINY_BATCHES)
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.quick(world=2)
 def test_tiny_model_loss_and_gradients_match_one_process(ranks, world, backend, kind):
     results = values(ranks(world), f"model/{backend}/{kind}")
     for r in results:
@@ -61,6 +62,7 @@ def test_sampler_sp_groups_share_and_dp_groups_split(ranks):
         assert by_dp[0][0][0] != by_dp[0][0][1], "set_epoch reshuffles"
 
 
+@pytest.mark.quick
 def test_cu_seqlens_from_position_ids():
     pos = torch.tensor([[0, 1, 2, 0, 0, 1]])
     assert usp.cu_seqlens_from_position_ids(pos).tolist() == [0, 3, 4, 6]

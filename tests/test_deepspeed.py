@@ -19,6 +19,7 @@ TOL = 1e-5
 
 @pytest.mark.parametrize("world", [2, 4])  # SP=2, and SP=2 x DP=2
 @pytest.mark.parametrize("stage,reduce_scatter", STAGES)
+@pytest.mark.quick(world=2)
 def test_engine_gradient_equals_one_process(ranks, world, stage, reduce_scatter):
     for r in values(ranks(world), "deepspeed/gradients"):
         got = r[f"{stage}-{reduce_scatter}"]

@@ -67,6 +67,7 @@ class FakeCuda:
         self.current = index
 
 
+@pytest.mark.quick
 def test_bind_device_is_cpu_without_cuda(env):
     FakeCuda(env, 0)
     env.setenv("LOCAL_RANK", "1")

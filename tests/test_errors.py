@@ -40,6 +40,7 @@ MULTI_ONLY = {k for k in EXPECTED if "per rank" in k or k.startswith(("ulysses "
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.quick(world=2)
 def test_bad_input_raises_on_every_rank(ranks, world):
     for rank, got in enumerate(values(ranks(world), "errors/attention")):
         assert got.pop("still works") == (2, 4, 12, 8), "the group must stay usable after the errors"

@@ -323,6 +323,7 @@ def signature(fn):
 
 
 @pytest.mark.parametrize("version", VERSIONS)
+@pytest.mark.quick
 def test_signatures(version):
     with install(version) as fake:
         import flash_attn

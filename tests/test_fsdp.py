@@ -11,6 +11,7 @@ pytest.importorskip("transformers")
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.quick(world=2)
 def test_fsdp2_training_equals_one_process(ranks, world):
     """SP = 2 (world 2), SP = 3 (world 3) and DP = 2 x SP = 2 (world 4): one SGD step (each SP group's token mean,
     DP averaged: divide factor = DP size) and three AdamW steps with accumulation 2 (the global

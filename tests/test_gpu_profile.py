@@ -91,6 +91,7 @@ EXPECTED = {
 }
 
 
+@pytest.mark.quick
 def test_auto_picks_on_the_built_in_gpu_profile():
     """8 GPUs per node; the picks before the efficiency terms were the ring or a hybrid-u2 (within
     0.5% of each other) nearly everywhere, Ulysses nowhere."""

@@ -17,6 +17,7 @@ TOL = 1e-10
 
 
 @pytest.mark.parametrize("world,name", [pytest.param(w, n, id=f"P{w}-{n}") for w in WORLDS for n in GRAD_CASES])
+@pytest.mark.quick(world=2)
 def test_gradient_edge_case_matches_reference(ranks, world, name):
     for rank, errors in enumerate(values(ranks(world), name)):
         for what, err in errors.items():

@@ -1,7 +1,7 @@
 """SequenceParallelTrainer on 2 ranks against transformers.Trainer on one process.
 
-Every SP case of tests/hf_trainer_cases.py runs in ONE spawned group of 2 ranks, the one-process
-references in one more process, side by side. Tiny Llama and Qwen2 (packed) are built in code;
+Every SP case of tests/hf_trainer_cases.py runs in ONE call on the session's pool of 2 ranks, the
+one-process references on the 1-rank pool, side by side. Tiny Llama and Qwen2 (packed) are built in code;
 fp32, 8 optimizer steps of 2 accumulated micro-batches, under DDP (also compiled: torch_compile=True), accelerate's FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3, plain SGD without clipping (a gradient off
 by a constant factor shows; Adam would hide it). Three negative controls (num_items_in_batch
 counted on every SP rank; DDP's and FSDP2's averages left unscaled) prove the comparisons can fail.
@@ -22,8 +22,6 @@ _MISSING = [m for m in ("transformers", "accelerate", "peft", "deepspeed") if im
 # find_spec, not importorskip: the work runs in spawned processes, importing these here only costs time
 pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"not installed: {', '.join(_MISSING)} (extras hf, peft, deepspeed)")
 
-from ulysses_sp.launch import run_ranks  # noqa: E402
-
 from .conftest import free_port  # noqa: E402
 from .hf_trainer_cases import SP_CASES, STEPS, run_references, run_sp_cases  # noqa: E402
 
@@ -33,12 +31,12 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.fixture(scope="module")
-def runs():
-    """(reference results by name, [SP results by case name] per rank); both spawns at once."""
+def runs(pool):
+    """(reference results by name, [SP results by case name] per rank); both pools at once."""
     refs = sorted({ref for ref, _ in SP_CASES.values()})
-    with ThreadPoolExecutor(2) as pool:
-        ref = pool.submit(run_ranks, run_references, 1, refs, timeout=300)
-        sp = pool.submit(run_ranks, run_sp_cases, 2, list(SP_CASES), timeout=300)
+    with ThreadPoolExecutor(2) as threads:
+        ref = threads.submit(pool(1).run, run_references, refs, timeout=300)
+        sp = threads.submit(pool(2).run, run_sp_cases, list(SP_CASES), timeout=300)
         return ref.result()[0], sp.result()
 
 
@@ -163,6 +161,7 @@ def test_bad_input_raises_on_every_rank_before_any_collective(runs):
         assert passed and layers == 2 and worst < 1e-12, m["sp_verify"]
 
 
+@pytest.mark.quick
 def test_hf_argument_parser_gets_the_sp_flags():
     from transformers import HfArgumentParser
 
@@ -218,6 +217,7 @@ def test_example_under_every_launcher_equals_one_process(tmp_path):
         assert r["generated"] == one["generated"], name
 
 
+@pytest.mark.quick
 def test_auto_layout_reads_the_collator_and_the_first_example():
     from transformers import DataCollatorWithFlattening
 

@@ -24,6 +24,7 @@ def _resolve(user=None, dp=1, sp=2, **flags):
     return resolve_ds_config(cfg, user or {}, dp_size=dp, sp_size=sp, on_gpu=False, pretrained=False)
 
 
+@pytest.mark.quick
 def test_defaults_fill_an_empty_config_and_say_so():
     r = _resolve()
     assert (r.micro_batch, r.grad_accum, r.zero_stage, r.dtype, r.lr) == (1, 1, 2, "fp32", 3e-3)

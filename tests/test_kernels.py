@@ -97,6 +97,7 @@ def test_block_forward_and_backward_match_explicit_masks(name, shape, causal, hk
 @pytest.mark.parametrize("name", ["torch", "math"])
 @pytest.mark.parametrize("causal", [True, False])
 @pytest.mark.parametrize("hkv", [8, 2, 1])
+@pytest.mark.quick
 def test_attend_matches_reference(name, causal, hkv):
     q, k, v = qkv(hkv=hkv)
     dout = torch.randn_like(q)

@@ -7,6 +7,7 @@ from ulysses_sp.blocks import chunk_segments, plan_blocks, sees_any
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 @pytest.mark.parametrize("lay", layout.LAYOUTS)
+@pytest.mark.quick
 def test_shards_partition_the_sequence(lay, p):
     n = 2 * p * 3
     for cu in ((0, n), (0, 1, n - 5, n)):

@@ -25,6 +25,7 @@ def _check(result: dict, tol: float = TOL) -> None:
 
 
 @pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.quick(world=2)
 def test_tiles_equal_full_logits(ranks, world):
     """Tiles of 1, 3, 5, 7 (not dividing 26 tokens), 26, 100 and the default; bias and none;
     ignored tokens (whole tiles without a target); a rank, and a group, without any target."""
@@ -91,6 +92,7 @@ def test_default_tile_is_256_mib():
     assert default_chunk_tokens(128 * 1024) == 512
 
 
+@pytest.mark.quick
 def test_validation_before_any_collective():
     """Shape errors raise without a process group (so before the count's all-reduce)."""
     from ulysses_sp.loss import sp_linear_cross_entropy

@@ -114,6 +114,7 @@ def test_a_dead_rank_fails_the_others_within_the_timeout(tmp_path, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.quick(world=2)
 def test_a_stalled_rank_fails_the_others_at_the_timeout(tmp_path, world):
     got = _kill_one(world, "ring", "backward", str(tmp_path), stall=True)
     assert not got["hung"], got

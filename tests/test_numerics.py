@@ -6,6 +6,7 @@ from .conftest import values
 
 
 @pytest.mark.parametrize("world", [1, 2, 4])
+@pytest.mark.quick(world=2)
 def test_same_inputs_give_bitwise_same_results(ranks, world):
     for rank, r in enumerate(values(ranks(world), "numerics/deterministic")):
         for (config, backend), equal in r.items():

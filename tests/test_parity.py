@@ -22,8 +22,10 @@ RMS_TOL = {"torch.float64": 1e-12, "torch.float32": 1e-6, "torch.bfloat16": 1e-2
 fp32 and bf16 are bounded by their rounding (observed about 2e-7 and 8e-3),
 fp64 is the mask/scale/layout check."""
 
+QUICK = {f"{b}/{lay}-causal-gqa" for b in BACKENDS for lay in LAYOUTS} | {"halo/zigzag-window5", "ulysses-g2/zigzag-causal-gqa", "auto/zigzag-causal-gqa"}
+"""At P=2 in the quick slice: every backend under every layout."""
 PARAMS = [
-    pytest.param(world, name, id=f"P{world}-{name}")
+    pytest.param(world, name, id=f"P{world}-{name}", marks=[pytest.mark.quick] if world == 2 and name in QUICK else [])
     for world in WORLDS
     for name in PARITY
     if "mislabelled" not in name and world in PARITY_WORLDS[name]

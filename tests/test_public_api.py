@@ -22,6 +22,7 @@ def test_model_inputs_target_counts_and_nested_counters(ranks, world):
         assert r["outer"]["all_gather"] == (2, 24 * (world - 1)) and r["outer"]["all_reduce"] == r["inner"]["all_reduce"], r
 
 
+@pytest.mark.quick
 def test_list_backends_names_the_built_in_ones_in_order():
     names = usp.list_backends()
     assert names[: len(BUILT_IN)] == BUILT_IN, names

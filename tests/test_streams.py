@@ -7,11 +7,13 @@ effect: benchmarks/gpu_check.py's stream check).
 
 from contextlib import contextmanager
 
+import pytest
 import torch
 
 from ulysses_sp.streams import CommStream
 
 
+@pytest.mark.quick
 def test_cpu_is_inline():
     stream, ran = CommStream(torch.device("cpu")), []
     with stream.side():

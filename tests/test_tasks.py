@@ -30,6 +30,7 @@ def test_every_held_out_key_lies_on_other_ranks_than_its_answer(sp_size, lay):
     assert len(depths) >= 12 and max(depths) - min(depths) > seq // 4, sorted(depths)
 
 
+@pytest.mark.quick
 def test_without_sp_the_key_may_lie_anywhere():
     overhead = len(" key: ") + KEY_LENGTH + len(" key?\xff") + KEY_LENGTH
     assert cross_shard_depths(256, 1, "zigzag") == list(range(256 - overhead + 1))

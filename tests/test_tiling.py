@@ -38,6 +38,7 @@ class _MLP(torch.nn.Module):
 
 @pytest.mark.parametrize("batch,seq,tile", [(1, 24, 6), (1, 24, 5), (1, 24, 100), (2, 13, 4), (3, 7, 1)])
 @pytest.mark.parametrize("input_grad", [True, False])
+@pytest.mark.quick
 def test_tiled_mlp_equals_mlp(batch, seq, tile, input_grad):
     torch.manual_seed(0)
     mlp = _MLP()

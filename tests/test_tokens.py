@@ -63,6 +63,7 @@ def test_a_killed_builders_work_folder_is_removed(tmp_path):
     assert not stale.exists() and alive.exists(), "only a dead process's folder is removed"
 
 
+@pytest.mark.quick
 def test_a_tokenizer_gives_the_same_ids_as_calling_it(tmp_path):
     from transformers import AutoTokenizer
 

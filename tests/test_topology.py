@@ -4,6 +4,7 @@ from .conftest import WORLDS, values
 
 
 @pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.quick(world=2)
 def test_groups_are_blocks_of_consecutive_ranks(ranks, world):
     for rank, shapes in enumerate(values(ranks(world), "topology/groups")):
         assert shapes, "no topology built"

@@ -5,7 +5,6 @@ import pytest
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
 pytest.importorskip("transformers", reason="the hf extra is not installed")
 
-from ulysses_sp.launch import run_ranks  # noqa: E402
 from ulysses_sp.job import Job, TrainConfig, memory_options, parse_args, precision_config, resolve_dtype, train  # noqa: E402
 
 from .conftest import free_port  # noqa: E402
@@ -17,31 +16,43 @@ def _train(rank, world, cfg):
     return train(cfg)
 
 
-def _run(world, **overrides):
-    cfg = TrainConfig(sp_size=world, **{"seq_len": SEQ, "steps": STEPS, "eval_samples": 4, **overrides})
-    return run_ranks(_train, world, cfg, timeout=600)
+@pytest.fixture(scope="module")
+def run_ranks(pool):
+    """``run_ranks(fn, world, *args)`` on the session's pool of ``world`` ranks (the jobs destroy their
+    process group at the end; the pool makes a new one)."""
+    return lambda fn, world, *args: pool(world).run(fn, *args)
 
 
 @pytest.fixture(scope="module")
-def sp2_losses():
-    return _run(2)
+def run_job(run_ranks):
+    def run(world, **overrides):
+        cfg = TrainConfig(sp_size=world, **{"seq_len": SEQ, "steps": STEPS, "eval_samples": 4, **overrides})
+        return run_ranks(_train, world, cfg)
+
+    return run
 
 
 @pytest.fixture(scope="module")
-def fsdp2_losses():
-    return _run(2, engine="fsdp2")
+def sp2_losses(run_job):
+    return run_job(2)
 
 
+@pytest.fixture(scope="module")
+def fsdp2_losses(run_job):
+    return run_job(2, engine="fsdp2")
+
+
+@pytest.mark.quick
 def test_the_loss_falls(sp2_losses):
     """From ln 257 = 5.55 (a uniform guess over the bytes) to 4.48 in 8 steps on the answers of
     the default task (observed); a model that learnt nothing stays near 5.5."""
     assert sp2_losses[0][-1] < 0.85 * sp2_losses[0][0], sp2_losses[0]
 
 
-def test_sp2_loss_curve_equals_one_process(sp2_losses):
+def test_sp2_loss_curve_equals_one_process(sp2_losses, run_job):
     """Same seed, same data: SP=2 and one rank without SP agree to 1e-4 over the first steps
     (fp32; the curves differ only by summation order, which Adam carries forward)."""
-    (single,) = _run(1)
+    (single,) = run_job(1)
     for step, (a, b) in enumerate(zip(sp2_losses[0], single)):
         assert abs(a - b) < 1e-4, f"step {step + 1}: {a} with SP=2, {b} without"
 
@@ -55,7 +66,7 @@ def _scaled(rank, world, cfg, factor):
     return losses
 
 
-def test_sgd_loss_curve_equals_one_process_and_a_gradient_factor_shows(tmp_path):
+def test_sgd_loss_curve_equals_one_process_and_a_gradient_factor_shows(tmp_path, run_ranks):
     """Under AdamW with clipping a constant gradient factor leaves the curve as it is; under plain SGD
     without clipping it does not. SP=2 equals one rank to 1e-5 there, and the same job with its
     gradients doubled (the negative control) is off by far more."""
@@ -64,9 +75,9 @@ def test_sgd_loss_curve_equals_one_process_and_a_gradient_factor_shows(tmp_path)
     path = tmp_path / "sgd.json"
     path.write_text(json.dumps({"optimizer": {"type": "SGD", "params": {"lr": 0.1}}, "gradient_clipping": 0.0, "zero_allow_untested_optimizer": True}))
     cfg = TrainConfig(sp_size=1, seq_len=SEQ, steps=STEPS, deepspeed=str(path), warmup_steps=0)
-    (single,) = run_ranks(_scaled, 1, cfg, 1.0, timeout=600)
+    (single,) = run_ranks(_scaled, 1, cfg, 1.0)
     cfg.sp_size = 2
-    sp2, doubled = (run_ranks(_scaled, 2, cfg, factor, timeout=600)[0] for factor in (1.0, 2.0))
+    sp2, doubled = (run_ranks(_scaled, 2, cfg, factor)[0] for factor in (1.0, 2.0))
     assert single[-1] < 0.9 * single[0], single  # it trains
     for step, (a, b) in enumerate(zip(sp2, single)):
         assert abs(a - b) < 1e-5, f"step {step + 1}: {a} with SP=2, {b} without"
@@ -81,11 +92,11 @@ def _preempted(rank, world, cfg, stop):
     job.close()
 
 
-def test_resume_continues_with_the_identical_loss(sp2_losses, tmp_path):
+def test_resume_continues_with_the_identical_loss(sp2_losses, tmp_path, run_job, run_ranks):
     """A job stopped after a checkpoint, resumed from the directory: same data, schedule and losses."""
     cfg = TrainConfig(sp_size=2, seq_len=SEQ, steps=STEPS, eval_samples=4, save=str(tmp_path / "ckpt"))
-    run_ranks(_preempted, 2, cfg, STEPS - 2, timeout=600)
-    resumed = _run(2, resume=str(tmp_path / "ckpt"))
+    run_ranks(_preempted, 2, cfg, STEPS - 2)
+    resumed = run_job(2, resume=str(tmp_path / "ckpt"))
     assert resumed[0] == sp2_losses[0][STEPS - 2 :]
 
 
@@ -151,12 +162,12 @@ def _no_targets(rank, world, cfg):
     return empty, unchanged, normal
 
 
-def test_a_step_without_targets_makes_no_optimizer_step():
+def test_a_step_without_targets_makes_no_optimizer_step(run_ranks):
     """AdamW would still move the weights (momentum and decay) on zero gradients: the job skips
     the step and reports its loss as NaN (null in the metrics)."""
     import math
 
-    for empty, unchanged, normal in run_ranks(_no_targets, 2, TrainConfig(sp_size=2, seq_len=SEQ, steps=2, weight_decay=0.1), timeout=600):
+    for empty, unchanged, normal in run_ranks(_no_targets, 2, TrainConfig(sp_size=2, seq_len=SEQ, steps=2, weight_decay=0.1)):
         assert math.isnan(empty) and unchanged and math.isfinite(normal)
 
 
@@ -181,7 +192,7 @@ def _exported(rank, world, cfg, path):
     return logits
 
 
-def test_fsdp2_export_loads_with_the_jobs_logits(tmp_path):
+def test_fsdp2_export_loads_with_the_jobs_logits(tmp_path, run_ranks):
     """--engine fsdp2 --export-hf: the shards gathered to rank 0 load with from_pretrained and give
     the job's logits (fp32), under the model's own class name."""
     import json
@@ -190,7 +201,7 @@ def test_fsdp2_export_loads_with_the_jobs_logits(tmp_path):
     from transformers import AutoModelForCausalLM
 
     cfg = TrainConfig(sp_size=2, seq_len=SEQ, steps=2, engine="fsdp2")
-    logits = run_ranks(_exported, 2, cfg, str(tmp_path / "hf"), timeout=600)[0]
+    logits = run_ranks(_exported, 2, cfg, str(tmp_path / "hf"))[0]
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
     with torch.no_grad():
         exported = model(input_ids=torch.arange(SEQ)[None] % 200).logits
@@ -198,31 +209,31 @@ def test_fsdp2_export_loads_with_the_jobs_logits(tmp_path):
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 
-def test_zero3_trains_like_zero2(sp2_losses):
+def test_zero3_trains_like_zero2(sp2_losses, run_job):
     """ZeRO-3 (reduce-scatter, its default) applies the same gradients as ZeRO-2."""
-    zero3 = _run(2, zero_stage=3)
+    zero3 = run_job(2, zero_stage=3)
     for step, (a, b) in enumerate(zip(zero3[0], sp2_losses[0])):
         assert abs(a - b) < 1e-4, f"step {step + 1}: {a} with ZeRO-3, {b} with ZeRO-2"
 
 
 @pytest.mark.parametrize("engine", [{"zero_stage": 2}, {"zero_stage": 3}, {"engine": "fsdp2"}], ids=["zero2", "zero3", "fsdp2"])
-def test_memory_stack_trains_like_without(sp2_losses, engine):
+def test_memory_stack_trains_like_without(sp2_losses, engine, run_job):
     """Tiled loss, tiled MLP and per-layer checkpointing (offload: nothing to move on CPU,
     the hooks still run) through DeepSpeed, and under FSDP2, give the same loss curve (ZeRO-3 and
     FSDP2 also equal ZeRO-2)."""
-    tiled = _run(2, tiled_loss=True, tiled_mlp=True, checkpoint="offload", **engine)
+    tiled = run_job(2, tiled_loss=True, tiled_mlp=True, checkpoint="offload", **engine)
     for step, (a, b) in enumerate(zip(tiled[0], sp2_losses[0])):
         assert abs(a - b) < 1e-4, f"step {step + 1}: {a} with the memory stack ({engine}), {b} without"
 
 
-def test_compiled_layers_train_like_eager(sp2_losses):
+def test_compiled_layers_train_like_eager(sp2_losses, run_job):
     """--compile (each decoder layer under torch.compile with Inductor, the SP attention one op in it)
     gives the eager curve: under ZeRO-2, and under FSDP2 with the memory stack (the checkpointing
     around the compiled layer, the tiled MLP one op in it). Inductor rounds its own code
     differently (observed: within 1e-6); an attention op that kept storage Inductor reuses was off
     by 1e-3 from step 2."""
     for overrides in ({}, {"engine": "fsdp2", "tiled_loss": True, "tiled_mlp": True, "checkpoint": "offload"}):
-        compiled = _run(2, compile=True, **overrides)
+        compiled = run_job(2, compile=True, **overrides)
         for step, (a, b) in enumerate(zip(compiled[0], sp2_losses[0])):
             assert abs(a - b) < 1e-5, f"step {step + 1}: {a} compiled ({overrides}), {b} eager"
 
@@ -268,6 +279,7 @@ def test_a_bad_flag_fails_on_every_rank_in_one_line_without_hanging():
         assert rank.returncode == 2 and err.strip().endswith(line), err[-3000:]
 
 
+@pytest.mark.quick
 def test_parse_args_takes_dtype_and_kernel():
     cfg = parse_args(["--sp-size", "2"])
     assert cfg.dtype is None and cfg.sp_kernel == "auto"
@@ -316,10 +328,10 @@ def test_mixed_precision_goes_through_deepspeed_config():
     assert precision_config("fp16")["fp16"]["enabled"] is True
 
 
-def test_bf16_on_cpu_trains_close_to_fp32(sp2_losses):
+def test_bf16_on_cpu_trains_close_to_fp32(sp2_losses, run_job):
     """--dtype bf16 goes through DeepSpeed's bf16 mode (it casts the fp32 model; ZeRO keeps fp32
     master weights): the curve follows the fp32 one within bf16's rounding, and is not it."""
-    (bf16,) = _run(2, dtype="bf16")[:1]
+    (bf16,) = run_job(2, dtype="bf16")[:1]
     assert bf16 != sp2_losses[0]
     for step, (a, b) in enumerate(zip(bf16, sp2_losses[0])):
         assert abs(a - b) < 0.03 * b, f"step {step + 1}: {a} in bf16, {b} in fp32"
@@ -338,29 +350,29 @@ def _verified(rank, world, cfg):
     return report.passed, report.layers, report.worst, losses
 
 
-def test_verify_runs_before_training_and_refusals_stop_the_job(tmp_path):
+def test_verify_runs_before_training_and_refusals_stop_the_job(tmp_path, run_ranks):
     """--verify checks the model's architecture under SP before the first step; a model SP does not
     cover (Bloom: attention in its own code, with ALiBi) stops the job on every rank with the reason."""
     import transformers
 
-    passed, layers, worst, losses = run_ranks(_verified, 2, TrainConfig(sp_size=2, seq_len=SEQ, steps=2, verify=True), timeout=600)[0]
+    passed, layers, worst, losses = run_ranks(_verified, 2, TrainConfig(sp_size=2, seq_len=SEQ, steps=2, verify=True))[0]
     assert passed and layers == 2 and worst[2] < 1e-12 and len(losses) == 2, (worst, losses)
     transformers.BloomConfig(vocab_size=300, hidden_size=32, n_layer=2, n_head=4).save_pretrained(tmp_path)
-    for message in run_ranks(_verified, 2, TrainConfig(sp_size=2, seq_len=SEQ, steps=2, model=str(tmp_path / "config.json")), timeout=600):
+    for message in run_ranks(_verified, 2, TrainConfig(sp_size=2, seq_len=SEQ, steps=2, model=str(tmp_path / "config.json"))):
         assert message.startswith("JobError: BloomForCausalLM cannot run under sequence parallelism"), message
         assert "BloomAttention (layer 0" in message and "ALiBi" in message, message
 
 
-def test_a_hybrid_model_trains_through_its_mixers(tmp_path):
+def test_a_hybrid_model_trains_through_its_mixers(tmp_path, run_ranks):
     """Qwen3.5 (Gated DeltaNet and attention layers): verified and trained under SP with the
     allgather mixer; with --sp-mixer none the job refuses it, naming the Gated DeltaNet layer."""
     from .model_families import config
 
     config("qwen3_5", vocab_size=300).save_pretrained(tmp_path)
     cfg = TrainConfig(sp_size=2, seq_len=SEQ, steps=2, verify=True, model=str(tmp_path / "config.json"))
-    passed, layers, worst, losses = run_ranks(_verified, 2, cfg, timeout=600)[0]
+    passed, layers, worst, losses = run_ranks(_verified, 2, cfg)[0]
     assert passed and layers == 2 and len(losses) == 2 and all(0 < loss < 10 for loss in losses), (worst, losses)
     cfg = TrainConfig(sp_size=2, seq_len=SEQ, steps=2, model=str(tmp_path / "config.json"), sp_mixer="none")
-    for message in run_ranks(_verified, 2, cfg, timeout=600):
+    for message in run_ranks(_verified, 2, cfg):
         assert message.startswith("JobError: Qwen3_5ForCausalLM cannot run under sequence parallelism"), message
         assert "Qwen3_5GatedDeltaNet (layer 0" in message, message

@@ -14,7 +14,6 @@ pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
 pytest.importorskip("transformers", reason="the hf extra is not installed")
 pytest.importorskip("datasets", reason="the hf extra is not installed")
 
-from ulysses_sp.launch import run_ranks  # noqa: E402
 from ulysses_sp.testing.tiny_checkpoint import write_corpus, write_tiny_llama  # noqa: E402
 
 SEQ, STEPS = 128, 6
@@ -187,10 +186,10 @@ def _crash_cases(files, out, sp, finished):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, pool):
     root = str(tmp_path_factory.mktemp("job"))
     files = _make_files(root)
-    out = {world: run_ranks(_jobs, world, files, os.path.join(root, f"out{world}"), timeout=900) for world in (2, 4, 1)}
+    out = {world: pool(world).run(_jobs, files, os.path.join(root, f"out{world}"), timeout=900) for world in (2, 4, 1)}
     return files, root, out
 
 

@@ -20,6 +20,7 @@ TOL = {"fp32": 1e-5, "fp64": 1e-12}
 
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("name", list(HF_CASES))
+@pytest.mark.quick(world=2)
 def test_hf_model_matches_one_process(ranks, world, name):
     tol = TOL["fp64" if name.endswith("fp64") else "fp32"]
     backend = HF_CASES[name]["backend"]

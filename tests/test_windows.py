@@ -58,6 +58,7 @@ def expected(backend, lay, p, w):
 @pytest.mark.parametrize("world", WORLDS)
 @pytest.mark.parametrize("window", HALO_WINDOWS)
 @pytest.mark.parametrize("lay", layout.LAYOUTS)
+@pytest.mark.quick(world=2, window=13)
 def test_windowed_bytes_are_exact(ranks, world, lay, window):
     for rank, r in enumerate(values(ranks(world), f"bytes/windowed/{lay}-{window}")):
         for backend, got in r.items():

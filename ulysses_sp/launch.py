@@ -3,23 +3,32 @@
 Used by the tests and the benchmarks. A rank that raises makes the others stop
 at once and its traceback is reported; ranks still running at the deadline are
 killed and the call raises, so a hang fails a test instead of CI.
+
+``run_ranks`` spawns a fresh group per call; ``RankPool`` keeps one alive across
+calls (the test suite's ranks), resetting between them what a call may leave
+behind, and starting anew after a call that failed or left state it cannot reset.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import datetime
 import os
+import pickle
+import random
+import shutil
 import sys
 import tempfile
 import time
 import traceback
+from multiprocessing.connection import wait
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-__all__ = ["run_ranks", "RankFailure"]
+__all__ = ["run_ranks", "RankFailure", "RankPool", "kept_groups"]
 
 
 class RankFailure(AssertionError):
@@ -97,3 +106,263 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 240.0, collective_tim
         if hung:
             raise RankFailure(f"ranks {hung} of {world_size} still running after {timeout:.0f} s (hang?)")
         return [torch.load(os.path.join(tmp, f"{r}.pt"), weights_only=False) for r in range(world_size)]
+
+
+# --------------------------------------------------------------------------- a pool of ranks
+
+_KEPT: set = set()
+"""Names of the process groups a pool call asked to keep (``kept_groups``); pool workers only."""
+
+
+def _group_names() -> set:
+    from torch.distributed import distributed_c10d as c10d
+
+    return set(c10d._world.pg_names.values()) if dist.is_initialized() else set()
+
+
+@contextlib.contextmanager
+def kept_groups():
+    """Process groups created inside outlive the pool call that made them (a cache of topologies
+    shared by later calls); every other group a call creates is destroyed after it."""
+    before = _group_names()
+    try:
+        yield
+    finally:
+        _KEPT.update(_group_names() - before)
+
+
+def _namespaces() -> list:
+    """The modules whose attributes a call must not leave replaced: torch.distributed and ours."""
+    return [m for name, m in list(sys.modules.items())
+            if m is not None and (name == "torch.distributed" or name == "ulysses_sp" or name.startswith("ulysses_sp."))]
+
+
+def _fingerprint() -> dict:
+    """What a call may change and the worker cannot put back: each module attribute's identity."""
+    return {(m.__name__, k): id(v) for m in _namespaces() for k, v in list(vars(m).items()) if not k.startswith("__")}
+
+
+class _Baseline:
+    """A worker's state after start-up, put back after every call: environment, random streams (seeded 0),
+    torch's global flags, the registries of backends and kernels, the working directory."""
+
+    def __init__(self):
+        import numpy as np
+
+        self.environ = dict(os.environ)
+        self.cwd = os.getcwd()
+        torch.manual_seed(0)  # the same streams on every rank (a fresh process's torch seed is random here)
+        random.seed(0)
+        np.random.seed(0)
+        self.torch_rng, self.py_rng, self.np_rng = torch.get_rng_state(), random.getstate(), np.random.get_state()
+        self.flags = self._flags()
+        self._modules = None
+        self.imported()
+
+    def imported(self) -> None:
+        """Take what importing a module may register (a test module's own backends) as part of the
+        baseline: called before each call, once its function's module is imported."""
+        from . import kernels, registry
+
+        if len(sys.modules) != self._modules:
+            self._modules = len(sys.modules)
+            self.backends, self.made, self.kernels = dict(registry._BACKENDS), dict(registry._MADE), dict(kernels._KERNELS)
+            self.modules = _fingerprint()
+
+    @staticmethod
+    def _flags() -> tuple:
+        return (torch.get_default_dtype(), torch.is_grad_enabled(), torch.get_num_threads(), torch.are_deterministic_algorithms_enabled(),
+                torch.is_anomaly_enabled())
+
+    def restore(self) -> list:
+        """Put the state back; returns what could not be (module attributes replaced)."""
+        import numpy as np
+
+        from . import kernels, registry
+
+        os.environ.clear()
+        os.environ.update(self.environ)
+        os.chdir(self.cwd)
+        torch.set_rng_state(self.torch_rng)
+        random.setstate(self.py_rng)
+        np.random.set_state(self.np_rng)
+        dtype, grad, threads, deterministic, anomaly = self.flags
+        torch.set_default_dtype(dtype)
+        torch.set_grad_enabled(grad)
+        torch.set_num_threads(threads)
+        torch.use_deterministic_algorithms(deterministic)
+        torch.autograd.set_detect_anomaly(anomaly)
+        for live, saved in ((registry._BACKENDS, self.backends), (registry._MADE, self.made), (kernels._KERNELS, self.kernels)):
+            live.clear()
+            live.update(saved)
+        if "torch._dynamo" in sys.modules:
+            torch._dynamo.reset()  # compiled graphs and their guards
+        now = _fingerprint()
+        return sorted(f"{m}.{k}" for (m, k), v in self.modules.items() if now.get((m, k), v) != v)
+
+
+def _init_group(tmp: str, generation: int, rank: int, world_size: int, collective_timeout: float) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/store{generation}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=collective_timeout))
+
+
+def _drop_groups(before: set) -> None:
+    """Destroy the groups a call created, except those it kept."""
+    from torch.distributed import distributed_c10d as c10d
+
+    if not dist.is_initialized():
+        _KEPT.clear()
+        return
+    by_name = {name: pg for pg, name in list(c10d._world.pg_names.items())}
+    for name in _group_names() - before - _KEPT:
+        if by_name[name] is not c10d.GroupMember.WORLD:
+            dist.destroy_process_group(by_name[name])
+
+
+def _pool_main(rank: int, world_size: int, tmp: str, conn, collective_timeout: float, threads: int) -> None:
+    torch.set_num_threads(threads)
+    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))  # no pool of compile workers per rank
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+    try:
+        _init_group(tmp, 0, rank, world_size, collective_timeout)
+        import ulysses_sp  # noqa: F401  (what every call uses, imported before the baseline is taken)
+
+        baseline = _Baseline()
+        conn.send(("ready", None))
+        while True:
+            task = conn.recv_bytes()
+            if not task:
+                break
+            fn, args, generation = pickle.loads(task)
+            baseline.imported()
+            if not dist.is_initialized():  # the previous call destroyed it (the main job does), on every rank
+                _init_group(tmp, generation, rank, world_size, collective_timeout)
+            before = _group_names()
+            try:
+                result = pickle.dumps(fn(rank, world_size, *args))
+            except BaseException:
+                conn.send(("error", traceback.format_exc()))
+                continue  # the parent ends the pool: other ranks may be stuck in a collective
+            _drop_groups(before)
+            leaked = baseline.restore()
+            conn.send(("ok", (result, not dist.is_initialized(), leaked)))
+    except (EOFError, KeyboardInterrupt):
+        pass
+    except BaseException:
+        with contextlib.suppress(Exception):
+            conn.send(("error", traceback.format_exc()))
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+class RankPool:
+    """``world_size`` gloo ranks spawned once and kept: ``run(fn, *args)`` is ``run_ranks(fn,
+    world_size, *args)`` without the spawn, its imports and the process group's start.
+
+    Between calls each rank destroys the process groups the call created (but those made under
+    ``kept_groups()``), re-creates the default group if the call destroyed it on every rank, and
+    restores its environment variables, random streams (torch, random, numpy), torch's global
+    flags, the backend and kernel registries, the working directory and torch.compile's caches.
+    A call that raises on any rank, runs past its deadline, kills a rank, destroys the default
+    group on some ranks only, or replaces an attribute of torch.distributed or ulysses_sp that
+    it does not put back ends the pool (``restarts`` says why); the next call spawns it anew.
+    """
+
+    def __init__(self, world_size: int, *, collective_timeout: float = 60.0, threads_per_rank: int = 1):
+        self.world_size, self.collective_timeout, self.threads = world_size, collective_timeout, threads_per_rank
+        self.procs, self.conns, self.tmp = [], [], None
+        self.spawns, self.calls, self.restarts = 0, 0, []
+        """How often the ranks were spawned, how many calls ran, and why each pool was ended early."""
+        self._generation = 0
+
+    def _start(self, timeout: float) -> None:
+        ctx = mp.get_context("spawn")
+        self.tmp = tempfile.mkdtemp(prefix="usp-pool-")
+        self._generation = 0
+        for r in range(self.world_size):
+            parent, child = ctx.Pipe()
+            proc = ctx.Process(target=_pool_main, args=(r, self.world_size, self.tmp, child, self.collective_timeout, self.threads), daemon=True)
+            proc.start()
+            child.close()
+            self.procs.append(proc)
+            self.conns.append(parent)
+        self.spawns += 1
+        replies = self._collect(timeout, "starting")
+        if any(kind != "ready" for kind, _ in replies):
+            raise self._fail(replies, "starting")
+
+    def _collect(self, timeout: float, what: str) -> list:
+        """One reply per rank; on an error, a dead rank or the deadline the pool is ended and this raises."""
+        replies, deadline = [None] * self.world_size, time.monotonic() + timeout
+        waiting = dict(enumerate(self.conns))
+        while waiting:
+            left = deadline - time.monotonic()
+            ready = wait(list(waiting.values()) + [p.sentinel for p in self.procs], timeout=max(left, 0))
+            for r, conn in list(waiting.items()):
+                if conn in ready:
+                    try:
+                        replies[r] = conn.recv()
+                    except EOFError:
+                        replies[r] = ("error", f"exit code {self.procs[r].exitcode}")
+                    del waiting[r]
+            dead = [r for r in waiting if not self.procs[r].is_alive() and not self.conns[r].poll()]
+            for r in dead:
+                replies[r] = ("error", f"exit code {self.procs[r].exitcode}")
+                del waiting[r]
+            if any(reply and reply[0] == "error" for reply in replies) and waiting:
+                # the others may wait in a collective for the rank that failed: a moment for theirs, then stop
+                deadline = min(deadline, time.monotonic() + 2.0)
+            if waiting and time.monotonic() >= deadline:
+                if not any(reply and reply[0] == "error" for reply in replies):
+                    self.close(f"{what}: ranks {sorted(waiting)} still running after {timeout:.0f} s")
+                    raise RankFailure(f"ranks {sorted(waiting)} of {self.world_size} still running after {timeout:.0f} s (hang?)")
+                break
+        return replies
+
+    def _fail(self, replies: list, what: str) -> RankFailure:
+        errors = {r: reply[1] for r, reply in enumerate(replies) if reply and reply[0] == "error"}
+        self.close(f"{what}: raised on ranks {sorted(errors)}")
+        return RankFailure("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors.items()))
+
+    def run(self, fn, *args, timeout: float = 240.0) -> list:
+        """``[fn(rank, world_size, *args) for each rank]`` on the pool's ranks (spawned on first use)."""
+        if not self.procs:
+            self._start(timeout)
+        task = pickle.dumps((fn, args, self._generation))
+        for conn in self.conns:
+            conn.send_bytes(task)
+        self.calls += 1
+        name = getattr(fn, "__qualname__", repr(fn))
+        replies = self._collect(timeout, name)
+        if any(reply is None or reply[0] != "ok" for reply in replies):
+            raise self._fail(replies, name)
+        results, destroyed, leaked = zip(*(reply[1] for reply in replies))
+        if all(destroyed):
+            self._generation += 1
+        elif any(destroyed):
+            self.close(f"{name}: destroyed the default process group on ranks {[r for r, d in enumerate(destroyed) if d]} only")
+        if any(leaked):
+            self.close(f"{name}: left replaced {sorted(set().union(*leaked))}")
+        return [pickle.loads(r) for r in results]
+
+    def close(self, why: str | None = None) -> None:
+        """End the ranks (the next ``run`` spawns new ones); ``why`` is recorded in ``restarts``."""
+        if why:
+            self.restarts.append(why)
+        for conn in self.conns:
+            with contextlib.suppress(OSError):
+                conn.send_bytes(b"")
+        deadline = time.monotonic() + 5.0
+        for p in self.procs:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.is_alive():
+                p.kill()
+                p.join()
+        for conn in self.conns:
+            conn.close()
+        self.procs, self.conns = [], []
+        if self.tmp:
+            shutil.rmtree(self.tmp, ignore_errors=True)
+            self.tmp = None
