@@ -1,6 +1,8 @@
+import contextlib
 import itertools
 import queue
 import threading
+import time
 
 import pytest
 
@@ -46,6 +48,8 @@ class Ranks:
 
     def __init__(self, world: int):
         self.pool, self.done, self.queue, self.seq = RankPool(world), {}, queue.PriorityQueue(), itertools.count()
+        self.seconds, self.cpu = {}, 0.0
+        """Wall seconds of each call (a case by its name), and the CPU seconds of the ranks (read at close)."""
         self.thread = threading.Thread(target=self._serve, name=f"usp-pool-{world}", daemon=True)
         self.thread.start()
 
@@ -58,10 +62,12 @@ class Ranks:
             if fn is run_case and args[0] in self.done:
                 reply.put(self.done[args[0]])
                 continue
+            start = time.perf_counter()
             try:
                 got = self.pool.run(fn, *args, timeout=timeout)
             except Exception as e:  # noqa: BLE001 - handed to the test that waits for it
                 got = e
+            self.seconds[args[0] if fn is run_case else fn.__qualname__] = time.perf_counter() - start
             if fn is run_case:
                 self.done[args[0]] = got
             reply.put(got)
@@ -90,10 +96,19 @@ class Ranks:
     def close(self) -> None:
         self.queue.put((-1, -1, None))
         self.thread.join()
+        with contextlib.suppress(Exception):
+            import psutil
+
+            self.cpu = sum(sum(psutil.Process(p.pid).cpu_times()[:4]) for p in self.pool.procs)
         self.pool.close()
-        if self.pool.restarts:
-            print(f"\n[{self.pool.world_size}-rank pool] {self.pool.calls} calls, {self.pool.spawns} spawns; ended early: "
-                  + "; ".join(self.pool.restarts))
+
+    def summary(self) -> list[str]:
+        p = self.pool
+        lines = [f"{p.world_size} ranks: {p.calls} calls in {sum(self.seconds.values()):.0f} s, {p.spawns} spawn(s), "
+                 f"{self.cpu:.0f} CPU s in the last spawn's ranks"]
+        lines += [f"  ended early: {why}" for why in p.restarts]
+        slowest = sorted(self.seconds.items(), key=lambda kv: -kv[1])[:5]
+        return lines + [f"  {seconds:6.2f} s  {name}" for name, seconds in slowest]
 
 
 @pytest.fixture(scope="session")
@@ -114,6 +129,18 @@ def pool(request):
     yield get
     for ranks in made.values():
         ranks.close()
+    request.config.stash[POOLS] = [line for world in sorted(made) for line in made[world].summary()]
+
+
+POOLS = pytest.StashKey[list]()
+
+
+def pytest_terminal_summary(terminalreporter, config):
+    """Each pool's calls, spawns, restarts and slowest calls: where the multi-rank time went."""
+    if config.stash.get(POOLS, None):
+        terminalreporter.write_sep("=", "pools of ranks")
+        for line in config.stash[POOLS]:
+            terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="session")
