@@ -1,7 +1,7 @@
 """The main job on a real model directory and real files, on 2 ranks against one process:
 a DeepSpeed config with accumulation (exact), packing, bf16, eval, save-every then resume,
 and the Hugging Face export. A tiny Llama and a word-level tokenizer trained here stand in
-for a downloaded model; each group of ranks runs several jobs in one spawn."""
+for a downloaded model; each world size runs several jobs in one call on the session's pool of ranks."""
 
 import json
 import math
