@@ -20,7 +20,7 @@ def _train(rank, world, cfg):
 def run_ranks(pool):
     """``run_ranks(fn, world, *args)`` on the session's pool of ``world`` ranks (the jobs destroy their
     process group at the end; the pool makes a new one)."""
-    return lambda fn, world, *args: pool(world).run(fn, *args)
+    return lambda fn, world, *args: pool(world).run(fn, *args, timeout=600)
 
 
 @pytest.fixture(scope="module")

@@ -35,18 +35,21 @@ class RankFailure(AssertionError):
     pass
 
 
-def _rank_main(fn, rank: int, world_size: int, tmp: str, args, collective_timeout: float, threads: int) -> None:
+def _rank_setup(rank: int, world_size: int, threads: int) -> None:
     torch.set_num_threads(threads)
     # what torchrun sets; DeepSpeed, for one, insists on LOCAL_RANK
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
+
+
+def _init_group(tmp: str, store: str, rank: int, world_size: int, collective_timeout: float) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/{store}", rank=rank, world_size=world_size,
+                            timeout=datetime.timedelta(seconds=collective_timeout))
+
+
+def _rank_main(fn, rank: int, world_size: int, tmp: str, args, collective_timeout: float, threads: int) -> None:
+    _rank_setup(rank, world_size, threads)
     try:
-        dist.init_process_group(
-            "gloo",
-            init_method=f"file://{tmp}/store",
-            rank=rank,
-            world_size=world_size,
-            timeout=datetime.timedelta(seconds=collective_timeout),
-        )
+        _init_group(tmp, "store", rank, world_size, collective_timeout)
         result = fn(rank, world_size, *args)
         torch.save(result, os.path.join(tmp, f"{rank}.pt"))
         if dist.is_initialized():  # fn may have shut it down itself (the trainer does)
@@ -201,11 +204,6 @@ class _Baseline:
         return sorted(f"{m}.{k}" for (m, k), v in self.modules.items() if now.get((m, k), v) != v)
 
 
-def _init_group(tmp: str, generation: int, rank: int, world_size: int, collective_timeout: float) -> None:
-    dist.init_process_group("gloo", init_method=f"file://{tmp}/store{generation}", rank=rank, world_size=world_size,
-                            timeout=datetime.timedelta(seconds=collective_timeout))
-
-
 def _drop_groups(before: set) -> None:
     """Destroy the groups a call created, except those it kept."""
     from torch.distributed import distributed_c10d as c10d
@@ -220,11 +218,10 @@ def _drop_groups(before: set) -> None:
 
 
 def _pool_main(rank: int, world_size: int, tmp: str, conn, collective_timeout: float, threads: int) -> None:
-    torch.set_num_threads(threads)
+    _rank_setup(rank, world_size, threads)
     os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))  # no pool of compile workers per rank
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     try:
-        _init_group(tmp, 0, rank, world_size, collective_timeout)
+        _init_group(tmp, "store0", rank, world_size, collective_timeout)
         import ulysses_sp  # noqa: F401  (what every call uses, imported before the baseline is taken)
 
         baseline = _Baseline()
@@ -236,7 +233,7 @@ def _pool_main(rank: int, world_size: int, tmp: str, conn, collective_timeout: f
             fn, args, generation = pickle.loads(task)
             baseline.imported()
             if not dist.is_initialized():  # the previous call destroyed it (the main job does), on every rank
-                _init_group(tmp, generation, rank, world_size, collective_timeout)
+                _init_group(tmp, f"store{generation}", rank, world_size, collective_timeout)
             before = _group_names()
             try:
                 result = pickle.dumps(fn(rank, world_size, *args))
