@@ -9,6 +9,7 @@ expected values live in the tests.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
 import importlib.util
@@ -45,17 +46,49 @@ def case(name: str, worlds=WORLDS):
 
 
 class Env:
-    """What a case gets: this rank, the world size and cached topologies (kept by the pool across cases)."""
+    """What a case gets: this rank, the world size and cached topologies (kept by the pool across cases).
+
+    The topologies share their process groups: one per set of ranks, whatever the layout, SP size
+    or Ulysses degree. Each gloo group costs every member a thread that wakes every 10 ms, and on
+    2 cores a few hundred of them took a quarter of the suite's CPU time.
+    """
 
     def __init__(self, rank: int, world: int):
-        self.rank, self.world, self._topos = rank, world, {}
+        self.rank, self.world, self._topos, self._groups = rank, world, {}, {}
 
     def topo(self, sp_size=None, layout="zigzag", ulysses_degree=None):
-        key = (sp_size or self.world, layout, ulysses_degree)
+        sp = sp_size or self.world
+        key = (sp, layout, ulysses_degree or sp)
         if key not in self._topos or not _alive(self._topos[key]):
-            with kept_groups():
-                self._topos[key] = usp.init_sequence_parallel(key[0], layout=layout, ulysses_degree=ulysses_degree, timeout=60)
+            if not all(_alive(t) for t in self._topos.values()):  # a case destroyed groups: start afresh
+                self._topos.clear()
+                self._groups.clear()
+            usp.layout.check_layout(layout)
+            with kept_groups(), _reused_groups(self._groups):
+                made = usp.init_sequence_parallel(sp, ulysses_degree=key[2], layout=layout, timeout=60)
+            self._topos[key] = made
         return self._topos[key]
+
+
+@contextlib.contextmanager
+def _reused_groups(groups: dict):
+    """``dist.new_group`` gives the group already made for the same ranks (the same on every rank:
+    every rank makes the same calls in the same order)."""
+    import torch.distributed as dist
+
+    real = dist.new_group
+
+    def new_group(ranks, **kwargs):
+        key = tuple(ranks)
+        if key not in groups:
+            groups[key] = real(ranks, **kwargs)
+        return groups[key]
+
+    dist.new_group = new_group
+    try:
+        yield
+    finally:
+        dist.new_group = real
 
 
 def _alive(topo) -> bool:
@@ -777,6 +810,7 @@ def hybrid_degrees(env: Env) -> dict:
         result[ud] = {
             "new_groups": list(made),
             "own_groups": split.ulysses_group is topo.ulysses_group and split.ring_group is topo.ring_group,
+            "shared": {"ulysses is sp": topo.ulysses_group is topo.sp_group, "ring is dp": topo.ring_group is topo.dp_group},
             "ulysses": dist.get_process_group_ranks(split.ulysses_group),
             "ring": dist.get_process_group_ranks(split.ring_group),
         }

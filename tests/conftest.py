@@ -1,4 +1,3 @@
-import contextlib
 import itertools
 import queue
 import threading
@@ -48,8 +47,8 @@ class Ranks:
 
     def __init__(self, world: int):
         self.pool, self.done, self.queue, self.seq = RankPool(world), {}, queue.PriorityQueue(), itertools.count()
-        self.seconds, self.cpu = {}, 0.0
-        """Wall seconds of each call (a case by its name), and the CPU seconds of the ranks (read at close)."""
+        self.seconds, self.cpu = {}, {}
+        """Wall seconds, and the ranks' CPU seconds, of each call that returned (a case by its name)."""
         self.thread = threading.Thread(target=self._serve, name=f"usp-pool-{world}", daemon=True)
         self.thread.start()
 
@@ -67,7 +66,10 @@ class Ranks:
                 got = self.pool.run(fn, *args, timeout=timeout)
             except Exception as e:  # noqa: BLE001 - handed to the test that waits for it
                 got = e
-            self.seconds[args[0] if fn is run_case else fn.__qualname__] = time.perf_counter() - start
+            name = args[0] if fn is run_case else fn.__qualname__
+            self.seconds[name] = time.perf_counter() - start
+            if not isinstance(got, BaseException):
+                self.cpu[name] = self.pool.cpu
             if fn is run_case:
                 self.done[args[0]] = got
             reply.put(got)
@@ -96,19 +98,15 @@ class Ranks:
     def close(self) -> None:
         self.queue.put((-1, -1, None))
         self.thread.join()
-        with contextlib.suppress(Exception):
-            import psutil
-
-            self.cpu = sum(sum(psutil.Process(p.pid).cpu_times()[:4]) for p in self.pool.procs)
         self.pool.close()
 
     def summary(self) -> list[str]:
         p = self.pool
         lines = [f"{p.world_size} ranks: {p.calls} calls in {sum(self.seconds.values()):.0f} s, {p.spawns} spawn(s), "
-                 f"{self.cpu:.0f} CPU s in the last spawn's ranks"]
+                 f"{sum(self.cpu.values()):.0f} CPU s in the calls (every rank)"]
         lines += [f"  ended early: {why}" for why in p.restarts]
-        slowest = sorted(self.seconds.items(), key=lambda kv: -kv[1])[:5]
-        return lines + [f"  {seconds:6.2f} s  {name}" for name, seconds in slowest]
+        costliest = sorted(self.cpu.items(), key=lambda kv: -kv[1])[:8]
+        return lines + [f"  {cpu:6.1f} CPU s {self.seconds[name]:6.1f} s  {name}" for name, cpu in costliest]
 
 
 @pytest.fixture(scope="session")

@@ -26,12 +26,13 @@ def test_groups_are_blocks_of_consecutive_ranks(ranks, world):
 
 def test_hybrid_groups_of_every_degree_are_made_once(ranks):
     """4 ranks: ulysses_degree=2 creates SP (1), DP (4), Ulysses (2) and ring (2) groups and
-    hybrid-u2 runs on the topology's own; the default degree 4 adds U=2's 2 + 2 groups once."""
+    hybrid-u2 runs on the topology's own; the default degree 4 adds U=2's 2 + 2 groups once, and
+    on gloo its Ulysses group is the SP group and its ring groups the one-rank DP groups, not new ones."""
     for rank, got in enumerate(values(ranks(4), "topology/hybrid-degrees")):
         own = [[0, 1, 2, 3], [0], [1], [2], [3], [0, 1], [2, 3], [0, 2], [1, 3]]
         assert got[2]["new_groups"] == own and got[2]["own_groups"]
-        assert got[4]["new_groups"] == [[0, 1, 2, 3], [0], [1], [2], [3], [0, 1, 2, 3], [0], [1], [2], [3], [0, 1], [2, 3], [0, 2], [1, 3]]
-        assert not got[4]["own_groups"]
+        assert got[4]["new_groups"] == own and not got[4]["own_groups"]
+        assert got[4]["shared"] == {"ulysses is sp": True, "ring is dp": True}
         for ud in (2, 4):
             assert got[ud]["ulysses"] == [rank // 2 * 2, rank // 2 * 2 + 1] and got[ud]["ring"] == [rank % 2, rank % 2 + 2]
         assert got["err"] < 1e-10

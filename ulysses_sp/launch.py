@@ -14,6 +14,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import gc
 import os
 import pickle
 import random
@@ -205,16 +206,21 @@ class _Baseline:
 
 
 def _drop_groups(before: set) -> None:
-    """Destroy the groups a call created, except those it kept."""
+    """Destroy the groups a call created, except those it kept, and collect them: a gloo group's
+    thread, which wakes every 10 ms, lives on while anything refers to the group, and a
+    reference cycle keeps it until the next garbage collection."""
     from torch.distributed import distributed_c10d as c10d
 
-    if not dist.is_initialized():
+    now = _group_names()
+    if dist.is_initialized():
+        by_name = {name: pg for pg, name in list(c10d._world.pg_names.items())}
+        for name in now - before - _KEPT:
+            if by_name[name] is not c10d.GroupMember.WORLD:
+                dist.destroy_process_group(by_name[name])
+    else:
         _KEPT.clear()
-        return
-    by_name = {name: pg for pg, name in list(c10d._world.pg_names.items())}
-    for name in _group_names() - before - _KEPT:
-        if by_name[name] is not c10d.GroupMember.WORLD:
-            dist.destroy_process_group(by_name[name])
+    if now != before:
+        gc.collect()
 
 
 def _pool_main(rank: int, world_size: int, tmp: str, conn, collective_timeout: float, threads: int) -> None:
@@ -234,7 +240,7 @@ def _pool_main(rank: int, world_size: int, tmp: str, conn, collective_timeout: f
             baseline.imported()
             if not dist.is_initialized():  # the previous call destroyed it (the main job does), on every rank
                 _init_group(tmp, f"store{generation}", rank, world_size, collective_timeout)
-            before = _group_names()
+            before, cpu = _group_names(), time.process_time()
             try:
                 result = pickle.dumps(fn(rank, world_size, *args))
             except BaseException:
@@ -242,7 +248,7 @@ def _pool_main(rank: int, world_size: int, tmp: str, conn, collective_timeout: f
                 continue  # the parent ends the pool: other ranks may be stuck in a collective
             _drop_groups(before)
             leaked = baseline.restore()
-            conn.send(("ok", (result, not dist.is_initialized(), leaked)))
+            conn.send(("ok", (result, not dist.is_initialized(), leaked, time.process_time() - cpu)))
     except (EOFError, KeyboardInterrupt):
         pass
     except BaseException:
@@ -270,8 +276,9 @@ class RankPool:
     def __init__(self, world_size: int, *, collective_timeout: float = 60.0, threads_per_rank: int = 1):
         self.world_size, self.collective_timeout, self.threads = world_size, collective_timeout, threads_per_rank
         self.procs, self.conns, self.tmp = [], [], None
-        self.spawns, self.calls, self.restarts = 0, 0, []
-        """How often the ranks were spawned, how many calls ran, and why each pool was ended early."""
+        self.spawns, self.calls, self.restarts, self.cpu = 0, 0, [], 0.0
+        """How often the ranks were spawned, how many calls ran, why each pool was ended early, and the
+        CPU seconds the ranks spent in the last call that returned (user and system, every rank)."""
         self._generation = 0
 
     def _start(self, timeout: float) -> None:
@@ -335,7 +342,8 @@ class RankPool:
         replies = self._collect(timeout, name)
         if any(reply is None or reply[0] != "ok" for reply in replies):
             raise self._fail(replies, name)
-        results, destroyed, leaked = zip(*(reply[1] for reply in replies))
+        results, destroyed, leaked, cpu = zip(*(reply[1] for reply in replies))
+        self.cpu = sum(cpu)
         if all(destroyed):
             self._generation += 1
         elif any(destroyed):

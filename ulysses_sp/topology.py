@@ -56,7 +56,8 @@ class Topology:
     rank and degree), NCCL creates a group's communicator at its first collective, so an
     unused degree costs a Python object and no connections. With the default
     ``ulysses_degree = P``, P = 8 adds 12 groups per SP group and 8 gloo peers per rank,
-    P = 64 adds 124 groups and 114 peers.
+    P = 64 adds 124 groups and 114 peers. On gloo, roles with the same ranks share one group
+    (at the default degree the Ulysses group is the SP group; one-rank groups are one).
     """
 
     rank: int
@@ -206,11 +207,22 @@ def _device_for_backend() -> torch.device:
     return torch.device("cpu")
 
 
-def _my_group(rank_lists: list[list[int]], rank: int, timeout: datetime.timedelta):
-    """Create every group of ``rank_lists`` (collectively) and return this rank's one."""
+def _my_group(rank_lists: list[list[int]], rank: int, timeout: datetime.timedelta, made: dict | None = None):
+    """Create every group of ``rank_lists`` (collectively) and return this rank's one. ``made``
+    (gloo) maps the rank lists already created to their groups, which are reused: gloo connects a
+    group's members at creation and gives each group a thread that wakes every 10 ms, so the
+    roles that coincide (the Ulysses group at ``ulysses_degree = sp_size`` is the SP group, the
+    one-rank groups of each rank are one) share a group. NCCL creates communicators when first
+    used, so there each role keeps its own group, and its own stream."""
     mine = None
     for ranks in rank_lists:
-        group = dist.new_group(ranks, timeout=timeout)
+        key = tuple(ranks)
+        if made is not None and key in made:
+            group = made[key]
+        else:
+            group = dist.new_group(ranks, timeout=timeout)
+            if made is not None:
+                made[key] = group
         if rank in ranks:
             mine = group
     return mine
@@ -265,14 +277,16 @@ def init_sequence_parallel(
     ulysses_lists, ring_lists = _split_lists(sp_lists, ulysses_degree)
 
     sp_rank = rank % sp_size
-    sp_group = _my_group(sp_lists, rank, timeout)
-    dp_group = _my_group(dp_lists, rank, timeout)
-    ulysses_group = _my_group(ulysses_lists, rank, timeout)
-    ring_group = _my_group(ring_lists, rank, timeout)
+    made = {} if "gloo" in str(dist.get_backend()).lower() else None
+    sp_group = _my_group(sp_lists, rank, timeout, made)
+    dp_group = _my_group(dp_lists, rank, timeout, made)
+    ulysses_group = _my_group(ulysses_lists, rank, timeout, made)
+    ring_group = _my_group(ring_lists, rank, timeout, made)
     hybrid = {}
     for u in _other_degrees(sp_size, ulysses_degree):  # the same order on every rank: new_group is collective
         u_lists, r_lists = _split_lists(sp_lists, u)
-        hybrid[u] = HybridGroups(_my_group(u_lists, rank, timeout), sp_rank % u, u, _my_group(r_lists, rank, timeout), sp_rank // u, sp_size // u)
+        hybrid[u] = HybridGroups(_my_group(u_lists, rank, timeout, made), sp_rank % u, u, _my_group(r_lists, rank, timeout, made),
+                                 sp_rank // u, sp_size // u)
     return Topology(
         rank=rank,
         world_size=world_size,
