@@ -137,8 +137,9 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     KV cache off (training and evaluation, not generation).
 
     ``mixer`` is the strategy for hybrid models' other token mixers (Gated DeltaNet, Mamba2,
-    short convolutions: :mod:`ulysses_sp.mixers`; ``auto``, ``allgather``, or ``none``). A model
-    with a token mixer that SP does not cover (attention computed in the model's own code,
+    short convolutions: :mod:`ulysses_sp.mixers`; ``auto``, ``allgather``, or ``none``). An image-,
+    video- or audio-text model (its ``forward`` takes ``pixel_values``, ``input_features``, ...) is
+    refused by name. A model with a token mixer that SP does not cover (attention computed in the model's own code,
     ALiBi, a mixer with ``mixer="none"``, non-attention ``layer_types`` without a mixer module,
     positions numbered inside the model) is refused with a ``ValueError`` naming each module
     (:mod:`ulysses_sp.integrations.coverage`);
@@ -151,6 +152,7 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     ``"offload"`` (also keep each checkpointed layer input in pinned host memory on CUDA; the
     counters are in ``ulysses_sp.tiling.offload_store(model)``). See :mod:`ulysses_sp.tiling`.
     """
+    coverage.check_text_only(model)
     mixers.install_mixers(model, topo, mixer)
     try:
         coverage.check_coverage(model)
