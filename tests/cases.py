@@ -49,8 +49,8 @@ class Env:
     """What a case gets: this rank, the world size and cached topologies (kept by the pool across cases).
 
     The topologies share their process groups: one per set of ranks, whatever the layout, SP size
-    or Ulysses degree. Each gloo group costs every member a thread that wakes every 10 ms, and on
-    2 cores a few hundred of them took a quarter of the suite's CPU time.
+    or Ulysses degree. Each gloo group costs every member a thread that wakes every 10 ms even when
+    idle (50 idle groups: 3.8% of a core here), and the ranks held up to 51 groups each before.
     """
 
     def __init__(self, rank: int, world: int):
