@@ -187,9 +187,10 @@ def compiled_models(env) -> dict:
     from .hf_trainer_cases import model_for
 
     torch._dynamo.reset()
-    ids = torch.randint(0, 64, (1, 48), generator=generator("compile-model/"))
+    seq = 24 * env.world  # the same shard shapes at every P: the compiled kernels are the same, built once
+    ids = torch.randint(0, 64, (1, seq), generator=generator("compile-model/"))
     whole = {"input_ids": ids, "labels": ids}
-    packed = {**whole, "position_ids": torch.cat([torch.arange(20), torch.arange(28)])[None]}
+    packed = {**whole, "position_ids": torch.cat([torch.arange(20), torch.arange(seq - 20)])[None]}
     runs = {"llama-packed-stack": (model_for({"family": "llama"}), packed, dict(backend="ring", checkpoint="layers", tiled_mlp=8)),
             "gemma2": (tiny_model("gemma2"), whole, {}),
             "qwen3_5": (model_for({"family": "qwen3_5"}), whole, {})}

@@ -113,7 +113,9 @@ class Ranks:
 def pool(request):
     """``pool(world)``: the session's ``Ranks`` of ``world`` gloo ranks, spawned on first use and kept
     for every test after (``pool(world).run(fn, *args)`` is ``run_ranks(fn, world, *args)``). When the
-    session runs the whole suite, every world's cases start in the background at once."""
+    session runs the whole suite, every world's cases start in the background at once; a compile
+    case queues last on its larger worlds, so that it finds the kernels its smallest world built in
+    Inductor's cache (their shards have the same shapes) rather than compiling them beside it."""
     made = {}
 
     def get(world: int) -> Ranks:
@@ -123,7 +125,8 @@ def pool(request):
 
     if request.config.stash.get(WHOLE, False):
         for world in WORLDS:
-            get(world).prefetch(name for name, (_, worlds) in CASES.items() if world in worlds)
+            get(world).prefetch(sorted((name for name, (_, worlds) in CASES.items() if world in worlds),
+                                       key=lambda name: name.startswith("compile") and world != min(CASES[name][1])))
     yield get
     for ranks in made.values():
         ranks.close()

@@ -13,7 +13,15 @@ import torch
 def reference_attention(q, k, v, *, causal=True, scale=None, cu_seqlens=None, diagonal=0, window=None, softcap=0.0):
     """q, k, v: full sequences [B, S, H, D]. ``diagonal`` shifts the causal mask
     (tests use it to show a wrong mask is caught); ``window``: query i sees keys
-    i - window < j <= i; ``softcap``: scores become softcap * tanh(scores / softcap)."""
+    i - window < j <= i; ``softcap``: scores become softcap * tanh(scores / softcap).
+    Packed documents (``cu_seqlens``) attend within themselves: each is computed on its own,
+    which is the block-diagonal mask without the S x S scores of a row of a thousand documents."""
+    if cu_seqlens is not None:
+        bounds = [int(x) for x in cu_seqlens]
+        if bounds[0] != 0 or bounds[-1] != q.shape[1] or any(a > b for a, b in zip(bounds, bounds[1:])):
+            raise ValueError(f"cu_seqlens {bounds} do not cover the {q.shape[1]} tokens in order")
+        options = dict(causal=causal, scale=scale, diagonal=diagonal, window=window, softcap=softcap)
+        return torch.cat([reference_attention(q[:, a:b], k[:, a:b], v[:, a:b], **options) for a, b in zip(bounds, bounds[1:])], dim=1)
     b, s, hq, d = q.shape
     scale = 1.0 / math.sqrt(d) if scale is None else scale
     groups = hq // k.shape[2]
@@ -26,10 +34,5 @@ def reference_attention(q, k, v, *, causal=True, scale=None, cu_seqlens=None, di
         allowed = allowed.tril(diagonal)
     if window is not None:
         allowed = allowed & torch.ones(s, s, dtype=torch.bool).triu(1 - window)
-    if cu_seqlens is not None:
-        doc = torch.zeros(s, dtype=torch.long)
-        for i, (start, end) in enumerate(zip(cu_seqlens[:-1], cu_seqlens[1:])):
-            doc[start:end] = i
-        allowed = allowed & (doc[:, None] == doc[None, :])
     scores = scores.masked_fill(~allowed, float("-inf"))
     return torch.einsum("bhqk,bkhd->bqhd", scores.softmax(-1), v)
