@@ -32,6 +32,10 @@ QUICK = pytest.StashKey[dict]()
 WHOLE = pytest.StashKey[bool]()
 """Whether the session runs the whole suite (no file, node, ``-k`` or ``-m`` chosen): then every case will be asked for."""
 
+PRELOAD = ("torch", "ulysses_sp", "transformers", "deepspeed", "tests.cases")
+"""What the pools' fork server imports once (the ranks are forked from it: 0.02 CPU s a rank, not
+the 5 s of a spawned rank's imports); one missing is skipped by the server."""
+
 CASE_TIMEOUT = 600.0
 """Seconds one case may take on its pool (the slowest, compile-model/ at P=3, took 152 s in a fresh clone beside the rest of the suite); past it the pool is ended."""
 
@@ -46,7 +50,7 @@ class Ranks:
     """
 
     def __init__(self, world: int):
-        self.pool, self.done, self.queue, self.seq = RankPool(world), {}, queue.PriorityQueue(), itertools.count()
+        self.pool, self.done, self.queue, self.seq = RankPool(world, preload=PRELOAD), {}, queue.PriorityQueue(), itertools.count()
         self.seconds, self.cpu = {}, {}
         """Wall seconds, and the ranks' CPU seconds, of each call that returned (a case by its name)."""
         self.thread = threading.Thread(target=self._serve, name=f"usp-pool-{world}", daemon=True)

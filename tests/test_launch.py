@@ -108,7 +108,9 @@ def test_the_pool_resets_what_a_call_leaves_and_starts_anew_when_it_cannot():
     a destroyed default group, a failing rank and a stalled one are each handled as documented."""
     from ulysses_sp.launch import RankFailure, RankPool
 
-    pool = RankPool(2)
+    from .conftest import PRELOAD
+
+    pool = RankPool(2, preload=PRELOAD)
     try:
         clean = pool.run(_state)
         leaked = pool.run(_plant)

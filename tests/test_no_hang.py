@@ -21,6 +21,8 @@ import torch.distributed as dist
 import ulysses_sp as usp
 from ulysses_sp import comm
 
+from .conftest import PRELOAD
+
 TIMEOUT = 30.0
 """Seconds every collective of the group may take; survivors must fail well within it."""
 VICTIM = 1
@@ -76,7 +78,7 @@ def _rank(rank: int, world: int, tmp: str, backend: str, phase: str, stall: bool
 
 def _kill_one(world: int, backend: str, phase: str, tmp: str, stall: bool = False) -> dict:
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["torch", "ulysses_sp"])  # read when the server starts (the first call)
+    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts: the pools' one if they started it
     procs = [ctx.Process(target=_rank, args=(r, world, tmp, backend, phase, stall)) for r in range(world)]
     for p in procs:
         p.start()

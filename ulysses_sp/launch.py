@@ -261,8 +261,10 @@ def _pool_main(rank: int, world_size: int, tmp: str, conn, collective_timeout: f
 
 
 class RankPool:
-    """``world_size`` gloo ranks spawned once and kept: ``run(fn, *args)`` is ``run_ranks(fn,
-    world_size, *args)`` without the spawn, its imports and the process group's start.
+    """``world_size`` gloo ranks started once and kept: ``run(fn, *args)`` is ``run_ranks(fn,
+    world_size, *args)`` without the spawn, its imports and the process group's start. The ranks
+    are forked from Python's fork server (never from the caller, whose other threads may hold a
+    lock at the fork), so they start with the environment the server started with.
 
     Between calls each rank destroys the process groups the call created (but those made under
     ``kept_groups()``), re-creates the default group if the call destroyed it on every rank, and
@@ -273,8 +275,12 @@ class RankPool:
     it does not put back ends the pool (``restarts`` says why); the next call spawns it anew.
     """
 
-    def __init__(self, world_size: int, *, collective_timeout: float = 60.0, threads_per_rank: int = 1):
-        self.world_size, self.collective_timeout, self.threads = world_size, collective_timeout, threads_per_rank
+    def __init__(self, world_size: int, *, collective_timeout: float = 60.0, threads_per_rank: int = 1,
+                 preload: tuple[str, ...] = ("torch", "ulysses_sp")):
+        """The ranks are forked from a fork server that imported ``preload`` once (a spawned rank
+        imports them itself: seconds each). Python keeps one fork server per process, and reads
+        the list when it starts it (a module it cannot import is skipped)."""
+        self.world_size, self.collective_timeout, self.threads, self.preload = world_size, collective_timeout, threads_per_rank, preload
         self.procs, self.conns, self.tmp = [], [], None
         self.spawns, self.calls, self.restarts, self.cpu = 0, 0, [], 0.0
         """How often the ranks were spawned, how many calls ran, why each pool was ended early, and the
@@ -282,7 +288,8 @@ class RankPool:
         self._generation = 0
 
     def _start(self, timeout: float) -> None:
-        ctx = mp.get_context("spawn")
+        ctx = mp.get_context("forkserver")
+        ctx.set_forkserver_preload(list(self.preload))
         self.tmp = tempfile.mkdtemp(prefix="usp-pool-")
         self._generation = 0
         for r in range(self.world_size):
