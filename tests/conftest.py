@@ -115,7 +115,7 @@ class Ranks:
 
 @pytest.fixture(scope="session")
 def pool(request):
-    """``pool(world)``: the session's ``Ranks`` of ``world`` gloo ranks, spawned on first use and kept
+    """``pool(world)``: the session's ``Ranks`` of ``world`` gloo ranks, started on first use and kept
     for every test after (``pool(world).run(fn, *args)`` is ``run_ranks(fn, world, *args)``). When the
     session runs the whole suite, every world's cases start in the background at once; a compile
     case queues last on its larger worlds, so that it finds the kernels its smallest world built in

@@ -272,14 +272,14 @@ class RankPool:
     flags, the backend and kernel registries, the working directory and torch.compile's caches.
     A call that raises on any rank, runs past its deadline, kills a rank, destroys the default
     group on some ranks only, or replaces an attribute of torch.distributed or ulysses_sp that
-    it does not put back ends the pool (``restarts`` says why); the next call spawns it anew.
+    it does not put back ends the pool (``restarts`` says why); the next call starts it anew.
     """
 
     def __init__(self, world_size: int, *, collective_timeout: float = 60.0, threads_per_rank: int = 1,
                  preload: tuple[str, ...] = ("torch", "ulysses_sp")):
-        """The ranks are forked from a fork server that imported ``preload`` once (a spawned rank
-        imports them itself: seconds each). Python keeps one fork server per process, and reads
-        the list when it starts it (a module it cannot import is skipped)."""
+        """``preload``: what the fork server imports once (a spawned rank imports it itself: seconds
+        each). Python keeps one fork server per process and reads the list when it starts it; a
+        module it cannot import is skipped."""
         self.world_size, self.collective_timeout, self.threads, self.preload = world_size, collective_timeout, threads_per_rank, preload
         self.procs, self.conns, self.tmp = [], [], None
         self.spawns, self.calls, self.restarts, self.cpu = 0, 0, [], 0.0
