@@ -23,10 +23,20 @@ __all__ = ["SequenceParallelMPU", "gradient_scale", "DistributedAttention", "use
 
 
 def use_cpu_accelerator_if_needed() -> None:
-    """Without CUDA, tell DeepSpeed to use its CPU accelerator (it then falls back to gloo).
-    Call before importing deepspeed."""
-    if not torch.cuda.is_available():
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    """Without CUDA, tell DeepSpeed to use its CPU accelerator (it then falls back to gloo), and
+    not to build its shared-memory all-reduce. Call before DeepSpeed starts its communication.
+
+    The CPU accelerator's communication backend compiles that op with g++ on first use (30 s
+    alone here, 140 s beside other work; again for every new install path) in
+    ``~/.cache/torch_extensions`` under a lock file; a rank killed mid-build leaves the lock, and
+    every later DeepSpeed start on the machine waits on it forever. Only DeepSpeed's inference
+    all-reduce uses the op, so training loses nothing without it."""
+    if torch.cuda.is_available():
+        return
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    import deepspeed.ops
+
+    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # the dict DeepSpeed reads (it persists edits)
 
 
 class SequenceParallelMPU:
