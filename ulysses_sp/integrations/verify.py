@@ -93,13 +93,14 @@ def _decoder_layers(model, n: int) -> list:
 
 _MAMBA_HEADS = (("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim"), ("n_mamba_heads", "mamba_headdim"), ("num_heads", "head_dim"))
 _MAMBA_GROUPS = ("mamba_n_groups", "mamba_ngroups", "n_groups")
+_MAMBA_STATES = ("mamba_d_state", "state_size", "ssm_state_size")  # Nemotron-H's is ssm_state_size
 
 
 def _shrink_mamba(small, put) -> None:
     """Mamba2 mixers: 4 heads whose dims fill ``mamba_expand * hidden_size`` (the width the mixer
     projects to), a state of at most 16."""
     hidden, expand = getattr(small, "hidden_size", None), getattr(small, "mamba_expand", getattr(small, "expand", None))
-    if not isinstance(getattr(small, "mamba_d_state", getattr(small, "state_size", None)), int):
+    if not any(isinstance(getattr(small, name, None), int) for name in _MAMBA_STATES):
         return  # not a Mamba config
     for heads_name, dim_name in _MAMBA_HEADS:
         heads = getattr(small, heads_name, None)
@@ -111,7 +112,7 @@ def _shrink_mamba(small, put) -> None:
             put(dim_name, expand * hidden // heads if isinstance(expand, int) and isinstance(hidden, int) else 8)
             if isinstance(getattr(small, "mamba_d_ssm", None), int):
                 put("mamba_d_ssm", heads * getattr(small, dim_name))
-    for name in ("mamba_d_state", "state_size"):
+    for name in _MAMBA_STATES:
         if isinstance(getattr(small, name, None), int) and getattr(small, name) > 16:
             put(name, 16)
     for name in _MAMBA_GROUPS:  # groups must divide the 4 heads
