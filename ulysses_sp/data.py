@@ -10,6 +10,8 @@ one SP group's ranks the same samples and different DP groups different ones.
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch.utils.data import DistributedSampler
@@ -32,6 +34,8 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
+_OTHER_INPUTS = re.compile(r"^pixel_|^image_|^video_")
+"""Batch keys of images and videos: ``pixel_values``, ``pixel_attention_mask``, ``image_grid_thw``, ``pixel_values_videos``, ..."""
 
 
 def shard_sequence(x: torch.Tensor, topo: Topology, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
@@ -105,7 +109,9 @@ def shard_batch(batch: dict, topo: Topology, *, pad_token_id: int = 0) -> dict:
     last token of each document get -100), and
     ``cu_seqlens`` (global, the same on every rank) when the input is packed, and
     always under the ``balanced`` layout, whose placement they carry (pass them to
-    :func:`gather_sequence`).
+    :func:`gather_sequence`). A batch with images or videos (``pixel_values``,
+    ``image_grid_thw``, ...) also gets ``multimodal``: what :func:`model_inputs` hands an
+    image-text model whole (see :mod:`ulysses_sp.integrations.multimodal`).
 
     The sequence is padded at the end to what the layout needs (ids with
     ``pad_token_id``, labels with -100, mask with 0; packed input gets the
@@ -146,7 +152,24 @@ def shard_batch(batch: dict, topo: Topology, *, pad_token_id: int = 0) -> dict:
     sharded = {k: shard_sequence(v, topo, cu_seqlens=None if cu_seqlens is None else cu_seqlens.tolist()) for k, v in out.items()}
     if cu_seqlens is not None:
         sharded["cu_seqlens"] = cu_seqlens
+    if any(_OTHER_INPUTS.search(k) for k in batch):
+        sharded["multimodal"] = _multimodal_inputs(batch, out["input_ids"], pad)
     return sharded
+
+
+def _multimodal_inputs(batch: dict, input_ids: torch.Tensor, pad) -> dict:
+    """What an image- or video-text model switched by ``apply_sequence_parallel`` takes whole: the padded
+    token ids, the images and videos (and their grids) as they are, and the other ``[B, S]`` inputs
+    (``mm_token_type_ids``, ...) padded with 0. Labels, positions and masks are ulysses_sp's."""
+    inputs = {"input_ids": input_ids}
+    for key, value in batch.items():
+        if key in ("input_ids", "labels", "position_ids", "attention_mask") or value is None:
+            continue
+        if _OTHER_INPUTS.search(key):
+            inputs[key] = value
+        elif isinstance(value, torch.Tensor) and value.shape == batch["input_ids"].shape:
+            inputs[key] = pad(value, 0)
+    return inputs
 
 
 def sp_cross_entropy(
@@ -185,8 +208,13 @@ def sp_cross_entropy(
 def model_inputs(local_batch: dict) -> dict:
     """The keyword arguments of a Hugging Face model switched with ``apply_sequence_parallel``
     for a :func:`shard_batch` result: ids, global position ids and, for packed input, the
-    document boundaries as ``cu_seq_lens_q``."""
-    inputs = {"input_ids": local_batch["input_ids"], "position_ids": local_batch.get("position_ids")}
+    document boundaries as ``cu_seq_lens_q``. For a batch with images or videos: the whole
+    token ids and the images (the model splits the sequence at its text decoder, where it
+    numbers the positions) and the boundaries."""
+    if "multimodal" in local_batch:
+        inputs = dict(local_batch["multimodal"])
+    else:
+        inputs = {"input_ids": local_batch["input_ids"], "position_ids": local_batch.get("position_ids")}
     if local_batch.get("cu_seqlens") is not None:
         inputs["cu_seq_lens_q"] = local_batch["cu_seqlens"]
     return inputs

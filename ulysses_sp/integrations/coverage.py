@@ -23,7 +23,7 @@ import re
 
 from torch import nn
 
-__all__ = ["Finding", "ATTENTION_LAYER_TYPES", "MIXER", "attention_modules", "find_uncovered", "check_coverage", "check_text_only", "other_modalities", "install_guards", "remove_guards"]
+__all__ = ["Finding", "ATTENTION_LAYER_TYPES", "MIXER", "attention_modules", "find_uncovered", "check_coverage", "other_modalities", "install_guards", "remove_guards"]
 
 ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
 """``config.layer_types`` entries that are softmax attention through the attention interface."""
@@ -199,27 +199,16 @@ def find_uncovered(model) -> list[Finding]:
     return sorted(found.values(), key=lambda f: (f.layer if f.layer is not None else -1, f.path))
 
 
-_OTHER_INPUTS = re.compile(r"pixel_values|^image_|^video_|^audio_|^input_features$|^input_values$")
-"""``forward`` parameters of inputs other than text: images, videos, audio features or waveforms."""
+_OTHER_INPUTS = re.compile(r"pixel_values|^image_|^video_|^audio_|^input_features$|^input_values$|^flattened_patches$|^protein_"
+                           r"|^mm_encoder_outputs$")
+"""``forward`` parameters of inputs other than text: images, videos, audio features or waveforms, Pix2Struct's
+patches, Evolla's proteins, or another modality's encoder outputs."""
 
 
 def other_modalities(model) -> list[str]:
     """The parameters of the model's ``forward`` that take inputs besides text (``pixel_values``,
     ``image_grid_thw``, ``input_features``, ...): empty for a text model."""
     return [n for n in inspect.signature(type(model).forward).parameters if _OTHER_INPUTS.search(n)]
-
-
-def check_text_only(model) -> None:
-    """Refuse an image-, video- or audio-text model by name: SP of such sequences is not built, and
-    switching one would run its vision tower's attention as the text decoder's and cut images at
-    shard boundaries (SmolVLM ran, with the loss off by a relative 1.04)."""
-    others = other_modalities(model)
-    if others:
-        raise ValueError(
-            f"{type(model).__name__} takes inputs besides text ({', '.join(others)}): sequence parallelism of image-, video- and "
-            "audio-text models is not supported by ulysses_sp yet; train its text model alone (built from its text config) "
-            "or without sequence parallelism"
-        )
 
 
 def check_coverage(model) -> None:

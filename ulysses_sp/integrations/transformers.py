@@ -22,7 +22,7 @@ from ..attention import SequenceParallelAttention
 from ..profile import Profile
 from ..topology import Topology
 from .. import tiling
-from . import coverage, mixers
+from . import coverage, mixers, multimodal
 
 __all__ = ["ATTN_IMPLEMENTATION", "apply_sequence_parallel", "chosen_backends", "remove_sequence_parallel", "sp_attention_forward"]
 
@@ -89,7 +89,25 @@ def _whole_sequence_attention(query, key, value, scaling, sliding_window, softca
                                    window=sliding_window, softcap=softcap or 0.0)
 
 
-def _no_mask(*args, config=None, use_vmap=False, **kwargs):
+def _mask_parts(fn, seen=None):
+    """The mask functions composed into ``fn``: transformers' ``or_masks`` / ``and_masks`` keep their
+    parts in their closures."""
+    seen = set() if seen is None else seen
+    if id(fn) in seen:
+        return
+    seen.add(id(fn))
+    yield fn
+    for cell in getattr(fn, "__closure__", None) or ():
+        try:
+            held = cell.cell_contents
+        except ValueError:  # an empty cell
+            continue
+        for part in held if isinstance(held, tuple) else (held,):
+            if callable(part):
+                yield from _mask_parts(part, seen)
+
+
+def _no_mask(*args, config=None, use_vmap=False, mask_function=None, **kwargs):
     """Masks are the backends' business: causal via the flag, sliding windows via the
     ``sliding_window`` kwarg of each layer, documents via cu_seqlens. transformers calls
     this for ``create_causal_mask`` and ``create_sliding_window_causal_mask`` alike, so no
@@ -99,6 +117,10 @@ def _no_mask(*args, config=None, use_vmap=False, **kwargs):
         raise ValueError(f"chunked attention (attention_chunk_size={config.attention_chunk_size}, Llama 4) is not supported by ulysses_sp")
     if use_vmap:  # transformers sets it exactly when an or_mask_function / and_mask_function overlays the mask
         raise ValueError("a mask overlay (or_mask_function / and_mask_function: bidirectional attention, image-token blocks) "
+                         "is not supported by ulysses_sp")
+    # block_sequence_ids (Gemma 3's and PaliGemma's image blocks, HRM's prefix-LM prefix) overlay without use_vmap
+    if mask_function is not None and any(getattr(f, "__qualname__", "").startswith("blockwise_overlay") for f in _mask_parts(mask_function)):
+        raise ValueError("a bidirectional block overlay (block_sequence_ids: image tokens or a prefix attending to each other both ways) "
                          "is not supported by ulysses_sp")
     return None
 
@@ -137,9 +159,11 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     KV cache off (training and evaluation, not generation).
 
     ``mixer`` is the strategy for hybrid models' other token mixers (Gated DeltaNet, Mamba2,
-    short convolutions: :mod:`ulysses_sp.mixers`; ``auto``, ``allgather``, or ``none``). An image-,
-    video- or audio-text model (its ``forward`` takes ``pixel_values``, ``input_features``, ...) is
-    refused by name. A model with a token mixer that SP does not cover (attention computed in the model's own code,
+    short convolutions: :mod:`ulysses_sp.mixers`; ``auto``, ``allgather``, or ``none``). Of an image-
+    or video-text model only the text decoder is switched, and the sequence is split at its input
+    (:mod:`ulysses_sp.integrations.multimodal`: pass it ``model_inputs(shard_batch(batch, topo))``,
+    the whole token ids and images) for the families ``multimodal.TESTED`` names; other image-text and
+    audio-text models are refused by name. A model with a token mixer that SP does not cover (attention computed in the model's own code,
     ALiBi, a mixer with ``mixer="none"``, non-attention ``layer_types`` without a mixer module,
     positions numbered inside the model) is refused with a ``ValueError`` naming each module
     (:mod:`ulysses_sp.integrations.coverage`);
@@ -152,7 +176,11 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     ``"offload"`` (also keep each checkpointed layer input in pinned host memory on CUDA; the
     counters are in ``ulysses_sp.tiling.offload_store(model)``). See :mod:`ulysses_sp.tiling`.
     """
-    coverage.check_text_only(model)
+    decoder = multimodal.decoder_to_switch(model)
+    if decoder is not None:
+        apply_sequence_parallel(decoder, topo, backend, profile, kernel, tiled_mlp, checkpoint, mixer)
+        multimodal.split_at_decoder(model, decoder, topo)
+        return model
     mixers.install_mixers(model, topo, mixer)
     try:
         coverage.check_coverage(model)
@@ -198,6 +226,9 @@ def chosen_backends(model) -> dict[int, list[str]]:
 
 def remove_sequence_parallel(model):
     """Undo :func:`apply_sequence_parallel` (e.g. to evaluate or generate on whole sequences)."""
+    if multimodal.unsplit(model):
+        remove_sequence_parallel(multimodal.text_decoder(model))
+        return model
     previous = model.__dict__.pop(_PREVIOUS, None)
     if previous is None:
         return model

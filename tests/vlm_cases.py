@@ -1,0 +1,258 @@
+"""Image-text models under SP (ulysses_sp/integrations/multimodal.py), inside the pool's ranks;
+assertions in tests/test_multimodal.py. Each case builds a tiny fp64 model of one family, a row of
+text with images (and, where the family has them, a video) placed so that one straddles a shard
+boundary at every P, and compares the loss and every gradient (vision tower included) with one
+process, which runs each packed document on its own."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import inspect
+
+import torch
+import torch.nn.functional as F
+
+import ulysses_sp as usp
+
+from .cases import Env, case
+
+IMAGE, VIDEO, START, END = 63, 62, 61, 60
+"""Placeholder ids of an image's and a video's tokens, and Qwen's vision start and end markers."""
+TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+            max_position_embeddings=512, tie_word_embeddings=False)
+TOKENS = 16
+"""Tokens per image (and per video) in every family here."""
+
+
+def _qwen2_vl():
+    import transformers
+
+    cfg = transformers.Qwen2VLConfig(
+        text_config=dict(TEXT, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
+                           temporal_patch_size=2),
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    return transformers.Qwen2VLForConditionalGeneration(cfg)
+
+
+def _qwen_visuals(kinds: list[str], g: torch.Generator) -> dict:
+    """Qwen's flattened patches: an image is 1 x 8 x 8 patches and a video 2 x 4 x 8 (two frame pairs),
+    16 tokens each after the 2 x 2 merge; each patch is 3 channels x 2 frames x 4 x 4 pixels."""
+    out: dict = {}
+    for kind in kinds:
+        grid = [1, 8, 8] if kind == "image" else [2, 4, 8]
+        key = "image" if kind == "image" else "video"
+        pixels = torch.randn(grid[0] * grid[1] * grid[2], 3 * 2 * 4 * 4, generator=g, dtype=torch.float64)
+        name = "pixel_values" if key == "image" else "pixel_values_videos"
+        out[name] = torch.cat([out[name], pixels]) if name in out else pixels
+        thw = torch.tensor([grid])
+        out[f"{key}_grid_thw"] = torch.cat([out[f"{key}_grid_thw"], thw]) if f"{key}_grid_thw" in out else thw
+    return out
+
+
+def _llava():
+    import transformers
+
+    cfg = transformers.LlavaConfig(
+        text_config=dict(TEXT, model_type="llama"),
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=32, patch_size=8, projection_dim=32),
+        image_token_id=IMAGE, projector_hidden_act="gelu", vision_feature_layer=-1)
+    return transformers.LlavaForConditionalGeneration(cfg)
+
+
+def _llava_visuals(kinds: list[str], g: torch.Generator) -> dict:
+    """CLIP at 32 x 32 pixels in 8 x 8 patches: 16 tokens (the class token dropped)."""
+    return {"pixel_values": torch.randn(len(kinds), 3, 32, 32, generator=g, dtype=torch.float64)} if kinds else {}
+
+
+def _qwen_vision(**extra) -> dict:
+    return dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size=32, patch_size=4, spatial_merge_size=2,
+                temporal_patch_size=2, **extra)
+
+
+def _qwen2_5_vl():
+    import transformers
+
+    cfg = transformers.Qwen2_5_VLConfig(
+        text_config=dict(TEXT, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
+        vision_config=_qwen_vision(window_size=16, fullatt_block_indexes=[1]),  # windows of 2 x 2 merged patches, then a full block
+        image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    return transformers.Qwen2_5_VLForConditionalGeneration(cfg)
+
+
+def _qwen3_vl(moe: bool = False):
+    import transformers
+
+    text = dict(TEXT, head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                                   "mrope_interleaved": True})
+    if moe:
+        text.update(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1)
+    config, model = ((transformers.Qwen3VLMoeConfig, transformers.Qwen3VLMoeForConditionalGeneration) if moe
+                     else (transformers.Qwen3VLConfig, transformers.Qwen3VLForConditionalGeneration))
+    cfg = config(text_config=text, vision_config=_qwen_vision(num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
+                 image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
+    return model._from_config(cfg, experts_implementation="eager") if moe else model(cfg)  # grouped_mm takes no fp64
+
+
+def _smolvlm():
+    import transformers
+
+    cfg = transformers.SmolVLMConfig(
+        text_config=dict(TEXT, model_type="llama"), image_token_id=IMAGE, scale_factor=2,
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=8))
+    return transformers.SmolVLMForConditionalGeneration(cfg)
+
+
+def _smolvlm_visuals(kinds: list[str], g: torch.Generator) -> dict:
+    """64 x 64 pixels in 8 x 8 patches, 4 patches a token (pixel shuffle): 16 tokens; the images of a row in one [1, N, ...]."""
+    return {"pixel_values": torch.randn(1, len(kinds), 3, 64, 64, generator=g, dtype=torch.float64)} if kinds else {}
+
+
+FAMILIES = {
+    "qwen2_vl": (_qwen2_vl, _qwen_visuals, "whole"),
+    "qwen2_5_vl": (_qwen2_5_vl, _qwen_visuals, "whole"),
+    "qwen3_vl": (_qwen3_vl, _qwen_visuals, "frames"),
+    "qwen3_vl_moe": (lambda: _qwen3_vl(moe=True), _qwen_visuals, "frames"),
+    "llava": (_llava, _llava_visuals, None),
+    "smolvlm": (_smolvlm, _smolvlm_visuals, None),
+}
+"""name: (tiny model, the visual inputs of a list of "image"/"video", its videos: None, "whole" (one run of
+tokens) or "frames" (Qwen3-VL: each frame its own run, after a timestamp))."""
+
+
+def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator) -> list[tuple[list[int], list[str]]]:
+    """Token ids and visuals (in order) of each document. Unpacked: one document of 24 P tokens, so
+    that a zigzag chunk is 12 tokens and the first image (tokens 2 to 17) straddles its end.
+    Packed: three documents of 23, 7 and 47 tokens, the middle one without an image."""
+    def text(n):
+        return torch.randint(0, END, (n,), generator=g).tolist()
+
+    def visual(kind):
+        if kind == "video" and videos == "frames":
+            return [START] + [VIDEO] * (TOKENS // 2) + [END] + text(1) + [START] + [VIDEO] * (TOKENS // 2) + [END]
+        return [START] + [IMAGE if kind == "image" else VIDEO] * TOKENS + [END]
+
+    second = "video" if videos else "image"
+    if not packed:
+        ids = text(1) + visual("image") + text(6) + visual(second)
+        return [(ids + text(24 * world - len(ids)), ["image", second])]
+    return [(text(1) + visual("image") + text(4), ["image"]),
+            (text(7), []),
+            (text(3) + visual(second) + text(6) + visual("image") + text(2), [second, "image"])]
+
+
+def _inputs(ids: list[int], kinds: list[str], visuals, g_state) -> dict:
+    g = torch.Generator()
+    g.set_state(g_state)
+    input_ids = torch.tensor([ids])
+    out = {"input_ids": input_ids, **visuals(kinds, g)}
+    out["mm_token_type_ids"] = (input_ids == IMAGE).int() + 2 * (input_ids == VIDEO).int()
+    return out
+
+
+def _labels(input_ids: torch.Tensor) -> torch.Tensor:
+    return input_ids.masked_fill((input_ids == IMAGE) | (input_ids == VIDEO), -100)
+
+
+def _takes_token_types(model) -> bool:
+    return "mm_token_type_ids" in inspect.signature(type(model).forward).parameters
+
+
+@contextlib.contextmanager
+def _decoder_positions(model):
+    """The position ids each call of the text decoder gets (after ulysses_sp's split: its hook runs first)."""
+    from ulysses_sp.integrations.multimodal import text_decoder
+
+    seen = []
+
+    def record(decoder, args, kwargs):
+        pos = kwargs.get("position_ids")
+        seen.append(pos if pos is not None else torch.arange(kwargs["inputs_embeds"].shape[1])[None])
+
+    handle = text_decoder(model).register_forward_pre_hook(record, with_kwargs=True)
+    try:
+        yield seen
+    finally:
+        handle.remove()
+
+
+def _one_process(model, docs, visuals, states) -> tuple[torch.Tensor, torch.Tensor]:
+    """The loss of every document computed on its own (summed token losses over all targets), and
+    the positions its text decoder got, end to end."""
+    total, count, positions = 0, 0, []
+    for (ids, kinds), state in zip(docs, states):
+        inputs = _inputs(ids, kinds, visuals, state)
+        if not _takes_token_types(model):
+            inputs.pop("mm_token_type_ids")
+        with _decoder_positions(model) as seen:
+            logits = model(**inputs).logits
+        targets = F.pad(_labels(inputs["input_ids"])[:, 1:], (0, 1), value=-100)
+        total = total + F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
+        count += int((targets != -100).sum())
+        positions.append(seen[0])
+    axes = max(p.shape[0] if p.dim() == 3 else 0 for p in positions)  # a text-only document's positions are [B, S]
+    return total / count, torch.cat([p.expand(axes, *p.shape) if axes and p.dim() == 2 else p for p in positions], dim=-1)
+
+
+def vlm_parity(env: Env, family: str, layout: str, packed: bool) -> dict:
+    make, visuals, videos = FAMILIES[family]
+    torch.manual_seed(0)
+    ref = make().double()
+    g = torch.Generator().manual_seed(1)
+    docs = _documents(env.world, videos, packed, g)
+    states = []
+    for _, kinds in docs:  # each document's pixels from its own generator state: the same in the row and alone
+        states.append(g.get_state())
+        visuals(kinds, g)
+    ref_loss, ref_positions = _one_process(ref, docs, visuals, states)
+    ref_loss.backward()
+
+    model = copy.deepcopy(ref)
+    model.zero_grad(set_to_none=True)
+    topo = env.topo(layout=layout)
+    usp.apply_sequence_parallel(model, topo)
+    parts = [_inputs(ids, kinds, visuals, state) for (ids, kinds), state in zip(docs, states)]
+    batch = {}
+    for key in {k for p in parts for k in p}:
+        held = [p[key] for p in parts if key in p]  # ids, token types and SmolVLM's [1, N, ...] images join along dim 1
+        batch[key] = torch.cat(held, dim=1 if key in ("input_ids", "mm_token_type_ids") or held[0].dim() == 5 else 0)
+    if not _takes_token_types(model):
+        batch.pop("mm_token_type_ids")
+    batch["labels"] = _labels(batch["input_ids"])
+    if packed:
+        batch["position_ids"] = torch.cat([torch.arange(len(ids)) for ids, _ in docs])[None]
+    local = usp.shard_batch(batch, topo)
+    with _decoder_positions(model) as seen:
+        logits = model(**usp.model_inputs(local)).logits
+    # this rank's positions are its shard of each document's own, numbered alone (padding: -1, not compared)
+    expected = F.pad(ref_positions, (0, local["multimodal"]["input_ids"].shape[1] - ref_positions.shape[-1]), value=-1)
+    cu = local.get("cu_seqlens")
+    expected = usp.shard_sequence(expected, topo, dim=-1, cu_seqlens=None if cu is None else cu.tolist())
+    positions_equal = bool(((seen[0] == expected) | (expected == -1)).all())
+    loss = usp.sp_cross_entropy(logits, local["shift_labels"], topo)
+    loss.backward()
+    # each gradient's error relative to its norm, or to 1e-8 of the whole gradient's where it is smaller
+    # (CLIP's key bias: its exact gradient is 0, softmax ignores a score added to a whole row)
+    floor = 1e-8 * torch.cat([q.grad.flatten() for q in ref.parameters() if q.grad is not None]).norm()
+    errors, missing = {}, []
+    for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
+        if (p.grad is None) != (q.grad is None):
+            missing.append(name)
+        elif q.grad is not None:
+            summed = usp.comm.all_reduce_sum(p.grad, topo.sp_group)
+            errors[name] = ((summed - q.grad).norm() / torch.maximum(q.grad.norm(), floor)).item()
+    usp.remove_sequence_parallel(model)
+    worst = max(errors, key=errors.get)
+    return {"loss": loss.item(), "ref_loss": ref_loss.item(), "logits": tuple(logits.shape), "missing": missing, "positions_equal": positions_equal,
+            "padded": local["multimodal"]["input_ids"].shape[1],
+            "worst": (worst, errors[worst]), "vision_grad": max(v for k, v in errors.items() if "visual" in k or "vision" in k),
+            "params": len(errors)}
+
+
+for _family in FAMILIES:
+    for _layout in ("zigzag", "balanced"):
+        for _packed in (False, True):
+            case(f"vlm/{_family}/{_layout}{'-packed' if _packed else ''}", (2, 3, 4))(
+                lambda env, f=_family, lay=_layout, p=_packed: vlm_parity(env, f, lay, p))

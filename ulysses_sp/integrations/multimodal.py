@@ -1,0 +1,147 @@
+"""Image- and video-text models under SP: only the text decoder is switched, and the sequence is
+split at the decoder's input.
+
+The model's own forward runs as in one process on the whole sequence: it embeds the tokens, runs
+the vision tower, merges the image and video features at their placeholder tokens and numbers the
+positions (Qwen's multimodal RoPE too). A forward pre-hook on the text decoder then keeps this
+rank's shard of the embeddings, the positions (each packed document numbered from 0) and Qwen3-VL's
+deepstack features, so an image may straddle any shard boundary and a rank may hold none. The
+vision tower keeps its own (bidirectional) attention; every rank runs it on every image of the
+row, and summing the gradients over the SP group, as for any replicated parameter, gives the
+one-process gradient.
+
+A forward pre-hook on the whole model takes ``cu_seq_lens_q`` (packed documents, or the balanced
+layout's placement) out of its keyword arguments, which the model would also hand its vision
+tower, and gives it to the text decoder.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from ..data import shard_sequence
+from ..topology import Topology
+from . import coverage
+
+__all__ = ["TESTED", "decoder_to_switch", "text_decoder", "split_at_decoder", "unsplit"]
+
+_HOOKS = "_ulysses_sp_multimodal"
+
+
+TESTED = ("llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "smolvlm")
+"""``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact; the
+others are refused by name until a test holds them too."""
+_AUDIO = re.compile(r"^audio_|^input_features$|^input_values$")
+
+
+def text_decoder(model) -> nn.Module | None:
+    """The text decoder of an image- or video-text model (``model.get_decoder()``), or None."""
+    get = getattr(model, "get_decoder", None)
+    decoder = get() if callable(get) else None
+    return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
+
+
+def decoder_to_switch(model) -> nn.Module | None:
+    """None for a text model, the text decoder of a tested image- or video-text family; raises
+    ``ValueError`` naming any other model with inputs besides text (audio-text models included).
+    (Switching a whole image-text model once ran SmolVLM's vision tower under the text decoder's
+    attention and cut images at shard boundaries: the loss off by a relative 1.04.)"""
+    others = coverage.other_modalities(model)
+    if not others:
+        return None
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    decoder = None if any(_AUDIO.search(n) for n in others) or model_type not in TESTED else text_decoder(model)
+    if decoder is None:
+        raise ValueError(
+            f"{type(model).__name__} ({model_type}) takes inputs besides text ({', '.join(others)}): ulysses_sp splits the "
+            f"sequences of the image- and video-text families it tests ({', '.join(TESTED)}), not this one's; train its text "
+            "model alone (built from its text config) or without sequence parallelism"
+        )
+    return decoder
+
+
+def _per_document(position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch.Tensor:
+    """Positions numbered from 0 in each packed document: a document's positions, computed on the
+    whole row, are its own plus the (per-axis) position of its first token."""
+    lengths = (cu_seqlens[1:] - cu_seqlens[:-1]).to(position_ids.device)
+    first = torch.repeat_interleave(cu_seqlens[:-1].to(position_ids.device), lengths)
+    return position_ids - position_ids.index_select(-1, first)
+
+
+def _deepstack(visual_bs: torch.Tensor, features: list, topo: Topology, cu) -> tuple[torch.Tensor, list]:
+    """This rank's part of Qwen3-VL's visual-token mask ``[B, S]`` and of each deepstack level's
+    features (one row per visual token, in the mask's row-major order)."""
+    index_bs = torch.full(visual_bs.shape, -1, dtype=torch.long, device=visual_bs.device)
+    index_bs[visual_bs] = torch.arange(int(visual_bs.sum()), device=visual_bs.device)
+    local_bs = shard_sequence(index_bs, topo, dim=1, cu_seqlens=cu)
+    held = local_bs[local_bs >= 0]
+    return local_bs >= 0, [rows.index_select(0, held.to(rows.device)) for rows in features]
+
+
+def _model_hook(state: dict):
+    def hook(model, args, kwargs):
+        if kwargs.get("position_ids") is not None:
+            raise ValueError(
+                f"{type(model).__name__} under sequence parallelism numbers its positions itself on the whole sequence "
+                "(multimodal RoPE included); pass no position_ids: ulysses_sp.model_inputs(ulysses_sp.shard_batch(batch, topo)) "
+                "gives the whole token ids, the images and the document boundaries"
+            )
+        state["cu_seqlens"] = kwargs.pop("cu_seq_lens_q", None)
+        return args, kwargs
+    return hook
+
+
+def _decoder_hook(topo: Topology, state: dict):
+    def hook(decoder, args, kwargs):
+        embeds = kwargs.get("inputs_embeds")
+        if args or embeds is None:
+            raise ValueError(f"{type(decoder).__name__} must be called with inputs_embeds by keyword under sequence parallelism")
+        b, s = embeds.shape[:2]
+        cu_seqlens = state.pop("cu_seqlens", None)
+        if cu_seqlens is None and topo.layout == "balanced":
+            cu_seqlens = torch.tensor([0, s], dtype=torch.int32)
+        cu = None if cu_seqlens is None else [int(x) for x in cu_seqlens]
+        if cu is not None and cu[-1] != s:
+            raise ValueError(f"cu_seq_lens_q ends at {cu[-1]}, the sequence has {s} tokens: pass the whole row's document boundaries")
+        mask = kwargs.get("attention_mask")
+        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())):
+            what = "a mapping of" if isinstance(mask, dict) else f"a {mask.dim()}-D" if isinstance(mask, torch.Tensor) else "an"
+            raise ValueError(
+                f"{type(decoder).__name__} was handed {what} attention mask by its model (padding, or image tokens attending "
+                "to each other both ways), which ulysses_sp cannot split; pad on the right with shard_batch and pass no mask"
+            )
+        kwargs["attention_mask"] = None
+        positions = kwargs.get("position_ids")
+        if positions is None:
+            positions = torch.arange(s, device=embeds.device).expand(b, s)
+        if cu is not None:
+            positions = _per_document(positions, cu_seqlens)
+            kwargs["cu_seq_lens_q"] = cu_seqlens
+        kwargs["inputs_embeds"] = shard_sequence(embeds, topo, dim=1, cu_seqlens=cu)
+        kwargs["position_ids"] = shard_sequence(positions, topo, dim=positions.dim() - 1, cu_seqlens=cu)
+        if kwargs.get("visual_pos_masks") is not None:  # Qwen3-VL's deepstack: features added at the visual tokens
+            kwargs["visual_pos_masks"], kwargs["deepstack_visual_embeds"] = _deepstack(
+                kwargs["visual_pos_masks"], kwargs.get("deepstack_visual_embeds") or [], topo, cu)
+        return args, kwargs
+    return hook
+
+
+def split_at_decoder(model, decoder: nn.Module, topo: Topology) -> None:
+    """Install the two hooks (see the module's docstring); the decoder's is the first to run."""
+    unsplit(model)
+    state: dict = {}
+    model.__dict__[_HOOKS] = [
+        model.register_forward_pre_hook(_model_hook(state), with_kwargs=True),
+        decoder.register_forward_pre_hook(_decoder_hook(topo, state), with_kwargs=True, prepend=True),
+    ]
+
+
+def unsplit(model) -> bool:
+    """Remove the hooks; whether there were any."""
+    handles = model.__dict__.pop(_HOOKS, [])
+    for handle in handles:
+        handle.remove()
+    return bool(handles)
