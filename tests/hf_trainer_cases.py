@@ -53,9 +53,37 @@ class Samples(torch.utils.data.Dataset):
         return self.items[i]
 
 
+class ImageSamples(Samples):
+    """:class:`Samples` over 60 text ids, each with one Qwen image: its start marker, 16 image tokens
+    (no targets) and its end marker from token 3 + i % 5 on, its 64 patches and grid."""
+
+    def __init__(self, n: int, seed: int = 0):
+        from .vlm_cases import END, IMAGE, START, TOKENS, _qwen_visuals
+
+        super().__init__(n, seed=seed, vocab=END)
+        g = torch.Generator().manual_seed(seed + 1)
+        for i, item in enumerate(self.items):
+            at = 3 + i % 5
+            ids = item["input_ids"].clone()
+            ids[at], ids[at + 1:at + 1 + TOKENS], ids[at + 1 + TOKENS] = START, IMAGE, END
+            item.update(input_ids=ids, labels=item["labels"].masked_fill(ids == IMAGE, -100), mm_token_type_ids=(ids == IMAGE).int(),
+                        **_qwen_visuals(["image"], g))
+
+
+def collate_images(items: list) -> dict:
+    """Token rows stacked, Qwen's patches and grids of the batch's images concatenated (as its processor does)."""
+    out = {k: torch.stack([item[k] for item in items]) for k in ("input_ids", "labels", "mm_token_type_ids")}
+    return {**out, **{k: torch.cat([item[k] for item in items]) for k in ("pixel_values", "image_grid_thw")}}
+
+
 def model_for(case: dict):
     from .hf_cases import _CONFIGS, tiny_model
 
+    if case.get("images"):
+        from .vlm_cases import FAMILIES
+
+        torch.manual_seed(0)
+        return FAMILIES[case["family"]][0]()
     if case["family"] in _CONFIGS:
         model = tiny_model(case["family"], **case.get("overrides", {}))
     else:  # a hybrid of tests/model_families.py
@@ -86,6 +114,8 @@ def data_for(case: dict):
     """Exactly the samples of STEPS windows of the global batch (2 samples, 1 when packed), and 5
     eval samples (batches of 2: the last one short, and uneven over 2 DP groups)."""
     packed = case.get("packed", False)
+    if case.get("images"):
+        return ImageSamples(STEPS * GA * 2), ImageSamples(5, seed=9)
     return Samples(STEPS * GA * (1 if packed else 2), packed=packed), Samples(5, seed=9, packed=packed)
 
 
@@ -108,7 +138,8 @@ def _token_mean(model, dataset) -> float:
     total = count = 0.0
     with torch.no_grad():
         for item in dataset:
-            inputs = {k: v[None] for k, v in item.items() if k != "labels"}
+            inputs = collate_images([item]) if "pixel_values" in item else {k: v[None] for k, v in item.items()}
+            inputs.pop("labels")
             logits = model(**inputs).logits[0, :-1].double()
             targets = item["labels"][1:]
             total += F.cross_entropy(logits, targets, ignore_index=-100, reduction="sum").item()
@@ -127,9 +158,14 @@ def reference(case: dict) -> dict:
     from transformers import Trainer, TrainingArguments
 
     model = model_for(case)
+    # transformers.Trainer weighs an accumulation window's micro-batches by their targets only for a model that takes
+    # num_items_in_batch, and Qwen2.5-VL opts out (accepts_loss_kwargs = False, a Gemma 3 fix): a mean of micro-batch
+    # means then. SequenceParallelTrainer weighs by targets for every model, so the reference does too.
+    model.accepts_loss_kwargs = True
     train, evaluation = data_for(case)
     with tempfile.TemporaryDirectory() as out:
-        trainer = Trainer(model=model, args=TrainingArguments(**common_args(case, out)), train_dataset=train, eval_dataset=evaluation)
+        trainer = Trainer(model=model, args=TrainingArguments(**common_args(case, out)), train_dataset=train, eval_dataset=evaluation,
+                          data_collator=collate_images if case.get("images") else None)
         trainer.train()
         result = {"losses": _losses(trainer), "eval_loss": trainer.evaluate()["eval_loss"], "eval_loss_tokens": _token_mean(trainer.model, evaluation)}
         if case.get("predict"):
@@ -153,7 +189,8 @@ def sp_run(case: dict) -> dict:
         out = _shared_dir(out)
         kwargs = {**common_args(case, out), "sp_size": case.get("sp_size", 2), "sp_backend": case.get("backend", "ulysses"), **case.get("args", {})}
         args = SequenceParallelTrainingArguments(**kwargs)
-        trainer = trainer_class(model=model, args=args, train_dataset=train, eval_dataset=evaluation)
+        trainer = trainer_class(model=model, args=args, train_dataset=train, eval_dataset=evaluation,
+                                data_collator=collate_images if case.get("images") else None)
         k_needs_grad = _watch_k(trainer.model) if case.get("lora") else None
         trainer.train()
         result["deepspeed"] = trainer.is_deepspeed_enabled
@@ -306,6 +343,8 @@ REFERENCES = {
     "llama-lora": dict(family="llama", lora=True, lr=8.0),  # adapters start at B = 0: a larger step
     "llama-3heads": dict(family="llama", overrides=dict(hidden_size=24, num_attention_heads=3, num_key_value_heads=3)),
     "qwen3_5": dict(family="qwen3_5"),  # Gated DeltaNet and attention: the DeltaNet layer under the allgather mixer
+    # an image in every sample, the vision tower trains too; it learns slower (lr 2 and 4 diverge)
+    "qwen2_5_vl": dict(family="qwen2_5_vl", images=True, learns=0.05),
 }
 DEEPSPEED_ZERO2 = {
     "zero_optimization": {"stage": 2}, "train_micro_batch_size_per_gpu": "auto", "gradient_accumulation_steps": "auto",
@@ -324,6 +363,7 @@ SP_CASES = {  # name: (reference, case)
     "llama-lora/sp2/ring": ("llama-lora", dict(REFERENCES["llama-lora"], backend="ring")),
     "llama-3heads/sp2/auto": ("llama-3heads", dict(REFERENCES["llama-3heads"], backend="auto")),
     "qwen3_5/sp2": ("qwen3_5", dict(REFERENCES["qwen3_5"])),
+    "qwen2_5_vl/sp2": ("qwen2_5_vl", dict(REFERENCES["qwen2_5_vl"])),
     # accelerate's FSDP2 (fully_shard over the world, averaging), which accelerate enables on GPUs only: forced here on CPU
     "llama/sp2/fsdp2": ("llama", dict(family="llama", fsdp=True, args=dict(fsdp=True, fsdp_config={"version": 2}))),
     "llama/sp2/fsdp2/unscaled": ("llama", dict(family="llama", fsdp=True, unscaled=True, args=dict(fsdp=True, fsdp_config={"version": 2}))),

@@ -1,7 +1,8 @@
 """SequenceParallelTrainer on 2 ranks against transformers.Trainer on one process.
 
 Every SP case of tests/hf_trainer_cases.py runs in ONE call on the session's pool of 2 ranks, the
-one-process references on the 1-rank pool, side by side. Tiny Llama and Qwen2 (packed) are built in code;
+one-process references on the 1-rank pool, side by side. Tiny Llama, Qwen2 (packed) and Qwen2.5-VL (an image in
+every sample, through a collator of Qwen's patches) are built in code;
 fp32, 8 optimizer steps of 2 accumulated micro-batches, under DDP (also compiled: torch_compile=True), accelerate's FSDP2 and DeepSpeed ZeRO-2 and ZeRO-3, plain SGD without clipping (a gradient off
 by a constant factor shows; Adam would hide it). Three negative controls (num_items_in_batch
 counted on every SP rank; DDP's and FSDP2's averages left unscaled) prove the comparisons can fail.
@@ -58,7 +59,8 @@ def test_loss_per_step_equals_one_process(runs, name):
     ref, ranks = _pair(runs, name)
     assert len(ref["losses"]) == STEPS
     if "lora" not in name:  # the adapters' own progress is checked in test_lora_on_q_and_v_with_k_frozen
-        assert ref["losses"][-1] < ref["losses"][0] - 0.25, f"the reference must learn, else equal curves prove little: {ref['losses']}"
+        fall = SP_CASES[name][1].get("learns", 0.25)
+        assert ref["losses"][-1] < ref["losses"][0] - fall, f"the reference must learn, else equal curves prove little: {ref['losses']}"
     for rank, r in enumerate(ranks):
         assert r["deepspeed"] == ("zero" in name), "only the DeepSpeed cases run under DeepSpeed"
         worst = max(abs(a - b) for a, b in zip(r["losses"], ref["losses"]))

@@ -26,7 +26,7 @@ from ..data import shard_sequence
 from ..topology import Topology
 from . import coverage
 
-__all__ = ["TESTED", "decoder_to_switch", "text_decoder", "split_at_decoder", "unsplit"]
+__all__ = ["TESTED", "decoder_to_switch", "is_split", "text_decoder", "split_at_decoder", "unsplit"]
 
 _HOOKS = "_ulysses_sp_multimodal"
 
@@ -137,6 +137,10 @@ def split_at_decoder(model, decoder: nn.Module, topo: Topology) -> None:
         model.register_forward_pre_hook(_model_hook(state), with_kwargs=True),
         decoder.register_forward_pre_hook(_decoder_hook(topo, state), with_kwargs=True, prepend=True),
     ]
+
+
+def is_split(model) -> bool:
+    return _HOOKS in model.__dict__
 
 
 def unsplit(model) -> bool:

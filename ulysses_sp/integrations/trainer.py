@@ -60,7 +60,8 @@ from ..tiling import CHECKPOINT_MODES
 from ..layout import LAYOUTS
 from ..topology import init_sequence_parallel
 from .deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
-from .transformers import _attention_layers, _backend_per_layer, apply_sequence_parallel, remove_sequence_parallel
+from .multimodal import decoder_to_switch
+from .transformers import _attention_layers, _backend_per_layer, apply_sequence_parallel, remove_sequence_parallel, switched_model
 from ..mixers import MIXER_CHOICES
 from .coverage import find_uncovered
 from .verify import verify_sequence_parallel
@@ -179,6 +180,7 @@ def _check_model_and_world(args, model) -> None:
     if world % args.sp_size:
         raise ValueError(f"sp_size ({args.sp_size}) must divide the world size ({world}): world = data parallel x sp_size")
     base = _base_model(model)
+    base = decoder_to_switch(base) or base  # an image-text model: its text decoder (others are refused by name here)
     layers = _attention_layers(base)
     if not layers and (args.sp_mixer == "none" or not any(f.kind == "mixer" for f in find_uncovered(base))):
         raise ValueError(f"{type(base).__name__} has no attention layers with a layer_idx and no token mixer; ulysses_sp cannot switch it")
@@ -318,18 +320,18 @@ class SequenceParallelTrainer(Trainer):
 
     def _save(self, output_dir=None, state_dict=None):
         """Saved configs keep the user's ``use_cache`` (SP turns it off while switched on)."""
-        previous = self._sp_model.__dict__.get("_ulysses_sp_previous")
-        config = getattr(self._sp_model, "config", None)
-        if previous is None or config is None:
+        switched = switched_model(self._sp_model)
+        config = getattr(switched, "config", None)
+        if config is None:
             return super()._save(output_dir, state_dict)
-        current, config.use_cache = config.use_cache, previous[1]
+        current, config.use_cache = config.use_cache, switched.__dict__["_ulysses_sp_previous"][1]
         try:
             return super()._save(output_dir, state_dict)
         finally:
             config.use_cache = current
 
     def _require_sp(self) -> None:
-        if "_ulysses_sp_previous" not in self._sp_model.__dict__:
+        if switched_model(self._sp_model) is None:
             raise RuntimeError("the model is no longer sequence parallel (remove_sequence_parallel was called): "
                                "call trainer.apply_sequence_parallel() before training or evaluating again")
 
@@ -388,12 +390,12 @@ class SequenceParallelTrainer(Trainer):
         return self._eval_loader(test_dataset, "test")
 
     def _shard(self, inputs) -> dict:
-        """This rank's part of a causal-LM batch (``shard_batch``); the mask is not passed on
-        (right padding under causal attention changes nothing; its targets are dropped)."""
+        """This rank's part of a causal-LM batch (``shard_batch``; an image-text model's images and
+        videos go whole to every rank); the mask is not passed on (right padding under causal
+        attention changes nothing; its targets are dropped)."""
         if "input_ids" not in inputs:
             raise ValueError(f"SequenceParallelTrainer needs input_ids in every batch, got keys {sorted(inputs)}")
-        batch = {k: inputs[k] for k in ("input_ids", "labels", "position_ids", "attention_mask") if inputs.get(k) is not None}
-        return shard_batch(batch, self.topo)
+        return shard_batch({k: v for k, v in inputs.items() if v is not None}, self.topo)  # images and videos too
 
     def get_batch_samples(self, epoch_iterator, num_batches, device):
         """The accumulation window's micro-batches, sharded, and ``num_items_in_batch``: its valid

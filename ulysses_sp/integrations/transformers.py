@@ -24,7 +24,8 @@ from ..topology import Topology
 from .. import tiling
 from . import coverage, mixers, multimodal
 
-__all__ = ["ATTN_IMPLEMENTATION", "apply_sequence_parallel", "chosen_backends", "remove_sequence_parallel", "sp_attention_forward"]
+__all__ = ["ATTN_IMPLEMENTATION", "apply_sequence_parallel", "chosen_backends", "remove_sequence_parallel", "sp_attention_forward",
+           "switched_model"]
 
 ATTN_IMPLEMENTATION = "ulysses_sp"
 _STATE = "_ulysses_sp_attention"
@@ -212,6 +213,13 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     model.config.use_cache = False
     coverage.install_guards(model, topo.sp_size)
     return model
+
+
+def switched_model(model):
+    """The module that :func:`apply_sequence_parallel` switched (the model, or an image-text model's
+    text decoder) while it is switched; else None. Its ``config.use_cache`` is SP's (off)."""
+    switched = multimodal.text_decoder(model) if multimodal.is_split(model) else model
+    return switched if switched is not None and _PREVIOUS in switched.__dict__ else None
 
 
 def chosen_backends(model) -> dict[int, list[str]]:
