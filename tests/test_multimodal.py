@@ -29,6 +29,11 @@ def test_image_text_model_equals_one_process(ranks, world, lay, packed, family):
         assert r["positions_equal"], (rank, r)
         assert r["missing"] == [] and r["worst"][1] < 1e-7 and r["vision_grad"] < 1e-7, (rank, r)
         assert r["padded"] % (2 * world) == 0 and r["logits"] == (1, r["padded"] // world, 64), (rank, r)
+        here, group, one_process = r["encoded"]
+        if family.startswith("qwen"):  # each image and video encoded on one rank of the group
+            assert group == one_process, (rank, r)
+        else:  # every rank encodes every image of the row
+            assert here == one_process and group == world * one_process, (rank, r)
 
 
 def _switched_qwen2_vl():
@@ -63,14 +68,14 @@ def test_position_ids_given_to_an_image_text_model_raise():
 
 
 @pytest.mark.quick
-def test_a_mask_handed_to_the_decoder_raises():
+def test_a_padding_mask_raises_before_any_collective():
     model = _switched_qwen2_vl()
     ids = torch.randint(0, 60, (1, 24))
     ids[0, 2:18] = IMAGE
     g = torch.Generator().manual_seed(0)
     mask = torch.ones(1, 24, dtype=torch.long)
     mask[0, 20:] = 0
-    with pytest.raises(ValueError, match="attention mask by its model.*cannot split"):
+    with pytest.raises(ValueError, match="Qwen2VLForConditionalGeneration was given a 2-D attention mask.*cannot split"):
         model(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).int(), **_qwen_visuals(["image"], g))
 
 

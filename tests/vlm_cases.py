@@ -161,6 +161,22 @@ def _takes_token_types(model) -> bool:
 
 
 @contextlib.contextmanager
+def _encoded(model):
+    """How many rows (Qwen's patches, LLaVA's and SmolVLM's images) the vision tower encodes."""
+    tower = next(getattr(model.model, name) for name in ("visual", "vision_tower", "vision_model") if hasattr(model.model, name))
+    rows = [0]
+
+    def count(module, args, kwargs):
+        rows[0] += (args[0] if args else next(iter(kwargs.values()))).shape[0]
+
+    handle = tower.register_forward_pre_hook(count, with_kwargs=True)
+    try:
+        yield rows
+    finally:
+        handle.remove()
+
+
+@contextlib.contextmanager
 def _decoder_positions(model):
     """The position ids each call of the text decoder gets (after ulysses_sp's split: its hook runs first)."""
     from ulysses_sp.integrations.multimodal import text_decoder
@@ -179,21 +195,22 @@ def _decoder_positions(model):
 
 
 def _one_process(model, docs, visuals, states) -> tuple[torch.Tensor, torch.Tensor]:
-    """The loss of every document computed on its own (summed token losses over all targets), and
-    the positions its text decoder got, end to end."""
-    total, count, positions = 0, 0, []
+    """The loss of every document computed on its own (summed token losses over all targets), the
+    positions its text decoder got, end to end, and the rows its vision tower encoded."""
+    total, count, positions, encoded = 0, 0, [], 0
     for (ids, kinds), state in zip(docs, states):
         inputs = _inputs(ids, kinds, visuals, state)
         if not _takes_token_types(model):
             inputs.pop("mm_token_type_ids")
-        with _decoder_positions(model) as seen:
+        with _decoder_positions(model) as seen, _encoded(model) as rows:
             logits = model(**inputs).logits
+        encoded += rows[0]
         targets = F.pad(_labels(inputs["input_ids"])[:, 1:], (0, 1), value=-100)
         total = total + F.cross_entropy(logits.flatten(0, 1), targets.flatten(), ignore_index=-100, reduction="sum")
         count += int((targets != -100).sum())
         positions.append(seen[0])
     axes = max(p.shape[0] if p.dim() == 3 else 0 for p in positions)  # a text-only document's positions are [B, S]
-    return total / count, torch.cat([p.expand(axes, *p.shape) if axes and p.dim() == 2 else p for p in positions], dim=-1)
+    return total / count, torch.cat([p.expand(axes, *p.shape) if axes and p.dim() == 2 else p for p in positions], dim=-1), encoded
 
 
 def vlm_parity(env: Env, family: str, layout: str, packed: bool) -> dict:
@@ -206,7 +223,7 @@ def vlm_parity(env: Env, family: str, layout: str, packed: bool) -> dict:
     for _, kinds in docs:  # each document's pixels from its own generator state: the same in the row and alone
         states.append(g.get_state())
         visuals(kinds, g)
-    ref_loss, ref_positions = _one_process(ref, docs, visuals, states)
+    ref_loss, ref_positions, ref_encoded = _one_process(ref, docs, visuals, states)
     ref_loss.backward()
 
     model = copy.deepcopy(ref)
@@ -224,8 +241,9 @@ def vlm_parity(env: Env, family: str, layout: str, packed: bool) -> dict:
     if packed:
         batch["position_ids"] = torch.cat([torch.arange(len(ids)) for ids, _ in docs])[None]
     local = usp.shard_batch(batch, topo)
-    with _decoder_positions(model) as seen:
+    with _decoder_positions(model) as seen, _encoded(model) as rows:
         logits = model(**usp.model_inputs(local)).logits
+    encoded = int(usp.comm.all_reduce_sum(torch.tensor([rows[0]]), topo.sp_group))
     # this rank's positions are its shard of each document's own, numbered alone (padding: -1, not compared)
     expected = F.pad(ref_positions, (0, local["multimodal"]["input_ids"].shape[1] - ref_positions.shape[-1]), value=-1)
     cu = local.get("cu_seqlens")
@@ -246,7 +264,7 @@ def vlm_parity(env: Env, family: str, layout: str, packed: bool) -> dict:
     usp.remove_sequence_parallel(model)
     worst = max(errors, key=errors.get)
     return {"loss": loss.item(), "ref_loss": ref_loss.item(), "logits": tuple(logits.shape), "missing": missing, "positions_equal": positions_equal,
-            "padded": local["multimodal"]["input_ids"].shape[1],
+            "padded": local["multimodal"]["input_ids"].shape[1], "encoded": (rows[0], encoded, ref_encoded),
             "worst": (worst, errors[worst]), "vision_grad": max(v for k, v in errors.items() if "visual" in k or "vision" in k),
             "params": len(errors)}
 

@@ -1,27 +1,33 @@
 """Image- and video-text models under SP: only the text decoder is switched, and the sequence is
 split at the decoder's input.
 
-The model's own forward runs as in one process on the whole sequence: it embeds the tokens, runs
-the vision tower, merges the image and video features at their placeholder tokens and numbers the
-positions (Qwen's multimodal RoPE too). A forward pre-hook on the text decoder then keeps this
-rank's shard of the embeddings, the positions (each packed document numbered from 0) and Qwen3-VL's
-deepstack features, so an image may straddle any shard boundary and a rank may hold none. The
-vision tower keeps its own (bidirectional) attention; every rank runs it on every image of the
-row, and summing the gradients over the SP group, as for any replicated parameter, gives the
-one-process gradient.
+The model's own forward runs as in one process on the whole sequence: it embeds the tokens, merges
+the image and video features at their placeholder tokens and numbers the positions (Qwen's
+multimodal RoPE too). A forward pre-hook on the text decoder then keeps this rank's shard of the
+embeddings, the positions (each packed document numbered from 0) and Qwen3-VL's deepstack
+features, so an image may straddle any shard boundary and a rank may hold none.
 
-A forward pre-hook on the whole model takes ``cu_seq_lens_q`` (packed documents, or the balanced
-layout's placement) out of its keyword arguments, which the model would also hand its vision
-tower, and gives it to the text decoder.
+A forward pre-hook on the whole model refuses position ids and padding masks (before any
+collective), takes ``cu_seq_lens_q`` (packed documents, or the balanced layout's placement) out of
+the keyword arguments, which the model would also hand its vision tower, for the decoder, and, for
+Qwen's families (patch rows and ``*_grid_thw``), encodes each image and video on one rank of the SP
+group and all-gathers the features into ``mm_encoder_outputs``. Other families run their vision
+tower on every image on every rank. The vision tower keeps its own (bidirectional) attention;
+summing its gradients over the SP group, as for any replicated parameter, gives the one-process
+gradient either way.
 """
 
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
+from transformers.utils import ModelOutput
 
+from .. import comm
 from ..data import shard_sequence
 from ..topology import Topology
 from . import coverage
@@ -81,8 +87,79 @@ def _deepstack(visual_bs: torch.Tensor, features: list, topo: Topology, cu) -> t
     return local_bs >= 0, [rows.index_select(0, held.to(rows.device)) for rows in features]
 
 
-def _model_hook(state: dict):
+def owners(work: list[int], ranks: int) -> list[int]:
+    """The rank that encodes each image or video: the most work first, each to the least loaded rank
+    (ties: the lowest), the same on every rank."""
+    load, owner = [0] * ranks, [0] * len(work)
+    for i in sorted(range(len(work)), key=lambda i: (-work[i], i)):
+        owner[i] = min(range(ranks), key=lambda r: (load[r], r))
+        load[owner[i]] += work[i]
+    return owner
+
+
+def _encodes_by_grid(model) -> bool:
+    """Qwen's families: visual inputs are rows of patches, ``*_grid_thw`` says each item's, and the
+    forward takes features encoded elsewhere (``mm_encoder_outputs``)."""
+    import inspect
+
+    encode = getattr(model, "get_image_features", None)
+    return (callable(encode) and "image_grid_thw" in inspect.signature(encode).parameters and hasattr(getattr(model, "model", None), "visual")
+            and "mm_encoder_outputs" in inspect.signature(type(model).forward).parameters)
+
+
+@dataclass
+class EncodedVisuals(ModelOutput):
+    """What a Qwen model's ``mm_encoder_outputs[kind]`` takes: one feature tensor per item, and
+    Qwen3-VL's deepstack features (per level, one tensor per item)."""
+
+    pooler_output: tuple | None = None
+    deepstack_features: list | None = None
+
+
+def _encode_once(model, topo: Topology, kind: str, pixels: torch.Tensor, grid: torch.Tensor) -> EncodedVisuals:
+    """The features of every image (or video) of the batch, each encoded on one rank of the SP group
+    (``owners``, by patches) and all-gathered, differentiably: the backward sums every rank's use of
+    them and hands each owner its items' gradients."""
+    vision = model.config.vision_config
+    levels = 1 + len(getattr(vision, "deepstack_visual_indexes", None) or ())
+    patches = grid.prod(-1).tolist()
+    tokens = [n // vision.spatial_merge_size ** 2 for n in patches]
+    owner = owners(patches, topo.sp_size)
+    starts = [0]
+    for n in patches:
+        starts.append(starts[-1] + n)
+    mine = [i for i, r in enumerate(owner) if r == topo.sp_rank]
+    encode = model.get_image_features if kind == "image" else model.get_video_features
+    if mine:
+        out = encode(torch.cat([pixels[starts[i]:starts[i + 1]] for i in mine]), grid[mine], return_dict=True)
+        local = [torch.cat(out.pooler_output)] + [torch.cat(level) for level in (getattr(out, "deepstack_features", None) or [])]
+    else:  # nothing to encode here: zeros that still reach the vision tower, so its gradients exist (0) on every rank
+        anchor = sum(p.sum() for p in model.model.visual.parameters()) * 0
+        local = [anchor.new_zeros(0, model.config.text_config.hidden_size) + anchor for _ in range(levels)]
+    held = [sum(t for t, r in zip(tokens, owner) if r == rank) for rank in range(topo.sp_size)]
+    width = max(held)
+    gathered = [comm.all_gather(F.pad(x, (0, 0, 0, width - x.shape[0])), topo.sp_group, dim=0) for x in local]
+    offset, features = [0] * topo.sp_size, [[] for _ in range(levels)]
+    for t, r in zip(tokens, owner):
+        for level, full in zip(features, gathered):
+            level.append(full[r * width + offset[r]:r * width + offset[r] + t])
+        offset[r] += t
+    return EncodedVisuals(pooler_output=tuple(features[0]), deepstack_features=[tuple(f) for f in features[1:]] or None)
+
+
+def _check_mask(mask, who: str) -> None:
+    """Only a mask that masks nothing (all-ones ``[B, S]``) may pass: the split drops it."""
+    if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())):
+        what = "a mapping of" if isinstance(mask, dict) else f"a {mask.dim()}-D" if isinstance(mask, torch.Tensor) else "an"
+        raise ValueError(
+            f"{who} {what} attention mask (padding, or image tokens attending to each other both ways), which ulysses_sp "
+            "cannot split; pad on the right with shard_batch and pass no mask"
+        )
+
+
+def _model_hook(topo: Topology, state: dict):
     def hook(model, args, kwargs):
+        _check_mask(kwargs.get("attention_mask"), f"{type(model).__name__} was given")  # before the encoders' collectives
         if kwargs.get("position_ids") is not None:
             raise ValueError(
                 f"{type(model).__name__} under sequence parallelism numbers its positions itself on the whole sequence "
@@ -90,6 +167,12 @@ def _model_hook(state: dict):
                 "gives the whole token ids, the images and the document boundaries"
             )
         state["cu_seqlens"] = kwargs.pop("cu_seq_lens_q", None)
+        if topo.sp_size > 1 and _encodes_by_grid(model) and kwargs.get("mm_encoder_outputs") is None:
+            encoded = {}
+            for kind, pixels in (("image", "pixel_values"), ("video", "pixel_values_videos")):
+                if kwargs.get(pixels) is not None:
+                    encoded[kind] = _encode_once(model, topo, kind, kwargs.pop(pixels), kwargs[f"{kind}_grid_thw"])
+            kwargs["mm_encoder_outputs"] = encoded or None
         return args, kwargs
     return hook
 
@@ -106,13 +189,7 @@ def _decoder_hook(topo: Topology, state: dict):
         cu = None if cu_seqlens is None else [int(x) for x in cu_seqlens]
         if cu is not None and cu[-1] != s:
             raise ValueError(f"cu_seq_lens_q ends at {cu[-1]}, the sequence has {s} tokens: pass the whole row's document boundaries")
-        mask = kwargs.get("attention_mask")
-        if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())):
-            what = "a mapping of" if isinstance(mask, dict) else f"a {mask.dim()}-D" if isinstance(mask, torch.Tensor) else "an"
-            raise ValueError(
-                f"{type(decoder).__name__} was handed {what} attention mask by its model (padding, or image tokens attending "
-                "to each other both ways), which ulysses_sp cannot split; pad on the right with shard_batch and pass no mask"
-            )
+        _check_mask(kwargs.get("attention_mask"), f"{type(decoder).__name__} was handed")
         kwargs["attention_mask"] = None
         positions = kwargs.get("position_ids")
         if positions is None:
@@ -134,7 +211,7 @@ def split_at_decoder(model, decoder: nn.Module, topo: Topology) -> None:
     unsplit(model)
     state: dict = {}
     model.__dict__[_HOOKS] = [
-        model.register_forward_pre_hook(_model_hook(state), with_kwargs=True),
+        model.register_forward_pre_hook(_model_hook(topo, state), with_kwargs=True),
         decoder.register_forward_pre_hook(_decoder_hook(topo, state), with_kwargs=True, prepend=True),
     ]
 
