@@ -27,7 +27,7 @@ def test_image_text_model_equals_one_process(ranks, world, lay, packed, family):
     """An image straddling a shard boundary, a video (Qwen: whole, or Qwen3-VL's frames after
     timestamps), three packed documents of which one has no image, so that some rank holds none."""
     for rank, r in enumerate(values(ranks(world), f"vlm/{family}/{lay}{'-packed' if packed else ''}")):
-        assert abs(r["loss"] - r["ref_loss"]) <= 1e-12 * r["ref_loss"], (rank, r)
+        assert abs(r["loss"] - r["ref_loss"]) <= 1e-12 * r["ref_loss"] and abs(r["tiled_loss"] - r["ref_loss"]) <= 1e-12 * r["ref_loss"], (rank, r)
         assert r["positions_equal"], (rank, r)
         assert r["missing"] == [] and r["worst"][1] < 1e-7 and r["vision_grad"] < 1e-7, (rank, r)
         assert r["padded"] % (2 * world) == 0 and r["logits"] == (1, r["padded"] // world, 64), (rank, r)

@@ -251,6 +251,8 @@ def vlm_parity(env: Env, family: str, layout: str, packed: bool) -> dict:
     positions_equal = bool(((seen[0] == expected) | (expected == -1)).all())
     loss = usp.sp_cross_entropy(logits, local["shift_labels"], topo)
     loss.backward()
+    with torch.no_grad():  # the fused head-and-loss (the Trainer's tiled_loss) through the same split
+        tiled = usp.causal_lm_loss(model, local, topo, chunk_tokens=8).item()
     # each gradient's error relative to its norm, or to 1e-8 of the whole gradient's where it is smaller
     # (CLIP's key bias: its exact gradient is 0, softmax ignores a score added to a whole row)
     floor = 1e-8 * torch.cat([q.grad.flatten() for q in ref.parameters() if q.grad is not None]).norm()
@@ -263,7 +265,7 @@ def vlm_parity(env: Env, family: str, layout: str, packed: bool) -> dict:
             errors[name] = ((summed - q.grad).norm() / torch.maximum(q.grad.norm(), floor)).item()
     usp.remove_sequence_parallel(model)
     worst = max(errors, key=errors.get)
-    return {"loss": loss.item(), "ref_loss": ref_loss.item(), "logits": tuple(logits.shape), "missing": missing, "positions_equal": positions_equal,
+    return {"loss": loss.item(), "ref_loss": ref_loss.item(), "tiled_loss": tiled, "logits": tuple(logits.shape), "missing": missing, "positions_equal": positions_equal,
             "padded": local["multimodal"]["input_ids"].shape[1], "encoded": (rows[0], encoded, ref_encoded),
             "worst": (worst, errors[worst]), "vision_grad": max(v for k, v in errors.items() if "visual" in k or "vision" in k),
             "params": len(errors)}

@@ -216,6 +216,10 @@ def _logit_transforms(model) -> list[str]:
 
 
 def _decoder(model):
+    from .integrations import multimodal  # a Hugging Face model's: transformers is there
+
+    if multimodal.is_split(model):  # an image-text model: its inner model merges the images, then runs the text decoder
+        return model.model
     get = getattr(model, "get_decoder", None)
     if get is not None:
         try:
