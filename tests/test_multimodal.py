@@ -3,7 +3,7 @@ decoder is switched, the sequence is split at its input. Cases in tests/vlm_case
 within 1e-12 and every gradient (vision tower included) within 1e-7 of one process running each
 packed document on its own (observed: loss 9e-16; gradients 1.3e-15, and 3.7e-12 on CLIP's key
 bias, whose exact gradient is 0), the decoder's positions equal to each document's own, and each
-Qwen image encoded once per SP group. Other image-text families and audio-text models are refused
+Qwen and LLaVA image encoded once per SP group (SmolVLM's on every rank). Other image-text families and audio-text models are refused
 by name."""
 
 import pytest
@@ -12,6 +12,7 @@ import torch
 transformers = pytest.importorskip("transformers", reason="the hf extra is not installed")
 
 import ulysses_sp as usp  # noqa: E402
+from ulysses_sp.integrations.multimodal import ENCODE_ONCE  # noqa: E402
 from ulysses_sp.topology import Topology  # noqa: E402
 
 from .conftest import values  # noqa: E402
@@ -32,7 +33,7 @@ def test_image_text_model_equals_one_process(ranks, world, lay, packed, family):
         assert r["missing"] == [] and r["worst"][1] < 1e-7 and r["vision_grad"] < 1e-7, (rank, r)
         assert r["padded"] % (2 * world) == 0 and r["logits"] == (1, r["padded"] // world, 64), (rank, r)
         here, group, one_process = r["encoded"]
-        if family.startswith("qwen"):  # each image and video encoded on one rank of the group
+        if family in ENCODE_ONCE:  # each image and video encoded on one rank of the group
             assert group == one_process, (rank, r)
         else:  # every rank encodes every image of the row
             assert here == one_process and group == world * one_process, (rank, r)

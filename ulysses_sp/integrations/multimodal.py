@@ -10,9 +10,9 @@ features, so an image may straddle any shard boundary and a rank may hold none.
 A forward pre-hook on the whole model refuses position ids and padding masks (before any
 collective), takes ``cu_seq_lens_q`` (packed documents, or the balanced layout's placement) out of
 the keyword arguments, which the model would also hand its vision tower, for the decoder, and, for
-Qwen's families (patch rows and ``*_grid_thw``), encodes each image and video on one rank of the SP
-group and all-gathers the features into ``mm_encoder_outputs``. Other families run their vision
-tower on every image on every rank. The vision tower keeps its own (bidirectional) attention;
+the families of ``ENCODE_ONCE`` (Qwen's, LLaVA), encodes each image and video on one rank of the SP
+group and all-gathers the features into ``mm_encoder_outputs``. Other families (SmolVLM) run their
+vision tower on every image on every rank. The vision tower keeps its own (bidirectional) attention;
 summing its gradients over the SP group, as for any replicated parameter, gives the one-process
 gradient either way.
 """
@@ -32,7 +32,7 @@ from ..data import shard_sequence
 from ..topology import Topology
 from . import coverage
 
-__all__ = ["TESTED", "decoder_to_switch", "is_split", "text_decoder", "split_at_decoder", "unsplit"]
+__all__ = ["ENCODE_ONCE", "TESTED", "decoder_to_switch", "is_split", "text_decoder", "split_at_decoder", "unsplit"]
 
 _HOOKS = "_ulysses_sp_multimodal"
 
@@ -97,16 +97,6 @@ def owners(work: list[int], ranks: int) -> list[int]:
     return owner
 
 
-def _encodes_by_grid(model) -> bool:
-    """Qwen's families: visual inputs are rows of patches, ``*_grid_thw`` says each item's, and the
-    forward takes features encoded elsewhere (``mm_encoder_outputs``)."""
-    import inspect
-
-    encode = getattr(model, "get_image_features", None)
-    return (callable(encode) and "image_grid_thw" in inspect.signature(encode).parameters and hasattr(getattr(model, "model", None), "visual")
-            and "mm_encoder_outputs" in inspect.signature(type(model).forward).parameters)
-
-
 @dataclass
 class EncodedVisuals(ModelOutput):
     """What a Qwen model's ``mm_encoder_outputs[kind]`` takes: one feature tensor per item, and
@@ -116,25 +106,44 @@ class EncodedVisuals(ModelOutput):
     deepstack_features: list | None = None
 
 
-def _encode_once(model, topo: Topology, kind: str, pixels: torch.Tensor, grid: torch.Tensor) -> EncodedVisuals:
+ENCODE_ONCE = {"qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "llava": "images"}
+"""The families whose images (and videos) each rank of an SP group encodes a share of: rows of patches
+with a ``*_grid_thw`` per item (Qwen), or one image per row of ``pixel_values`` (LLaVA). The others
+run their vision tower on every image on every rank."""
+
+
+def _items(model, style: str, kind: str, pixels: torch.Tensor, kwargs: dict):
+    """(encode a list of item indices, each item's feature tokens, each item's work), or None when
+    the items cannot be told apart (LLaVA's image tokens not an equal share per image)."""
+    if style == "grid":
+        grid = kwargs[f"{kind}_grid_thw"]
+        patches = grid.prod(-1).tolist()
+        starts = [0]
+        for n in patches:
+            starts.append(starts[-1] + n)
+        get = model.get_image_features if kind == "image" else model.get_video_features
+        merge = model.config.vision_config.spatial_merge_size ** 2
+        return (lambda idx: get(torch.cat([pixels[starts[i]:starts[i + 1]] for i in idx]), grid[idx], return_dict=True),
+                [n // merge for n in patches], patches)
+    n, tokens = pixels.shape[0], int((kwargs["input_ids"] == model.config.image_token_id).sum())
+    if n == 0 or tokens % n:
+        return None
+    return lambda idx: model.get_image_features(pixel_values=pixels[idx], return_dict=True), [tokens // n] * n, [1] * n
+
+
+def _encode_once(model, topo: Topology, encode, tokens: list[int], work: list[int]) -> EncodedVisuals:
     """The features of every image (or video) of the batch, each encoded on one rank of the SP group
-    (``owners``, by patches) and all-gathered, differentiably: the backward sums every rank's use of
+    (``owners``, by ``work``) and all-gathered, differentiably: the backward sums every rank's use of
     them and hands each owner its items' gradients."""
-    vision = model.config.vision_config
-    levels = 1 + len(getattr(vision, "deepstack_visual_indexes", None) or ())
-    patches = grid.prod(-1).tolist()
-    tokens = [n // vision.spatial_merge_size ** 2 for n in patches]
-    owner = owners(patches, topo.sp_size)
-    starts = [0]
-    for n in patches:
-        starts.append(starts[-1] + n)
+    levels = 1 + len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
+    owner = owners(work, topo.sp_size)
     mine = [i for i, r in enumerate(owner) if r == topo.sp_rank]
-    encode = model.get_image_features if kind == "image" else model.get_video_features
     if mine:
-        out = encode(torch.cat([pixels[starts[i]:starts[i + 1]] for i in mine]), grid[mine], return_dict=True)
-        local = [torch.cat(out.pooler_output)] + [torch.cat(level) for level in (getattr(out, "deepstack_features", None) or [])]
-    else:  # nothing to encode here: zeros that still reach the vision tower, so its gradients exist (0) on every rank
-        anchor = sum(p.sum() for p in model.model.visual.parameters()) * 0
+        out = encode(mine)
+        local = [torch.cat(list(out.pooler_output))] + [torch.cat(level) for level in (getattr(out, "deepstack_features", None) or [])]
+    else:  # nothing to encode here: zeros that still reach the encoder, so its gradients exist (0) on every rank (DDP)
+        text = {id(p) for p in text_decoder(model).parameters()}
+        anchor = sum(p.sum() for p in model.parameters() if id(p) not in text and p.requires_grad) * 0
         local = [anchor.new_zeros(0, model.config.text_config.hidden_size) + anchor for _ in range(levels)]
     held = [sum(t for t, r in zip(tokens, owner) if r == rank) for rank in range(topo.sp_size)]
     width = max(held)
@@ -167,12 +176,15 @@ def _model_hook(topo: Topology, state: dict):
                 "gives the whole token ids, the images and the document boundaries"
             )
         state["cu_seqlens"] = kwargs.pop("cu_seq_lens_q", None)
-        if topo.sp_size > 1 and _encodes_by_grid(model) and kwargs.get("mm_encoder_outputs") is None:
-            encoded = {}
-            for kind, pixels in (("image", "pixel_values"), ("video", "pixel_values_videos")):
-                if kwargs.get(pixels) is not None:
-                    encoded[kind] = _encode_once(model, topo, kind, kwargs.pop(pixels), kwargs[f"{kind}_grid_thw"])
-            kwargs["mm_encoder_outputs"] = encoded or None
+        style = ENCODE_ONCE.get(model.config.model_type) if topo.sp_size > 1 and kwargs.get("mm_encoder_outputs") is None else None
+        encoded = {}
+        for kind, key in (("image", "pixel_values"), ("video", "pixel_values_videos")):
+            items = _items(model, style, kind, kwargs[key], kwargs) if style and kwargs.get(key) is not None else None
+            if items is not None:
+                del kwargs[key]
+                encoded[kind] = _encode_once(model, topo, *items)
+        if encoded:
+            kwargs["mm_encoder_outputs"] = encoded
         return args, kwargs
     return hook
 
