@@ -194,7 +194,7 @@ def _decoder_positions(model):
         handle.remove()
 
 
-def _one_process(model, docs, visuals, states) -> tuple[torch.Tensor, torch.Tensor]:
+def _one_process(model, docs, visuals, states) -> tuple[torch.Tensor, torch.Tensor, int]:
     """The loss of every document computed on its own (summed token losses over all targets), the
     positions its text decoder got, end to end, and the rows its vision tower encoded."""
     total, count, positions, encoded = 0, 0, [], 0
