@@ -82,6 +82,12 @@ def test_a_padding_mask_raises_before_any_collective():
         model(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).int(), **_qwen_visuals(["image"], g))
 
 
+def test_verify_refuses_an_image_text_model_by_name():
+    """It used to stop with an AttributeError (no num_hidden_layers on the composite config)."""
+    with pytest.raises(ValueError, match="verify_sequence_parallel builds text causal LMs; Qwen2VLConfig has a vision_config"):
+        usp.verify_sequence_parallel(_qwen2_vl(), Topology.for_planning(2))
+
+
 @pytest.mark.quick
 def test_a_block_overlay_mask_raises():
     """create_causal_mask(block_sequence_ids=...) (Gemma 3's and PaliGemma's image blocks, HRM's prefix)

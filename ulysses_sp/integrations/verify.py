@@ -329,6 +329,13 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
     """
     started = time.perf_counter()
     config = getattr(model_or_config, "config", model_or_config)
+    others = [name for name in ("vision_config", "audio_config") if getattr(config, name, None) is not None]
+    if others:  # before any collective: every rank refuses alike
+        raise ValueError(
+            f"verify_sequence_parallel builds text causal LMs; {type(config).__name__} has a {others[0]}: the image-text families "
+            "ulysses_sp switches (ulysses_sp.integrations.multimodal.TESTED) are checked against one process in its tests, and "
+            "verifying an image-text model with random images is not built yet"
+        )
     if shrink:
         config = shrink_config(config)
         _check_small(config)
