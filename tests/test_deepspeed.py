@@ -35,15 +35,12 @@ def test_drop_in_distributed_attention(ranks, world):
         assert r["vs_reference"] < 1e-12 and r["vs_deepspeed"] < 1e-12 and r["grad_scale"] > 1e-3, r
 
 
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CUDA accelerator builds no such op")
 def test_deepspeed_on_cpu_builds_no_shared_memory_op():
     """DeepSpeed's CPU accelerator would JIT-build its shared-memory all-reduce (g++, 30-140 s per
     install path) at every first init_distributed, behind a lock file that a rank killed mid-build
     leaves for every later start to wait on forever (a CI run hung so). Only its inference
     all-reduce uses the op; use_cpu_accelerator_if_needed turns the build off."""
-    import torch
-
-    if torch.cuda.is_available():
-        pytest.skip("the CUDA accelerator builds no such op")
     from deepspeed.comm.torch import build_shm_op
 
     from ulysses_sp.integrations.deepspeed import use_cpu_accelerator_if_needed

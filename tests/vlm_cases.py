@@ -272,8 +272,10 @@ def vlm_parity(env: Env, family: str, layout: str, packed: bool) -> dict:
             "params": len(errors)}
 
 
+PLACEMENTS = [("zigzag", False), ("zigzag", True), ("balanced", False), ("balanced", True), ("contiguous", True)]
+"""(layout, packed): contiguous packed only, where the third document's images straddle the boundary at every P."""
+
 for _family in FAMILIES:
-    for _layout in ("zigzag", "balanced"):
-        for _packed in (False, True):
-            case(f"vlm/{_family}/{_layout}{'-packed' if _packed else ''}", (2, 3, 4))(
-                lambda env, f=_family, lay=_layout, p=_packed: vlm_parity(env, f, lay, p))
+    for _layout, _packed in PLACEMENTS:
+        case(f"vlm/{_family}/{_layout}{'-packed' if _packed else ''}", (2, 3, 4))(
+            lambda env, f=_family, lay=_layout, p=_packed: vlm_parity(env, f, lay, p))
