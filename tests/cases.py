@@ -111,6 +111,15 @@ def run_case(rank: int, world: int, name: str):
     return fn(env)
 
 
+def library_backends_only(rank: int, world: int, names: tuple, fn, *args):
+    """``fn(rank, world, *args)`` with the backend registry holding only ``names`` (the pool puts it back after)."""
+    from ulysses_sp import registry
+
+    for name in set(registry._BACKENDS) - set(names):
+        del registry._BACKENDS[name]
+    return fn(rank, world, *args)
+
+
 def generator(name: str, offset: int = 0) -> torch.Generator:
     return torch.Generator().manual_seed(zlib.crc32(name.encode()) + offset)
 

@@ -1,13 +1,19 @@
 import itertools
+import json
+import os
 import queue
 import threading
 import time
 
 import pytest
 
+from ulysses_sp import registry
 from ulysses_sp.launch import RankFailure, RankPool
 
-from .cases import CASES, WORLDS, run_case
+LIBRARY_BACKENDS = tuple(registry.list_backends())
+"""The backends the library registers (before tests/cases.py's import registers the tests' own)."""
+
+from .cases import CASES, WORLDS, library_backends_only, run_case  # noqa: E402
 
 __all__ = ["WORLDS", "free_port", "values"]
 
@@ -107,7 +113,7 @@ class Ranks:
     def summary(self) -> list[str]:
         p = self.pool
         lines = [f"{p.world_size} ranks: {p.calls} calls in {sum(self.seconds.values()):.0f} s, {p.spawns} spawn(s), "
-                 f"{sum(self.cpu.values()):.0f} CPU s in the calls (every rank)"]
+                 f"{sum(self.cpu.values()):.0f} CPU s in the calls, {p.lifetime_cpu:.0f} in the ranks' lives (every rank)"]
         lines += [f"  ended early: {why}" for why in p.restarts]
         costliest = sorted(self.cpu.items(), key=lambda kv: -kv[1])[:8]
         return lines + [f"  {cpu:6.1f} CPU s {self.seconds[name]:6.1f} s  {name}" for name, cpu in costliest]
@@ -134,10 +140,33 @@ def pool(request):
     yield get
     for ranks in made.values():
         ranks.close()
+    if os.environ.get("USP_POOL_STATS"):  # every call's wall and CPU seconds, for finding where the time goes
+        with open(os.environ["USP_POOL_STATS"], "w") as f:
+            json.dump({w: {"seconds": r.seconds, "cpu": r.cpu} for w, r in made.items()}, f, indent=1)
     request.config.stash[POOLS] = [line for world in sorted(made) for line in made[world].summary()]
 
 
 POOLS = pytest.StashKey[list]()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item, nextitem):
+    """With USP_POOL_STATS set, each test's CPU seconds in this process and the children it waited
+    for (launchers, subprocesses), into ``config.stash[TESTS]``."""
+    if not os.environ.get("USP_POOL_STATS"):
+        yield
+        return
+    import resource
+
+    def cpu():
+        return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
+
+    start = cpu()
+    yield
+    item.config.stash.setdefault(TESTS, {})[item.nodeid] = cpu() - start
+
+
+TESTS = pytest.StashKey[dict]()
 
 
 def pytest_terminal_summary(terminalreporter, config):
@@ -146,6 +175,31 @@ def pytest_terminal_summary(terminalreporter, config):
         terminalreporter.write_sep("=", "pools of ranks")
         for line in config.stash[POOLS]:
             terminalreporter.write_line(line)
+    if config.stash.get(TESTS, None):
+        with open(os.environ["USP_POOL_STATS"] + ".tests.json", "w") as f:
+            json.dump(config.stash[TESTS], f, indent=1)
+
+
+@pytest.fixture(scope="module")
+def pooled_spawns(pool):
+    """``ulysses_sp.launch.run_ranks`` served by the session's pools while the module's tests run
+    (what sp-bench spawns for its ranks): the same call without the spawn and its imports. A call
+    asking for more than one thread a rank, or made under ``MALLOC_MMAP_THRESHOLD_`` (sp-bench's
+    memory pass, which needs fresh processes: libc reads it at start, and the peak resident set
+    of a pool rank is that of every case before), is spawned as before. The tests' own backends are
+    hidden from the call, as a spawned rank would not have them."""
+    from ulysses_sp import launch
+
+    spawn = launch.run_ranks
+
+    def run_ranks(fn, world_size, *args, timeout=240.0, collective_timeout=60.0, threads_per_rank=1):
+        if threads_per_rank != 1 or "MALLOC_MMAP_THRESHOLD_" in os.environ:
+            return spawn(fn, world_size, *args, timeout=timeout, collective_timeout=collective_timeout, threads_per_rank=threads_per_rank)
+        return pool(world_size).run(library_backends_only, LIBRARY_BACKENDS, fn, *args, timeout=min(timeout, CASE_TIMEOUT))
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(launch, "run_ranks", run_ranks)
+        yield
 
 
 @pytest.fixture(scope="session")
@@ -160,6 +214,39 @@ def values(results: Ranks, name: str) -> list:
     if isinstance(got, RankFailure):
         pytest.fail(f"case {name} raised:\n{got}")
     return got
+
+
+def _script_main(argv: list, env: dict, cwd: str, log: str, backends: tuple) -> None:
+    """``python argv...`` in a process forked from the pools' fork server: the environment, working
+    directory and arguments as given, stdout and stderr appended to ``log``, the tests' own backends
+    gone from the registry (a fresh interpreter would not have them)."""
+    import runpy
+    import sys
+
+    os.environ.clear()
+    os.environ.update(env)
+    os.chdir(cwd)
+    fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    for std in (1, 2):
+        os.dup2(fd, std)
+    for name in set(registry._BACKENDS) - set(backends):
+        del registry._BACKENDS[name]
+    sys.argv = list(argv)
+    runpy.run_path(argv[0], run_name="__main__")
+
+
+def warm_python(argv: list, *, env: dict, cwd: str, log: str):
+    """A started ``multiprocessing`` process that runs ``python *argv`` (a script) as a launcher's
+    rank would, without the seconds of a new interpreter's imports: torch, transformers, deepspeed
+    and the project come imported from the fork server. ``exitcode`` is the script's exit status
+    (negative: the signal that killed it); its output is in ``log``."""
+    import multiprocessing
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(list(PRELOAD))  # read only where the server has not started yet
+    proc = ctx.Process(target=_script_main, args=(list(argv), dict(env), cwd, log, LIBRARY_BACKENDS))
+    proc.start()
+    return proc
 
 
 def free_port() -> int:

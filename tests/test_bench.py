@@ -22,8 +22,11 @@ BACKENDS = ["ulysses", "allgather", "ring", "hybrid", "halo", "auto"]
 PEERS = ["peer:deepspeed", "peer:torch-ring", "peer:ring-flash-attn", "peer:yunchang"]
 
 
+pytestmark = pytest.mark.usefixtures("pooled_spawns")
+
+
 @pytest.fixture(scope="module")
-def bench(tmp_path_factory):
+def bench(tmp_path_factory, pooled_spawns):
     out = tmp_path_factory.mktemp("bench")
     args = ["run", "--nproc", "2", "--seq", "64,128", "--heads", "4", "--kv-heads", "2,q", "--head-dim", "8", "--window", "none,16",
             "--warmup", "0", "--repeat", "2", "--peers", "--check",

@@ -7,7 +7,7 @@ pytest.importorskip("transformers", reason="the hf extra is not installed")
 
 from ulysses_sp.job import Job, TrainConfig, memory_options, parse_args, precision_config, resolve_dtype, train  # noqa: E402
 
-from .conftest import free_port  # noqa: E402
+from .conftest import free_port, warm_python  # noqa: E402
 
 STEPS, SEQ = 8, 512
 
@@ -100,15 +100,27 @@ def test_resume_continues_with_the_identical_loss(sp2_losses, tmp_path, run_job,
     assert resumed[0] == sp2_losses[0][STEPS - 2 :]
 
 
-def _launch(root, port, *flags):
-    """train.py's two ranks as a launcher starts them (RANK, WORLD_SIZE, MASTER_*), rank 0's output piped."""
+def _launch(root, port, log, *flags):
+    """train.py's two ranks as a launcher starts them (RANK, WORLD_SIZE, MASTER_*), warm (tests/conftest.py's
+    ``warm_python``); rank 0's output appended to ``log``."""
     import os
-    import subprocess
-    import sys
 
     env = {**os.environ, "OMP_NUM_THREADS": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
-    return [subprocess.Popen([sys.executable, "train.py", *flags], cwd=root, stdout=subprocess.PIPE if r == 0 else subprocess.DEVNULL,
-                             stderr=subprocess.STDOUT, text=True, env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}) for r in range(2)]
+    return [warm_python(["train.py", *flags], env={**env, "RANK": str(r), "LOCAL_RANK": str(r)}, cwd=root, log=log if r == 0 else os.devnull)
+            for r in range(2)]
+
+
+def _lines(path, ranks, until: str, timeout: float) -> str:
+    """``path``'s text once a line starts with ``until`` (or every rank has ended, or ``timeout`` passed)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        text = path.read_text() if path.exists() else ""
+        if any(line.startswith(until) for line in text.splitlines()) or not any(rank.is_alive() for rank in ranks):
+            return text
+        time.sleep(0.05)
+    return text
 
 
 @pytest.mark.parametrize("engine", ["deepspeed", "fsdp2"])
@@ -125,20 +137,20 @@ def test_a_job_killed_with_sigkill_resumes_with_the_identical_losses(request, en
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     flags = ["--sp-size", "2", "--seq-len", str(SEQ), "--steps", str(STEPS), "--eval-samples", "4", "--save", str(tmp_path / "ckpt"),
              "--save-every", "1", "--metrics-file", str(tmp_path / "m.jsonl"), "--engine", engine]
-    ranks, seen = _launch(root, free_port(), *flags), []
-    for line in ranks[0].stdout:
-        seen.append(line)
-        if line.startswith("checkpoint step3 written"):
-            for rank in ranks:
-                os.kill(rank.pid, signal.SIGKILL)
-            break
+    killed, resumed = tmp_path / "killed.log", tmp_path / "resumed.log"
+    ranks = _launch(root, free_port(), str(killed), *flags)
+    seen = _lines(killed, ranks, "checkpoint step3 written", timeout=300)
+    assert "\ncheckpoint step3 written" in seen, seen[-3000:]
     for rank in ranks:
-        rank.wait(timeout=300)
-    assert [rank.returncode for rank in ranks] == [-signal.SIGKILL] * 2, "".join(seen)[-3000:]
-    ranks = _launch(root, free_port(), *flags, "--resume", "latest")
-    out = ranks[0].communicate(timeout=600)[0]
-    ranks[1].wait(timeout=60)
-    assert [rank.returncode for rank in ranks] == [0, 0], out[-3000:]
+        if rank.is_alive():
+            os.kill(rank.pid, signal.SIGKILL)
+        rank.join(timeout=60)
+    assert [rank.exitcode for rank in ranks] == [-signal.SIGKILL] * 2, seen[-3000:]
+    ranks = _launch(root, free_port(), str(resumed), *flags, "--resume", "latest")
+    for rank in ranks:
+        rank.join(timeout=600)
+    out = resumed.read_text()
+    assert [rank.exitcode for rank in ranks] == [0, 0], out[-3000:]
     assert "--resume: checkpoint step" in out, out[-3000:]
     with open(tmp_path / "m.jsonl") as f:
         steps = [json.loads(line) for line in f if '"loss"' in line]

@@ -260,6 +260,16 @@ def _pool_main(rank: int, world_size: int, tmp: str, conn, collective_timeout: f
     os._exit(0)
 
 
+def _process_cpu(pid: int) -> float:
+    """User and system CPU seconds of a live process and of its children it waited for (0 off Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return 0.0
+    return sum(int(v) for v in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+
+
 class RankPool:
     """``world_size`` gloo ranks started once and kept: ``run(fn, *args)`` is ``run_ranks(fn,
     world_size, *args)`` without the spawn, its imports and the process group's start. The ranks
@@ -282,9 +292,10 @@ class RankPool:
         module it cannot import is skipped."""
         self.world_size, self.collective_timeout, self.threads, self.preload = world_size, collective_timeout, threads_per_rank, preload
         self.procs, self.conns, self.tmp = [], [], None
-        self.spawns, self.calls, self.restarts, self.cpu = 0, 0, [], 0.0
-        """How often the ranks were spawned, how many calls ran, why each pool was ended early, and the
-        CPU seconds the ranks spent in the last call that returned (user and system, every rank)."""
+        self.spawns, self.calls, self.restarts, self.cpu, self.lifetime_cpu = 0, 0, [], 0.0, 0.0
+        """How often the ranks were spawned, how many calls ran, why each pool was ended early, the
+        CPU seconds the ranks spent in the last call that returned (user and system, every rank), and
+        those of the ended ranks' whole lives, idle time and waited-for children (a compiler) included."""
         self._generation = 0
 
     def _start(self, timeout: float) -> None:
@@ -366,6 +377,7 @@ class RankPool:
         for conn in self.conns:
             with contextlib.suppress(OSError):
                 conn.send_bytes(b"")
+        self.lifetime_cpu += sum(_process_cpu(p.pid) for p in self.procs)
         deadline = time.monotonic() + 5.0
         for p in self.procs:
             p.join(max(0.0, deadline - time.monotonic()))
