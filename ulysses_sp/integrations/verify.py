@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import time
 
 import torch
@@ -235,23 +236,57 @@ def _batch(config, seq_len: int, packed: bool, seed: int) -> dict:
     return out
 
 
-def _rounding_noise(ref, data, device) -> float:
-    """The largest relative change of any one-process gradient when the loss over the first and
-    the second half of the tokens are backpropagated apart and added: the rounding of the model's
-    own arithmetic under re-association, which is all SP changes when it is exact."""
+def _grads(ref, loss: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor | None]]:
+    """``loss`` and ``ref``'s gradients of it (None where a parameter gets none)."""
+    ref.zero_grad(set_to_none=True)
+    loss.backward()
+    grads = [None if p.grad is None else p.grad.detach().clone() for p in ref.parameters()]
+    ref.zero_grad(set_to_none=True)
+    return loss.detach(), grads
+
+
+def _noise_part(ref, data, device, part: str):
+    """The loss summed over the ``part`` (whole, first or second half) of the tokens, and its gradients."""
     ids, labels = data["input_ids"].to(device), data["labels"].to(device)
     losses = F.cross_entropy(ref(input_ids=ids).logits[0, :-1], labels[0, 1:], reduction="none")
     half = losses.numel() // 2
+    return _grads(ref, {"whole": losses, "first": losses[:half], "second": losses[half:]}[part].sum())
 
-    def grads(loss) -> list[torch.Tensor]:
-        ref.zero_grad(set_to_none=True)
-        loss.backward(retain_graph=True)
-        return [torch.zeros_like(p) if p.grad is None else p.grad.clone() for p in ref.parameters()]
 
-    whole, first, second = grads(losses.sum()), grads(losses[:half].sum()), grads(losses[half:].sum())
-    ref.zero_grad(set_to_none=True)
+def _rounding_noise(whole: list, first: list, second: list) -> float:
+    """The largest relative change of any one-process gradient when the loss over the first and
+    the second half of the tokens are backpropagated apart and added: the rounding of the model's
+    own arithmetic under re-association, which is all SP changes when it is exact."""
+    def dense(grads):
+        return [torch.zeros(()) if g is None else g for g in grads]
+
+    whole, first, second = dense(whole), dense(first), dense(second)
     floor = 1e-6 * max(g.abs().max().item() for g in whole)
     return max(_rel(a + b, w, floor) for a, b, w in zip(first, second, whole))
+
+
+def _spread(jobs: list, ref, topo) -> list:
+    """``[job() for job in jobs]``, each job run on one rank of the SP group (job i on rank
+    i % sp_size) and its result, a loss and ``ref``'s gradients, broadcast to the others: the
+    one-process references cost each rank a share of them instead of all (4 of 5 runs at P=4)."""
+    if topo.sp_size == 1:
+        return [job() for job in jobs]
+    params = list(ref.parameters())
+    me, out = dist.get_rank(topo.sp_group), []
+    for i, job in enumerate(jobs):
+        owner = i % topo.sp_size
+        flat = torch.empty(1 + len(params) + sum(p.numel() for p in params), dtype=torch.float64, device=topo.device)
+        if owner == me:
+            loss, grads = job()
+            flat.copy_(torch.cat([loss.reshape(1).double(), torch.tensor([g is not None for g in grads], dtype=torch.float64, device=flat.device)]
+                                 + [(torch.zeros_like(p) if g is None else g).flatten().double() for p, g in zip(params, grads)]))
+        dist.broadcast(flat, src=dist.get_global_rank(topo.sp_group, owner), group=topo.sp_group)
+        out.append(flat)
+    results = []
+    for flat in out:  # the reference model is fp64 throughout: the owner's values, bit for bit
+        loss, has, rest = flat[0], flat[1:1 + len(params)], flat[1 + len(params):].split([p.numel() for p in params])
+        results.append((loss, [g.view_as(p) if h else None for g, h, p in zip(rest, has.tolist(), params)]))
+    return results
 
 
 def _one_process_loss(ref, data, device) -> torch.Tensor:
@@ -276,16 +311,15 @@ def _rel(a, b, floor: float) -> float:
     return ((a - b).abs().max() / b.abs().max().clamp(min=floor)).item()
 
 
-def _one_run(ref, topo, data, backend, kernel, mixer) -> tuple[float, dict[str, float], dict[int, list[str]], dict[str, str]]:
+def _one_run(ref, topo, data, reference, backend, kernel, mixer) -> tuple[float, dict[str, float], dict[int, list[str]], dict[str, str]]:
+    """SP on a copy of ``ref``, against ``reference``: the one-process loss and gradients on ``data``."""
     import ulysses_sp as usp
 
     from .transformers import chosen_backends
 
     device = topo.device
     sp_model = copy.deepcopy(ref)
-    ref.zero_grad(set_to_none=True)
-    ref_loss = _one_process_loss(ref, data, device)
-    ref_loss.backward()
+    ref_loss, ref_grads = reference
 
     usp.apply_sequence_parallel(sp_model, topo, backend=backend, kernel=kernel, mixer=mixer)
     try:
@@ -297,13 +331,13 @@ def _one_run(ref, topo, data, backend, kernel, mixer) -> tuple[float, dict[str, 
         chosen, mixers = chosen_backends(sp_model), mixer_layers(sp_model)
         usp.remove_sequence_parallel(sp_model)
     grads = {}
-    for (name, p), p_ref in zip(sp_model.named_parameters(), ref.parameters()):
-        if p_ref.grad is None and p.grad is None:
+    for (name, p), ref_grad in zip(sp_model.named_parameters(), ref_grads):
+        if ref_grad is None and p.grad is None:
             continue
         grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
         if topo.sp_size > 1:
             dist.all_reduce(grad, group=topo.sp_group)  # the SP group's gradient is the sum of its ranks'
-        grads[name] = (grad, torch.zeros_like(p_ref) if p_ref.grad is None else p_ref.grad)
+        grads[name] = (grad, torch.zeros_like(p) if ref_grad is None else ref_grad)
     floor = 1e-6 * max(r.abs().max().item() for _, r in grads.values())
     errors = {name: _rel(grad, ref_grad, floor) for name, (grad, ref_grad) in grads.items()}
     return abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), errors, chosen, mixers
@@ -349,7 +383,12 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
         _no_randomness(ref)
     check_supported(ref, topo, mixer)  # a model SP does not cover is refused before anything runs
     seq_len = seq_len or 12 * topo.sp_size + 5
-    noise = _rounding_noise(ref, _batch(config, seq_len, False, seed + 1), topo.device)
+    batches = {is_packed: _batch(config, seq_len, is_packed, seed + 1) for is_packed in (False, *packed)}
+    jobs = [functools.partial(_noise_part, ref, batches[False], topo.device, part) for part in ("whole", "first", "second")]
+    jobs += [functools.partial(lambda data: _grads(ref, _one_process_loss(ref, data, topo.device)), batches[is_packed]) for is_packed in packed]
+    done = _spread(jobs, ref, topo)
+    noise = _rounding_noise(*(grads for _, grads in done[:3]))
+    references = dict(zip(packed, done[3:]))
     if tolerance is None:
         tolerance = max(1e-6, 10 * noise)
     if isinstance(backend, (list, tuple)):  # one name per layer: the copy keeps a prefix of the layers
@@ -357,7 +396,7 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
     loss_error, grad_errors, backends, mixers = {}, {}, {}, {}
     for is_packed in packed:
         run = "packed" if is_packed else "unpacked"
-        loss_error[run], grad_errors[run], chosen, mixers = _one_run(ref, topo, _batch(config, seq_len, is_packed, seed + 1), backend, kernel, mixer)
+        loss_error[run], grad_errors[run], chosen, mixers = _one_run(ref, topo, batches[is_packed], references[is_packed], backend, kernel, mixer)
         for layer, names in chosen.items():
             backends[layer] = sorted(set(backends.get(layer, [])) | set(names))
     report = VerifyReport(type(ref).__name__, topo.sp_size, config.num_hidden_layers, loss_error, grad_errors, backends, mixers,
