@@ -41,12 +41,12 @@ from ..tasks import KEY_LENGTH, PAD_ID, VOCAB_SIZE
 from ..tiling import compile_layers
 from ..topology import init_sequence_parallel
 from . import checkpoint, corpus
-from .config import JobError, TrainConfig, check_launch, job_layout, memory_options, parse_args
+from .config import JobError, TrainConfig, check_launch, job_layout, memory_options
 from .ds_config import load_ds_config, resolve_ds_config
 from .export import export_hf
 from .metrics import MetricsFile, count_params, flops_per_token, peak_tflops
 
-__all__ = ["Job", "train", "main", "default_model_config"]
+__all__ = ["Job", "train", "default_model_config"]
 
 
 def default_model_config():
@@ -500,11 +500,3 @@ def train(cfg: TrainConfig) -> list[float]:
     job.close()
     return losses
 
-
-def main(argv=None) -> None:
-    cfg = parse_args(argv)
-    try:
-        train(cfg)
-    except JobError as e:
-        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
-        sys.exit(2)
