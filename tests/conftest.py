@@ -38,7 +38,7 @@ QUICK = pytest.StashKey[dict]()
 WHOLE = pytest.StashKey[bool]()
 """Whether the session runs the whole suite (no file, node, ``-k`` or ``-m`` chosen): then every case will be asked for."""
 
-PRELOAD = ("torch", "ulysses_sp", "transformers", "deepspeed", "tests.cases")
+PRELOAD = ("torch", "ulysses_sp", "transformers", "deepspeed", "tests.cases", "transformers.trainer", "torch._inductor.compile_fx")
 """What the pools' fork server imports once (the ranks are forked from it: 0.02 CPU s a rank, not
 the 5 s of a spawned rank's imports); one missing is skipped by the server."""
 

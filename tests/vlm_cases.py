@@ -213,18 +213,32 @@ def _one_process(model, docs, visuals, states) -> tuple[torch.Tensor, torch.Tens
     return total / count, torch.cat([p.expand(axes, *p.shape) if axes and p.dim() == 2 else p for p in positions], dim=-1), encoded
 
 
+_REFERENCES: dict = {}
+"""(family, world, packed) -> the one-process run every layout of it is compared with, kept by the
+rank for the next layout's case (the model, its data and gradients do not depend on the layout)."""
+
+
+def _reference(family: str, world: int, packed: bool) -> tuple:
+    key = (family, world, packed)
+    if key not in _REFERENCES:
+        make, visuals, videos = FAMILIES[family]
+        torch.manual_seed(0)
+        ref = make().double()
+        g = torch.Generator().manual_seed(1)
+        docs = _documents(world, videos, packed, g)
+        states = []
+        for _, kinds in docs:  # each document's pixels from its own generator state: the same in the row and alone
+            states.append(g.get_state())
+            visuals(kinds, g)
+        ref_loss, ref_positions, ref_encoded = _one_process(ref, docs, visuals, states)
+        ref_loss.backward()
+        _REFERENCES[key] = ref, docs, states, ref_loss.detach(), ref_positions, ref_encoded
+    return _REFERENCES[key]
+
+
 def vlm_parity(env: Env, family: str, layout: str, packed: bool) -> dict:
-    make, visuals, videos = FAMILIES[family]
-    torch.manual_seed(0)
-    ref = make().double()
-    g = torch.Generator().manual_seed(1)
-    docs = _documents(env.world, videos, packed, g)
-    states = []
-    for _, kinds in docs:  # each document's pixels from its own generator state: the same in the row and alone
-        states.append(g.get_state())
-        visuals(kinds, g)
-    ref_loss, ref_positions, ref_encoded = _one_process(ref, docs, visuals, states)
-    ref_loss.backward()
+    visuals = FAMILIES[family][1]
+    ref, docs, states, ref_loss, ref_positions, ref_encoded = _reference(family, env.world, packed)
 
     model = copy.deepcopy(ref)
     model.zero_grad(set_to_none=True)

@@ -225,7 +225,6 @@ def _drop_groups(before: set) -> None:
 
 def _pool_main(rank: int, world_size: int, tmp: str, conn, collective_timeout: float, threads: int) -> None:
     _rank_setup(rank, world_size, threads)
-    os.environ.setdefault("TORCHINDUCTOR_COMPILE_THREADS", str(threads))  # no pool of compile workers per rank
     try:
         _init_group(tmp, "store0", rank, world_size, collective_timeout)
         import ulysses_sp  # noqa: F401  (what every call uses, imported before the baseline is taken)
