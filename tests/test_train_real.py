@@ -126,7 +126,7 @@ def _jobs(rank, world, files, out):
 
 
 def _job_error(cfg) -> str:
-    from ulysses_sp.job import Job, JobError
+    from ulysses_sp.job import JobError
 
     try:
         job, _ = _run_job(cfg)
