@@ -268,7 +268,8 @@ def _rounding_noise(whole: list, first: list, second: list) -> float:
 def _spread(jobs: list, ref, topo) -> list:
     """``[job() for job in jobs]``, each job run on one rank of the SP group (job i on rank
     i % sp_size) and its result, a loss and ``ref``'s gradients, broadcast to the others: the
-    one-process references cost each rank a share of them instead of all (4 of 5 runs at P=4)."""
+    one-process references cost each rank a share of them instead of all five (at P=4: two on
+    one rank, one on each other)."""
     if topo.sp_size == 1:
         return [job() for job in jobs]
     params = list(ref.parameters())
