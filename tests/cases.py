@@ -111,12 +111,17 @@ def run_case(rank: int, world: int, name: str):
     return fn(env)
 
 
-def library_backends_only(rank: int, world: int, names: tuple, fn, *args):
-    """``fn(rank, world, *args)`` with the backend registry holding only ``names`` (the pool puts it back after)."""
+def keep_backends(names) -> None:
+    """Drop every registered backend but ``names`` (the library's: what a fresh interpreter has)."""
     from ulysses_sp import registry
 
     for name in set(registry._BACKENDS) - set(names):
         del registry._BACKENDS[name]
+
+
+def library_backends_only(rank: int, world: int, names: tuple, fn, *args):
+    """``fn(rank, world, *args)`` with the backend registry holding only ``names`` (the pool puts it back after)."""
+    keep_backends(names)
     return fn(rank, world, *args)
 
 

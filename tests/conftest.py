@@ -13,7 +13,7 @@ from ulysses_sp.launch import RankFailure, RankPool
 LIBRARY_BACKENDS = tuple(registry.list_backends())
 """The backends the library registers (before tests/cases.py's import registers the tests' own)."""
 
-from .cases import CASES, WORLDS, library_backends_only, run_case  # noqa: E402
+from .cases import CASES, WORLDS, keep_backends, library_backends_only, run_case  # noqa: E402
 
 __all__ = ["WORLDS", "free_port", "values"]
 
@@ -229,8 +229,7 @@ def _script_main(argv: list, env: dict, cwd: str, log: str, backends: tuple) -> 
     fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND)
     for std in (1, 2):
         os.dup2(fd, std)
-    for name in set(registry._BACKENDS) - set(backends):
-        del registry._BACKENDS[name]
+    keep_backends(backends)
     sys.argv = list(argv)
     runpy.run_path(argv[0], run_name="__main__")
 

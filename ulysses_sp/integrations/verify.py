@@ -276,11 +276,12 @@ def _spread(jobs: list, ref, topo) -> list:
     me, out = dist.get_rank(topo.sp_group), []
     for i, job in enumerate(jobs):
         owner = i % topo.sp_size
-        flat = torch.empty(1 + len(params) + sum(p.numel() for p in params), dtype=torch.float64, device=topo.device)
-        if owner == me:
+        if owner == me:  # [loss, whether each parameter has a gradient, the gradients]
             loss, grads = job()
-            flat.copy_(torch.cat([loss.reshape(1).double(), torch.tensor([g is not None for g in grads], dtype=torch.float64, device=flat.device)]
-                                 + [(torch.zeros_like(p) if g is None else g).flatten().double() for p, g in zip(params, grads)]))
+            flat = torch.cat([loss.reshape(1).double(), torch.tensor([g is not None for g in grads], dtype=torch.float64, device=topo.device)]
+                             + [(torch.zeros_like(p) if g is None else g).flatten().double() for p, g in zip(params, grads)])
+        else:
+            flat = torch.empty(1 + len(params) + sum(p.numel() for p in params), dtype=torch.float64, device=topo.device)
         dist.broadcast(flat, src=dist.get_global_rank(topo.sp_group, owner), group=topo.sp_group)
         out.append(flat)
     results = []
