@@ -404,6 +404,39 @@ def all_to_all(x: torch.Tensor, group, scatter_dim: int, gather_dim: int) -> tor
     return _AllToAll.apply(x, group, scatter_dim, gather_dim)
 
 
+def _rows_to_raw(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    out = x.new_empty((sum(recv),) + tuple(x.shape[1:]))
+    with _failing_clearly("all_to_all_rows", group):
+        dist.all_to_all_single(out, x.contiguous(), recv, send, group=group)
+    row = x.shape[1:].numel() * x.element_size()
+    me = dist.get_rank(group)
+    _record("all_to_all_rows", (sum(send) - send[me]) * row, (sum(recv) - recv[me]) * row)
+    return out
+
+
+class _RowsTo(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, send, recv, group):
+        ctx.counts, ctx.group = (send, recv), group
+        return _rows_to_raw(x, send, recv, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, recv = ctx.counts
+        return _rows_to_raw(grad, recv, send, ctx.group), None, None, None
+
+
+def rows_to_ranks(x: torch.Tensor, send: list[int], recv: list[int], group) -> torch.Tensor:
+    """Uneven all-to-all of rows: ``x``'s first ``send[0]`` rows go to rank 0, the next ``send[1]``
+    to rank 1, ...; the result holds ``recv[i]`` rows from each rank ``i`` in rank order (every
+    rank's ``send`` to this one). Differentiable: the backward sends each row's gradient back."""
+    if len(recv) != len(send) or sum(send) != x.shape[0] or len(send) != (1 if len(send) == 1 else group_size(group)):
+        raise ValueError(f"rows_to_ranks: {x.shape[0]} rows cannot be sent as {send}, receiving {recv}")
+    if len(send) == 1:
+        return x
+    return _RowsTo.apply(x, list(send), list(recv), group)
+
+
 class _GatherScatter(torch.autograd.Function):
     """``gather=True``: all-gather along ``dim``; False: reduce-scatter. Each is the other's backward."""
 

@@ -19,6 +19,7 @@ gradient either way.
 
 from __future__ import annotations
 
+import inspect
 import re
 from dataclasses import dataclass
 
@@ -28,18 +29,16 @@ from torch import nn
 from transformers.utils import ModelOutput
 
 from .. import comm
+from .. import layout as _layout
 from ..data import shard_sequence
 from ..topology import Topology
 from . import coverage
 
-__all__ = ["ENCODE_ONCE", "TESTED", "decoder_to_switch", "is_split", "text_decoder", "split_at_decoder", "unsplit"]
+__all__ = ["STYLES", "TESTED", "decoder_to_switch", "is_split", "text_decoder", "split_at_decoder", "unsplit"]
 
 _HOOKS = "_ulysses_sp_multimodal"
 
 
-TESTED = ("llava", "qwen2_5_vl", "qwen2_vl", "qwen3_vl", "qwen3_vl_moe", "smolvlm")
-"""``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact; the
-others are refused by name until a test holds them too."""
 _AUDIO = re.compile(r"^audio_|^input_features$|^input_values$")
 
 
@@ -77,16 +76,6 @@ def _per_document(position_ids: torch.Tensor, cu_seqlens: torch.Tensor) -> torch
     return position_ids - position_ids.index_select(-1, first)
 
 
-def _deepstack(visual_bs: torch.Tensor, features: list, topo: Topology, cu) -> tuple[torch.Tensor, list]:
-    """This rank's part of Qwen3-VL's visual-token mask ``[B, S]`` and of each deepstack level's
-    features (one row per visual token, in the mask's row-major order)."""
-    index_bs = torch.full(visual_bs.shape, -1, dtype=torch.long, device=visual_bs.device)
-    index_bs[visual_bs] = torch.arange(int(visual_bs.sum()), device=visual_bs.device)
-    local_bs = shard_sequence(index_bs, topo, dim=1, cu_seqlens=cu)
-    held = local_bs[local_bs >= 0]
-    return local_bs >= 0, [rows.index_select(0, held.to(rows.device)) for rows in features]
-
-
 def owners(work: list[int], ranks: int) -> list[int]:
     """The rank that encodes each image or video: the most work first, each to the least loaded rank
     (ties: the lowest), the same on every rank."""
@@ -99,23 +88,29 @@ def owners(work: list[int], ranks: int) -> list[int]:
 
 @dataclass
 class EncodedVisuals(ModelOutput):
-    """What a Qwen model's ``mm_encoder_outputs[kind]`` takes: one feature tensor per item, and
-    Qwen3-VL's deepstack features (per level, one tensor per item)."""
+    """What ``mm_encoder_outputs[kind]`` takes in every tested family: the features of this rank's
+    tokens of that kind, and Qwen3-VL's deepstack features (per level)."""
 
     pooler_output: tuple | None = None
     deepstack_features: list | None = None
 
 
-ENCODE_ONCE = {"qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "llava": "images"}
-"""The families whose images (and videos) each rank of an SP group encodes a share of: rows of patches
-with a ``*_grid_thw`` per item (Qwen), or one image per row of ``pixel_values`` (LLaVA). The others
-run their vision tower on every image on every rank."""
+STYLES = {"qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "llava": "images", "smolvlm": "images"}
+"""How a family's visual inputs split into items (images, videos): rows of patches with a
+``*_grid_thw`` per item (Qwen), or one image per ``[C, H, W]`` of ``pixel_values`` (LLaVA's
+``[N, ...]``, SmolVLM's ``[B, N, ...]`` with ``pixel_attention_mask``; all-zero padding images dropped)."""
+TESTED = tuple(sorted(STYLES))
+"""``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact; the
+others are refused by name until a test holds them too."""
+_PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
+_SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask")
 
 
-def _items(model, style: str, kind: str, pixels: torch.Tensor, kwargs: dict):
-    """(encode a list of item indices, each item's feature tokens, each item's work), or None when
-    the items cannot be told apart (LLaVA's image tokens not an equal share per image)."""
-    if style == "grid":
+def _items(model, kind: str, kwargs: dict, tokens: int):
+    """(encode a list of item indices, each item's feature tokens, each item's work). Items whose
+    tokens cannot be told apart (an uneven share per image) are encoded as one."""
+    pixels = kwargs[_PIXELS[kind]]
+    if STYLES[model.config.model_type] == "grid":
         grid = kwargs[f"{kind}_grid_thw"]
         patches = grid.prod(-1).tolist()
         starts = [0]
@@ -125,35 +120,64 @@ def _items(model, style: str, kind: str, pixels: torch.Tensor, kwargs: dict):
         merge = model.config.vision_config.spatial_merge_size ** 2
         return (lambda idx: get(torch.cat([pixels[starts[i]:starts[i + 1]] for i in idx]), grid[idx], return_dict=True),
                 [n // merge for n in patches], patches)
-    n, tokens = pixels.shape[0], int((kwargs["input_ids"] == model.config.image_token_id).sum())
-    if n == 0 or tokens % n:
-        return None
-    return lambda idx: model.get_image_features(pixel_values=pixels[idx], return_dict=True), [tokens // n] * n, [1] * n
+    flat = pixels.flatten(0, pixels.dim() - 4)  # [N, C, H, W]
+    mask = kwargs.get("pixel_attention_mask")
+    real = [i for i in range(flat.shape[0]) if bool(flat[i].any())]
+
+    def encode(idx):
+        picked = flat[[real[i] for i in idx]]
+        extra = {} if mask is None else {"pixel_attention_mask": mask.flatten(0, mask.dim() - 3)[[real[i] for i in idx]][None]}
+        return model.get_image_features(pixel_values=picked[None] if pixels.dim() == 5 else picked, return_dict=True, **extra)
+
+    if not real or tokens % len(real):
+        return (lambda idx: encode(list(range(len(real))))), [tokens], [1]
+    return encode, [tokens // len(real)] * len(real), [1] * len(real)
 
 
-def _encode_once(model, topo: Topology, encode, tokens: list[int], work: list[int]) -> EncodedVisuals:
-    """The features of every image (or video) of the batch, each encoded on one rank of the SP group
-    (``owners``, by ``work``) and all-gathered, differentiably: the backward sums every rank's use of
-    them and hands each owner its items' gradients."""
-    levels = 1 + len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
+def _encode(model, topo: Topology, encode, tokens: list[int], work: list[int]) -> tuple[torch.Tensor, list[int]]:
+    """This rank's share of the items (``owners`` by ``work``), encoded: one row per feature token,
+    Qwen3-VL's deepstack levels beside the features (``[rows, levels * H]``), and which rank owns each item."""
     owner = owners(work, topo.sp_size)
     mine = [i for i, r in enumerate(owner) if r == topo.sp_rank]
     if mine:
         out = encode(mine)
-        local = [torch.cat(list(out.pooler_output))] + [torch.cat(level) for level in (getattr(out, "deepstack_features", None) or [])]
-    else:  # nothing to encode here: zeros that still reach the encoder, so its gradients exist (0) on every rank (DDP)
-        text = {id(p) for p in text_decoder(model).parameters()}
-        anchor = sum(p.sum() for p in model.parameters() if id(p) not in text and p.requires_grad) * 0
-        local = [anchor.new_zeros(0, model.config.text_config.hidden_size) + anchor for _ in range(levels)]
-    held = [sum(t for t, r in zip(tokens, owner) if r == rank) for rank in range(topo.sp_size)]
-    width = max(held)
-    gathered = [comm.all_gather(F.pad(x, (0, 0, 0, width - x.shape[0])), topo.sp_group, dim=0) for x in local]
-    offset, features = [0] * topo.sp_size, [[] for _ in range(levels)]
-    for t, r in zip(tokens, owner):
-        for level, full in zip(features, gathered):
-            level.append(full[r * width + offset[r]:r * width + offset[r] + t])
-        offset[r] += t
-    return EncodedVisuals(pooler_output=tuple(features[0]), deepstack_features=[tuple(f) for f in features[1:]] or None)
+        levels = [out.pooler_output] + list(getattr(out, "deepstack_features", None) or [])
+        return torch.cat([x if isinstance(x, torch.Tensor) else torch.cat(list(x)) for x in levels], dim=-1), owner
+    # nothing to encode here: no rows, but still the encoder's, so its gradients exist (0) on every rank (DDP)
+    text = {id(p) for p in text_decoder(model).parameters()}
+    anchor = sum(p.sum() for p in model.parameters() if id(p) not in text and p.requires_grad) * 0
+    levels = 1 + len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
+    return anchor.new_zeros(0, levels * model.config.text_config.hidden_size) + anchor, owner
+
+
+def _to_holders(model, topo: Topology, kind: str, kwargs: dict, token_bs: torch.Tensor, cu) -> EncodedVisuals:
+    """The features of this rank's tokens of ``kind`` (in its local order), each item encoded once
+    in the SP group and its rows sent to the ranks that hold its tokens (``comm.rows_to_ranks``)."""
+    index_bs = torch.full(token_bs.shape, -1, dtype=torch.long)
+    index_bs[token_bs.cpu()] = torch.arange(int(token_bs.sum()))
+    encode, tokens, work = _items(model, kind, kwargs, int(token_bs.sum()))
+    local, owner = _encode(model, topo, encode, tokens, work)
+    item = torch.repeat_interleave(torch.arange(len(tokens)), torch.tensor(tokens))  # each feature token's item
+    row = torch.zeros(len(tokens), dtype=torch.long)  # an item's first row in its owner's encoded rows
+    load = [0] * topo.sp_size
+    for i, r in enumerate(owner):
+        row[i], load[r] = load[r], load[r] + tokens[i]
+    starts = torch.cumsum(torch.tensor([0] + tokens[:-1]), 0)
+    holder_of = torch.tensor(owner)[item]
+    needs = []  # each rank's feature tokens, in its local order
+    for rank in range(topo.sp_size):
+        held = _layout.shard(index_bs, topo.layout, topo.sp_size, rank, dim=1, cu_seqlens=cu).flatten()
+        needs.append(held[held >= 0])
+    sent = [need[holder_of[need] == topo.sp_rank] for need in needs]  # what this rank sends each rank
+    mine = needs[topo.sp_rank]
+    got = [int((holder_of[mine] == r).sum()) for r in range(topo.sp_size)]
+    rows = torch.cat(sent)
+    rows = row[item[rows]] + rows - starts[item[rows]]
+    received = comm.rows_to_ranks(local.index_select(0, rows.to(local.device)), [len(s) for s in sent], got, topo.sp_group)
+    order = torch.argsort(holder_of[mine], stable=True)  # received rows come by sender, each sender's in local order
+    features = received.index_select(0, torch.argsort(order).to(received.device))
+    levels = features.chunk(features.shape[-1] // model.config.text_config.hidden_size, dim=-1)
+    return EncodedVisuals(pooler_output=(levels[0],), deepstack_features=[(x,) for x in levels[1:]] or None)
 
 
 def _check_mask(mask, who: str) -> None:
@@ -166,54 +190,75 @@ def _check_mask(mask, who: str) -> None:
         )
 
 
+def _whole_positions(model, kwargs: dict) -> torch.Tensor:
+    """The positions the model would number the whole row with: Qwen's multimodal RoPE
+    (``[3 or 4, B, S]``, from its own ``compute_3d_position_ids``), else ``[B, S]`` from 0."""
+    ids = kwargs["input_ids"]
+    compute = getattr(getattr(model, "model", None), "compute_3d_position_ids", None)
+    positions = None
+    if compute is not None:
+        named = [p.name for p in inspect.signature(compute).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
+        positions = compute(**{name: kwargs.get(name) if name != "attention_mask" else None for name in named})
+    return torch.arange(ids.shape[1], device=ids.device).expand(ids.shape) if positions is None else positions
+
+
 def _model_hook(topo: Topology, state: dict):
+    """Before any collective: the checks. Then the whole row's positions, this rank's shard of every
+    ``[B, S]`` input and the features of its image and video tokens (``_to_holders``)."""
     def hook(model, args, kwargs):
-        _check_mask(kwargs.get("attention_mask"), f"{type(model).__name__} was given")  # before the encoders' collectives
+        who = type(model).__name__
+        _check_mask(kwargs.pop("attention_mask", None), f"{who} was given")
         if kwargs.get("position_ids") is not None:
             raise ValueError(
-                f"{type(model).__name__} under sequence parallelism numbers its positions itself on the whole sequence "
+                f"{who} under sequence parallelism numbers its positions itself on the whole sequence "
                 "(multimodal RoPE included); pass no position_ids: ulysses_sp.model_inputs(ulysses_sp.shard_batch(batch, topo)) "
                 "gives the whole token ids, the images and the document boundaries"
             )
-        state["cu_seqlens"] = kwargs.pop("cu_seq_lens_q", None)
-        style = ENCODE_ONCE.get(model.config.model_type) if topo.sp_size > 1 and kwargs.get("mm_encoder_outputs") is None else None
-        encoded = {}
-        for kind, key in (("image", "pixel_values"), ("video", "pixel_values_videos")):
-            items = _items(model, style, kind, kwargs[key], kwargs) if style and kwargs.get(key) is not None else None
-            if items is not None:
-                del kwargs[key]
-                encoded[kind] = _encode_once(model, topo, *items)
-        if encoded:
-            kwargs["mm_encoder_outputs"] = encoded
-        return args, kwargs
-    return hook
-
-
-def _decoder_hook(topo: Topology, state: dict):
-    def hook(decoder, args, kwargs):
-        embeds = kwargs.get("inputs_embeds")
-        if args or embeds is None:
-            raise ValueError(f"{type(decoder).__name__} must be called with inputs_embeds by keyword under sequence parallelism")
-        b, s = embeds.shape[:2]
-        cu_seqlens = state.pop("cu_seqlens", None)
+        ids = kwargs.get("input_ids")
+        if args or ids is None or any(kwargs.get(k) is not None for k in ("inputs_embeds", "labels", "mm_encoder_outputs")):
+            raise ValueError(
+                f"{who} under sequence parallelism takes the whole row's input_ids and images by keyword, and no inputs_embeds, "
+                "mm_encoder_outputs or labels (the loss is ulysses_sp.sp_cross_entropy's on the shard_batch's shift_labels)"
+            )
+        b, s = ids.shape
+        cu_seqlens = kwargs.pop("cu_seq_lens_q", None)
         if cu_seqlens is None and topo.layout == "balanced":
             cu_seqlens = torch.tensor([0, s], dtype=torch.int32)
         cu = None if cu_seqlens is None else [int(x) for x in cu_seqlens]
         if cu is not None and cu[-1] != s:
             raise ValueError(f"cu_seq_lens_q ends at {cu[-1]}, the sequence has {s} tokens: pass the whole row's document boundaries")
-        _check_mask(kwargs.get("attention_mask"), f"{type(decoder).__name__} was handed")
-        kwargs["attention_mask"] = None
-        positions = kwargs.get("position_ids")
-        if positions is None:
-            positions = torch.arange(s, device=embeds.device).expand(b, s)
+        _layout.check_seq_len(s, topo.layout, topo.sp_size)
+        positions = _whole_positions(model, kwargs)
         if cu is not None:
             positions = _per_document(positions, cu_seqlens)
-            kwargs["cu_seq_lens_q"] = cu_seqlens
-        kwargs["inputs_embeds"] = shard_sequence(embeds, topo, dim=1, cu_seqlens=cu)
+        encoded = {}
+        for kind, token in (("image", "image_token_id"), ("video", "video_token_id")):
+            if kwargs.get(_PIXELS[kind]) is not None:
+                encoded[kind] = _to_holders(model, topo, kind, kwargs, ids == getattr(model.config, token), cu)
+        for key in _SPENT if encoded else ():
+            kwargs.pop(key, None)
+        if encoded:
+            kwargs["mm_encoder_outputs"] = encoded
+        for key, value in kwargs.items():
+            if isinstance(value, torch.Tensor) and value.shape == (b, s):
+                kwargs[key] = shard_sequence(value, topo, dim=1, cu_seqlens=cu)
         kwargs["position_ids"] = shard_sequence(positions, topo, dim=positions.dim() - 1, cu_seqlens=cu)
-        if kwargs.get("visual_pos_masks") is not None:  # Qwen3-VL's deepstack: features added at the visual tokens
-            kwargs["visual_pos_masks"], kwargs["deepstack_visual_embeds"] = _deepstack(
-                kwargs["visual_pos_masks"], kwargs.get("deepstack_visual_embeds") or [], topo, cu)
+        state["cu_seqlens"] = cu_seqlens
+        return args, kwargs
+    return hook
+
+
+def _decoder_hook(topo: Topology, state: dict):
+    """The document boundaries (or the balanced layout's placement) for the decoder's attention,
+    which the model would also have handed its vision tower."""
+    def hook(decoder, args, kwargs):
+        if "cu_seqlens" not in state:
+            raise ValueError(f"{type(decoder).__name__} of a model split by ulysses_sp runs inside that model's forward, not alone")
+        _check_mask(kwargs.get("attention_mask"), f"{type(decoder).__name__} was handed")
+        kwargs["attention_mask"] = None
+        cu_seqlens = state.pop("cu_seqlens")
+        if cu_seqlens is not None:
+            kwargs["cu_seq_lens_q"] = cu_seqlens
         return args, kwargs
     return hook
 
