@@ -541,6 +541,26 @@ def comm_gather_scatter(env: Env) -> dict:
     }
 
 
+@case("comm/rows_to_ranks", worlds=(2, 3, 4))
+def comm_rows_to_ranks(env: Env) -> dict:
+    """Rank i sends i + j rows of width 3 to rank j (none from rank 0 to itself); forward, backward, bytes."""
+    topo, p, r = env.topo(), env.world, env.rank
+    send = [r + j for j in range(p)]
+    x = _rank_tensor("rows", r, (sum(send), 3)).requires_grad_()
+    with usp.CommCounter() as c:
+        y = comm.rows_to_ranks(x, send, [i + r for i in range(p)], topo.sp_group)
+    expected = torch.cat([_rank_tensor("rows", i, (sum(i + j for j in range(p)), 3)).split([i + j for j in range(p)])[r] for i in range(p)])
+    with usp.CommCounter() as back:
+        (y * _rank_tensor("rows-w", r, y.shape)).sum().backward()
+    weights = [_rank_tensor("rows-w", j, (sum(i + j for i in range(p)), 3)).split([i + j for i in range(p)]) for j in range(p)]
+    return {
+        "err": max_err(y, expected),
+        "grad_err": max_err(x.grad, torch.cat([weights[j][r] for j in range(p)])),
+        "bytes": (c.by_op["all_to_all_rows"].sent, c.by_op["all_to_all_rows"].recv, back.bytes_sent, back.bytes_recv),
+        "expected": ((sum(send) - 2 * r) * 24, (sum(i + r for i in range(p)) - 2 * r) * 24),
+    }
+
+
 @case("comm/ring_send_recv", worlds=(2, 3, 4))
 def comm_ring(env: Env) -> dict:
     topo, p, r = env.topo(), env.world, env.rank

@@ -98,6 +98,15 @@ def test_all_gather_and_reduce_scatter(ranks, world):
 
 
 @pytest.mark.parametrize("world", MULTI)
+def test_rows_to_ranks(ranks, world):
+    """The uneven all-to-all that sends each image's features to the ranks holding its tokens."""
+    for r in values(ranks(world), "comm/rows_to_ranks"):
+        assert r["err"] == 0 and r["grad_err"] == 0, r
+        sent, recv = r["expected"]
+        assert r["bytes"] == (sent, recv, recv, sent), r  # the backward sends each row's gradient back
+
+
+@pytest.mark.parametrize("world", MULTI)
 def test_ring_send_recv(ranks, world):
     for r in values(ranks(world), "comm/ring_send_recv"):
         assert r["err"] == 0

@@ -25,12 +25,12 @@ TOKENS = 16
 """Tokens per image (and per video) in every family here."""
 
 
-def _qwen2_vl():
+def _qwen2_vl(hidden: int = 32):
     import transformers
 
     cfg = transformers.Qwen2VLConfig(
-        text_config=dict(TEXT, rope_scaling={"type": "mrope", "mrope_section": [1, 1, 2]}),
-        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
+        text_config=dict(TEXT, hidden_size=hidden, rope_scaling={"type": "mrope", "mrope_section": [hidden // 32, hidden // 32, hidden // 16]}),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=hidden, num_heads=4, mlp_ratio=2, patch_size=4, spatial_merge_size=2,
                            temporal_patch_size=2),
         image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START, vision_end_token_id=END)
     return transformers.Qwen2VLForConditionalGeneration(cfg)
@@ -293,3 +293,37 @@ for _family in FAMILIES:
     for _layout, _packed in PLACEMENTS:
         case(f"vlm/{_family}/{_layout}{'-packed' if _packed else ''}", (2, 3, 4))(
             lambda env, f=_family, lay=_layout, p=_packed: vlm_parity(env, f, lay, p))
+
+
+HIDDEN = 512
+"""The text width of the embed-memory case: wide enough that the row's embeddings, not the tiny vision tower, dominate."""
+
+
+def embed_memory_row(images: int, g: torch.Generator) -> dict:
+    """A row of ``images`` images of 16 tokens, each after 14 text tokens and between Qwen's markers,
+    with labels and token types."""
+    ids = []
+    for _ in range(images):
+        ids += torch.randint(0, END, (14,), generator=g).tolist() + [START] + [IMAGE] * TOKENS + [END]
+    batch = _inputs(ids, ["image"] * images, _qwen_visuals, g.get_state())
+    batch["labels"] = _labels(batch["input_ids"])
+    return batch
+
+
+@case("vlm/embed-memory", (1, 2, 4))
+def embed_memory(env: Env) -> dict:
+    """Per-rank peak bytes (``peak_until``) from the model's call to its text decoder's input, with
+    autograd recording, for a row of 16 images (256 image tokens among 512), and the images each
+    rank's vision tower encodes."""
+    from ulysses_sp.integrations.multimodal import text_decoder
+    from ulysses_sp.testing.memory import peak_until
+
+    torch.manual_seed(0)
+    model = _qwen2_vl(hidden=HIDDEN).double()
+    topo = env.topo()
+    usp.apply_sequence_parallel(model, topo)
+    inputs = usp.model_inputs(usp.shard_batch(embed_memory_row(16, torch.Generator().manual_seed(2)), topo))
+    with _encoded(model) as rows:
+        peak, seen = peak_until(text_decoder(model), lambda: model(**inputs))
+    usp.remove_sequence_parallel(model)
+    return {"peak": peak, "images": rows[0] // 64, "embeds": tuple(seen["inputs_embeds"].shape)}

@@ -35,6 +35,7 @@ __all__ = [
     "reduce_scatter",
     "ring_send_recv",
     "exchange",
+    "rows_to_ranks",
     "all_gather_ints",
     "broadcast_object",
     "kv_heads_sent",

@@ -1,20 +1,17 @@
 """Image- and video-text models under SP: only the text decoder is switched, and the sequence is
-split at the decoder's input.
+split at the model's input.
 
-The model's own forward runs as in one process on the whole sequence: it embeds the tokens, merges
-the image and video features at their placeholder tokens and numbers the positions (Qwen's
-multimodal RoPE too). A forward pre-hook on the text decoder then keeps this rank's shard of the
-embeddings, the positions (each packed document numbered from 0) and Qwen3-VL's deepstack
-features, so an image may straddle any shard boundary and a rank may hold none.
-
-A forward pre-hook on the whole model refuses position ids and padding masks (before any
-collective), takes ``cu_seq_lens_q`` (packed documents, or the balanced layout's placement) out of
-the keyword arguments, which the model would also hand its vision tower, for the decoder, and, for
-the families of ``ENCODE_ONCE`` (Qwen's, LLaVA), encodes each image and video on one rank of the SP
-group and all-gathers the features into ``mm_encoder_outputs``. Other families (SmolVLM) run their
-vision tower on every image on every rank. The vision tower keeps its own (bidirectional) attention;
-summing its gradients over the SP group, as for any replicated parameter, gives the one-process
-gradient either way.
+A forward pre-hook on the whole model checks the call before any collective, numbers the whole
+row's positions as the model would (Qwen's multimodal RoPE too; each packed document from 0), and
+encodes each image and video on one rank of the SP group (by patches, ``owners``); each feature row
+then goes to the rank that holds its token (``comm.rows_to_ranks``). The model's own forward gets
+this rank's shard of the ids and positions and the features of exactly its image and video tokens,
+so it embeds and merges only those, with each family's merge (and Qwen3-VL's deepstack) code
+unchanged: an image may straddle any shard boundary, a rank may hold none, and nothing
+hidden-sized is sequence-long on any rank. A pre-hook on the text decoder hands its attention the
+document boundaries (``cu_seq_lens_q``), which the model would also have handed its vision tower.
+The vision tower keeps its own (bidirectional) attention; summing its gradients over the SP group,
+as for any replicated parameter, gives the one-process gradient.
 """
 
 from __future__ import annotations
@@ -24,7 +21,6 @@ import re
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 from transformers.utils import ModelOutput
 

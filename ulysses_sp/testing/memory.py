@@ -21,7 +21,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["PeakMemory", "measure", "main"]
+__all__ = ["PeakMemory", "peak_until", "measure", "main"]
 
 
 class PeakMemory(TorchDispatchMode):
@@ -48,6 +48,30 @@ class PeakMemory(TorchDispatchMode):
                     self.peak = max(self.peak, self.live)
                     weakref.finalize(storage, self._free, key, storage.nbytes())
         return out
+
+
+class _Reached(Exception):
+    pass
+
+
+def peak_until(module: torch.nn.Module, fn) -> tuple[int, dict]:
+    """The peak bytes (:class:`PeakMemory`) of ``fn()`` up to ``module``'s first call, which is not run,
+    and the keyword arguments that call got (after ``module``'s own pre-hooks)."""
+    seen: dict = {}
+
+    def stop(_, args, kwargs):
+        seen.update(kwargs)
+        raise _Reached
+
+    handle = module.register_forward_pre_hook(stop, with_kwargs=True)
+    try:
+        with PeakMemory() as memory:
+            fn()
+    except _Reached:
+        return memory.peak, seen
+    finally:
+        handle.remove()
+    raise ValueError(f"{type(module).__name__} was never called")
 
 
 def _topology(sp_size: int, ulysses_degree: int | None):
