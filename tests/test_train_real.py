@@ -14,7 +14,7 @@ pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
 pytest.importorskip("transformers", reason="the hf extra is not installed")
 pytest.importorskip("datasets", reason="the hf extra is not installed")
 
-from ulysses_sp.testing.tiny_checkpoint import write_corpus, write_tiny_llama  # noqa: E402
+from ulysses_sp.testing.tiny_checkpoint import write_corpus, write_image_corpus, write_tiny_llama, write_tiny_vlm  # noqa: E402
 
 SEQ, STEPS = 128, 6
 def _make_files(root: str) -> dict:
@@ -24,6 +24,10 @@ def _make_files(root: str) -> dict:
     write_tiny_llama(files["model"])
     write_corpus(files["train"], 40, seed=0)
     write_corpus(files["eval"], 7, seed=1)
+    files.update(vlm=os.path.join(root, "vlm"), vlm_train=os.path.join(root, "vlm_train.jsonl"), vlm_eval=os.path.join(root, "vlm_eval.jsonl"))
+    write_tiny_vlm(files["vlm"])
+    write_image_corpus(files["vlm_train"], 24, seed=0)
+    write_image_corpus(files["vlm_eval"], 4, seed=1)
     for name, extra in (("fp32", {}), ("bf16", {"bf16": {"enabled": True}}), ("zero3", {"zero_optimization": {"stage": 3}})):
         files[name] = os.path.join(root, f"ds_{name}.json")
         with open(files[name], "w") as f:
@@ -84,6 +88,7 @@ def _jobs(rank, world, files, out):
         return results
     if world == 2:
         results["key_scores"] = _key_scores_case()
+    results["vlm"] = _vlm_job(world, files, out)
     sp = world
     job, results["packed"] = _run_job(_cfg(files, sp_size=sp, metrics_file=os.path.join(out, f"metrics{world}.jsonl")))
     job.close(destroy_process_group=False)
@@ -123,6 +128,32 @@ def _jobs(rank, world, files, out):
                          "tokenizer": AutoTokenizer.from_pretrained(export)("w1 w2")["input_ids"]}
     dist.barrier()
     return results
+
+
+def _vlm_job(world, files, out):
+    """The tiny LLaVA on its image corpus (packed whole documents, accumulation 2), its eval, and at
+    SP=2 the export: loaded with from_pretrained, its loss on one eval document against the engine's."""
+    import torch.distributed as dist
+    from transformers import AutoModelForImageTextToText, AutoProcessor
+
+    from ulysses_sp.job.image_corpus import ImageRows
+
+    job, result = _run_job(_cfg(files, sp_size=world, model=files["vlm"], data=files["vlm_train"], eval_data=files["vlm_eval"]))
+    if world == 2:
+        one = ImageRows(files["vlm_eval"], job.processor, SEQ, job.pad_id, packing=False).batch([0])
+        with torch.no_grad():
+            job.engine.eval()
+            result["engine_doc_loss"] = job._loss(job._local(one)).item()
+        export = os.path.join(out, "vlm-export")
+        job.export(export)
+        model, processor = AutoModelForImageTextToText.from_pretrained(export), AutoProcessor.from_pretrained(export)
+        n = int(torch.nonzero(one["position_ids"][0] == 0)[1])  # the document's length: the padding's positions start again
+        with torch.no_grad():
+            out_ = model(input_ids=one["input_ids"][:, :n], pixel_values=one["pixel_values"], labels=one["labels"][:, :n])
+        result["export"] = {"doc_loss": out_.loss.item(), "type": type(model).__name__, "processor": type(processor).__name__}
+    job.close(destroy_process_group=False)
+    dist.barrier()
+    return result
 
 
 def _job_error(cfg) -> str:
@@ -336,6 +367,20 @@ def test_zero3_export_loads_with_the_engines_logits(runs):
     _close(r["zero3"]["losses"], r["packed"]["losses"], 1e-4)
     assert r["export"]["max_diff"] < 1e-5, r["export"]
     assert r["export"]["dtype"] == "torch.float32" and r["export"]["tokenizer"] == [4, 5]
+
+
+def test_image_text_model_trains_evaluates_and_exports(runs):
+    """train.py's path for an image-text model directory (tiny LLaVA with its processor, JSON lines
+    of images and text): SP=2 equals one process step by step, the loss falls, and the export
+    loads with from_pretrained and gives the engine's loss on an eval document."""
+    _, _, out = runs
+    sp2, single = out[2][0]["vlm"], out[1][0]["vlm"]
+    assert out[2][1]["vlm"]["losses"] == sp2["losses"]
+    _close(sp2["losses"], single["losses"], 1e-4)
+    assert sp2["losses"][-1] < 0.9 * sp2["losses"][0], sp2["losses"]
+    assert abs(sp2["eval"]["eval_loss"] - single["eval"]["eval_loss"]) < 1e-5 and sp2["eval"]["eval_tokens"] > 0
+    assert sp2["export"]["type"] == "LlavaForConditionalGeneration" and sp2["export"]["processor"] == "LlavaProcessor"
+    assert abs(sp2["export"]["doc_loss"] - sp2["engine_doc_loss"]) < 1e-5, sp2
 
 
 def test_metrics_file_has_a_line_per_step_and_the_eval(runs):

@@ -116,5 +116,11 @@ def check_one_rank_per_device(group=None, device: torch.device | None = None, *,
 
 
 def move_batch(batch: dict, device: torch.device, non_blocking: bool = True) -> dict:
-    """The batch with every tensor value on ``device`` (other values as they are)."""
-    return {key: value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value for key, value in batch.items()}
+    """The batch with every tensor value on ``device``, in nested dicts too (an image-text batch's
+    ``multimodal``); other values as they are."""
+    def move(value):
+        if isinstance(value, dict):
+            return {key: move(v) for key, v in value.items()}
+        return value.to(device, non_blocking=non_blocking) if isinstance(value, torch.Tensor) else value
+
+    return move(batch)

@@ -178,7 +178,8 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--from-scratch", action="store_true", help="train --model's architecture from random weights (a directory "
                    "without weight files is otherwise refused)")
     g.add_argument("--tokenizer", default=None, help="local tokenizer directory (default: the --model directory)")
-    g.add_argument("--data", default=None, help="JSON lines / Parquet with a 'text' column, or .txt files (default: the embedded passkey task)")
+    g.add_argument("--data", default=None, help="JSON lines / Parquet with a 'text' column, or .txt files; for an image-text --model, "
+                   "JSON lines with 'images' and 'text' or 'messages' (default: the embedded passkey task)")
     g.add_argument("--eval-data", default=None, help="held-out data in the same formats (the passkey task has its own)")
     g.add_argument("--token-cache", default=None, metavar="DIR",
                    help="where --data and --eval-data are tokenized once into memory-mapped token files, reused by later and "

@@ -40,7 +40,7 @@ from ..loss import causal_lm_loss
 from ..tasks import KEY_LENGTH, PAD_ID, VOCAB_SIZE
 from ..tiling import compile_layers
 from ..topology import init_sequence_parallel
-from . import checkpoint, corpus
+from . import checkpoint, corpus, image_corpus
 from .config import JobError, TrainConfig, check_launch, job_layout, memory_options
 from .ds_config import load_ds_config, resolve_ds_config
 from .export import export_hf
@@ -67,11 +67,12 @@ def _has_weights(path: str | None) -> bool:
 def build_model(cfg: TrainConfig):
     import transformers
 
+    auto = transformers.AutoModelForImageTextToText if image_corpus.is_image_text(cfg.model) else transformers.AutoModelForCausalLM
     if _has_weights(cfg.model) and not cfg.from_scratch:
-        return transformers.AutoModelForCausalLM.from_pretrained(cfg.model, local_files_only=True, dtype=torch.float32)
+        return auto.from_pretrained(cfg.model, local_files_only=True, dtype=torch.float32)
     config = default_model_config() if cfg.model is None else transformers.AutoConfig.from_pretrained(cfg.model, local_files_only=True)
     torch.manual_seed(cfg.seed)
-    return transformers.AutoModelForCausalLM.from_config(config).float()
+    return auto.from_config(config).float()
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
@@ -151,13 +152,13 @@ class Job:
         if cfg.compile and not fsdp2 and self.ds.zero_stage == 3:
             raise JobError("--compile with ZeRO-3: its parameter hooks run inside every layer, where torch.compile cannot trace them; "
                            "use --zero-stage 2 or --engine fsdp2")
-        self.tokenizer = corpus.load_tokenizer(cfg)
+        self.processor = image_corpus.load_processor(cfg.model) if image_corpus.is_image_text(cfg.model) else None
+        self.tokenizer = self.processor.tokenizer if self.processor is not None else corpus.load_tokenizer(cfg)
         if cfg.model and os.path.isdir(cfg.model) and not _has_weights(cfg.model) and not cfg.from_scratch:
             raise JobError(f"--model {cfg.model}: no weight files (*.safetensors, *.bin) there; to train this architecture from "
                            "random weights, add --from-scratch")
         first = int(os.environ.get("RANK", "0")) == 0
-        self.train_rows = corpus.build_rows(cfg.data, self.tokenizer, cfg, progress=first) if cfg.data else None
-        self.eval_rows = corpus.build_rows(cfg.eval_data, self.tokenizer, cfg, progress=first) if cfg.eval_data else None
+        self.train_rows, self.eval_rows = (self._rows(path, first) if path else None for path in (cfg.data, cfg.eval_data))
 
         self.device = bind_device()  # cuda:LOCAL_RANK before NCCL starts; CPU without CUDA
         timeout = datetime.timedelta(seconds=cfg.dist_timeout)
@@ -193,11 +194,12 @@ class Job:
             check_supported(model, topo, cfg.sp_mixer)
         except ValueError as e:
             raise JobError(str(e)) from None
-        if self.tokenizer is not None and len(self.tokenizer) > model.config.vocab_size:
-            raise JobError(f"the tokenizer has {len(self.tokenizer)} tokens, the model's vocabulary {model.config.vocab_size}; use the model's own tokenizer")
+        text_config = model.config.get_text_config()
+        if self.tokenizer is not None and len(self.tokenizer) > text_config.vocab_size:
+            raise JobError(f"the tokenizer has {len(self.tokenizer)} tokens, the model's vocabulary {text_config.vocab_size}; use the model's own tokenizer")
         self.pad_id = corpus.pad_id(self.tokenizer)
-        self.flops_per_token = flops_per_token(model.config, count_params(model), cfg.seq_len)
-        self.memory, self.memory_why = memory_options(cfg, model.config, topo.sp_size, on_gpu)
+        self.flops_per_token = flops_per_token(text_config, count_params(model), cfg.seq_len)
+        self.memory, self.memory_why = memory_options(cfg, text_config, topo.sp_size, on_gpu)
         backend = cfg.sp_backend.split(",") if "," in cfg.sp_backend else cfg.sp_backend
         self.verify_report = None
         try:
@@ -226,6 +228,12 @@ class Job:
             self._load(*resume[:2])
         self.metrics = MetricsFile(cfg.metrics_file, self.rank0, keep_through=self.start if self.resumed else None)
         self.peak = peak_tflops(self.device, self.ds.dtype, cfg.peak_tflops)
+
+    def _rows(self, path: str, progress: bool):
+        if self.processor is None:
+            return corpus.build_rows(path, self.tokenizer, self.cfg, progress=progress)
+        say = (lambda line: print(line, flush=True)) if progress else None
+        return image_corpus.ImageRows(path, self.processor, self.cfg.seq_len, corpus.pad_id(self.tokenizer), packing=self.cfg.packing, say=say)
 
     def _deepspeed_engine(self, model) -> None:
         import deepspeed
@@ -480,7 +488,7 @@ class Job:
         return logits
 
     def export(self, path: str) -> None:
-        export_hf(self.engine, path, self.tokenizer, wait_group=self.io_group)
+        export_hf(self.engine, path, self.processor or self.tokenizer, wait_group=self.io_group)
         if self.rank0:
             print(f"Hugging Face model written to {path}", flush=True)
 

@@ -1,41 +1,103 @@
 """A tiny model directory and JSON-lines corpus, made offline: what ``--model DIR --data FILE``
 expects from a downloaded model, for tests and for trying the job without a download.
 
-    python -m ulysses_sp.testing.tiny_checkpoint OUT   # OUT/model, OUT/train.jsonl, OUT/eval.jsonl
+    python -m ulysses_sp.testing.tiny_checkpoint OUT              # OUT/model, OUT/train.jsonl, OUT/eval.jsonl
+    python -m ulysses_sp.testing.tiny_checkpoint --vlm llava OUT  # an image-text model, its processor, images/
+
 
 The tokenizer is word-level (trained here, saved with ``save_pretrained``); the documents
 follow a learnable pattern (each word mostly followed by the next), so the loss falls within
-a few steps.
+a few steps. The image-text corpus puts one generated 32 x 32 image in each document, and the word
+after it is the image's: its colour encodes the word.
+
+Only LLaVA here: Qwen's processors need torchvision (their video processor), whose wheels on the
+package index are CUDA builds that do not load with the CPU build of torch.
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import random
-import sys
 
 import torch
 
-__all__ = ["WORDS", "write_tiny_llama", "write_corpus"]
+__all__ = ["WORDS", "VLMS", "write_tiny_llama", "write_tiny_vlm", "write_corpus", "write_image_corpus"]
 
 WORDS = [f"w{i}" for i in range(40)]
 
 
-def write_tiny_llama(path: str, seed: int = 0) -> None:
-    """A 2-layer Llama (4 heads, 2 KV heads) with random weights, and its tokenizer, in ``path``."""
+def _tokenizer(special: list[str] = (), **extra):
     from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast
 
-    vocab = {w: i for i, w in enumerate(["[UNK]", "[PAD]", "[EOS]", *WORDS])}
+    vocab = {w: i for i, w in enumerate(["[UNK]", "[PAD]", "[EOS]", *WORDS, *special])}
     tok = Tokenizer(models.WordLevel(vocab, unk_token="[UNK]"))
     tok.pre_tokenizer = pre_tokenizers.Whitespace()
-    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]").save_pretrained(path)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", pad_token="[PAD]", eos_token="[EOS]", **extra)
+
+
+def _text_config() -> dict:
+    return dict(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=8, max_position_embeddings=1 << 14, tie_word_embeddings=False,
+                pad_token_id=1, eos_token_id=2, bos_token_id=None)
+
+
+def write_tiny_llama(path: str, seed: int = 0) -> None:
+    """A 2-layer Llama (4 heads, 2 KV heads) with random weights, and its tokenizer, in ``path``."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    _tokenizer().save_pretrained(path)
     torch.manual_seed(seed)
-    config = LlamaConfig(vocab_size=48, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=8, max_position_embeddings=1 << 14, tie_word_embeddings=False,
-                         pad_token_id=1, eos_token_id=2, bos_token_id=None)
-    LlamaForCausalLM(config).save_pretrained(path)
+    LlamaForCausalLM(LlamaConfig(**_text_config())).save_pretrained(path)
+
+
+VLMS = ("llava",)
+"""The image-text families ``write_tiny_vlm`` writes."""
+IMAGE_SIZE = 32
+
+
+def write_tiny_vlm(path: str, family: str = "llava", seed: int = 0) -> None:
+    """A tiny image-text model of ``family`` (its text model as ``write_tiny_llama``'s, a 2-layer
+    vision tower on 32 x 32 images in 8 x 8 patches: 16 tokens an image) and its processor, in ``path``."""
+    if family not in VLMS:
+        raise ValueError(f"--vlm {family}: the tiny image-text models written here are {', '.join(VLMS)}")
+    from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
+
+    tokenizer = _tokenizer(["<image>"], extra_special_tokens={"image_token": "<image>"})
+    images = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
+    LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+                   num_additional_image_tokens=1).save_pretrained(path)
+    torch.manual_seed(seed)
+    text = dict(_text_config(), model_type="llama", vocab_size=len(tokenizer))
+    config = LlavaConfig(text_config=text, image_token_id=tokenizer.convert_tokens_to_ids("<image>"), projector_hidden_act="gelu",
+                         vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, image_size=IMAGE_SIZE, patch_size=8, projection_dim=32),
+                         vision_feature_layer=-1, tie_word_embeddings=False)
+    LlavaForConditionalGeneration(config).save_pretrained(path)
+
+
+def write_image_corpus(path: str, documents: int, seed: int = 0, image_dir: str = "images") -> None:
+    """``documents`` JSON lines ``{"images": [file], "text": ...}``: words, the image token, then the
+    word the image's colour encodes and the words after it; the PNG files under ``image_dir``
+    beside ``path`` (named in the lines relative to ``path``'s folder)."""
+    from PIL import Image
+
+    rng = random.Random(seed)
+    folder = os.path.join(os.path.dirname(os.path.abspath(path)), image_dir)
+    os.makedirs(folder, exist_ok=True)
+    stem = os.path.splitext(os.path.basename(path))[0]
+    with open(path, "w") as f:
+        for n in range(documents):
+            word = rng.randrange(len(WORDS))
+            colour = (40 + 5 * word, 255 - 5 * word, (97 * word) % 256)
+            pixels = bytes(max(0, min(255, c + rng.randrange(-8, 9))) for _ in range(IMAGE_SIZE * IMAGE_SIZE) for c in colour)
+            name = os.path.join(image_dir, f"{stem}-{n:05d}.png")
+            Image.frombytes("RGB", (IMAGE_SIZE, IMAGE_SIZE), pixels).save(os.path.join(folder, os.path.basename(name)))
+            before = [WORDS[rng.randrange(len(WORDS))] for _ in range(rng.randrange(1, 6))]
+            after = [WORDS[(word + k) % len(WORDS)] for k in range(rng.randrange(4, 30))]
+            f.write(json.dumps({"images": [name], "text": " ".join(before + ["<image>"] + after)}) + "\n")
 
 
 def write_corpus(path: str, documents: int, seed: int = 0) -> None:
@@ -48,9 +110,21 @@ def write_corpus(path: str, documents: int, seed: int = 0) -> None:
             f.write(json.dumps({"text": " ".join(words)}) + "\n")
 
 
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("out", nargs="?", default="tiny")
+    parser.add_argument("--vlm", choices=VLMS, help="an image-text model and a corpus of generated images instead")
+    a = parser.parse_args(argv)
+    if a.vlm:
+        write_tiny_vlm(os.path.join(a.out, "model"), a.vlm)
+        write_image_corpus(os.path.join(a.out, "train.jsonl"), 200, seed=0)
+        write_image_corpus(os.path.join(a.out, "eval.jsonl"), 20, seed=1)
+    else:
+        write_tiny_llama(os.path.join(a.out, "model"))
+        write_corpus(os.path.join(a.out, "train.jsonl"), 400, seed=0)
+        write_corpus(os.path.join(a.out, "eval.jsonl"), 40, seed=1)
+    print(f"wrote {a.out}/model, {a.out}/train.jsonl, {a.out}/eval.jsonl" + (f" and {a.out}/images" if a.vlm else ""))
+
+
 if __name__ == "__main__":
-    out = sys.argv[1] if len(sys.argv) > 1 else "tiny"
-    write_tiny_llama(os.path.join(out, "model"))
-    write_corpus(os.path.join(out, "train.jsonl"), 400, seed=0)
-    write_corpus(os.path.join(out, "eval.jsonl"), 40, seed=1)
-    print(f"wrote {out}/model, {out}/train.jsonl, {out}/eval.jsonl")
+    main()
