@@ -15,7 +15,7 @@ import ulysses_sp as usp  # noqa: E402
 from ulysses_sp.topology import Topology  # noqa: E402
 
 from .conftest import values  # noqa: E402
-from .vlm_cases import FAMILIES, HIDDEN, IMAGE, PLACEMENTS, _qwen2_vl, _qwen_visuals  # noqa: E402
+from .vlm_cases import FAMILIES, HIDDEN, IMAGE, VERIFIED, PLACEMENTS, _qwen2_vl, _qwen_visuals  # noqa: E402
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -76,10 +76,23 @@ def test_a_padding_mask_raises_before_any_collective():
         model(input_ids=ids, attention_mask=mask, mm_token_type_ids=(ids == IMAGE).int(), **_qwen_visuals(["image"], g))
 
 
-def test_verify_refuses_an_image_text_model_by_name():
-    """It used to stop with an AttributeError (no num_hidden_layers on the composite config)."""
-    with pytest.raises(ValueError, match="verify_sequence_parallel builds text causal LMs; Qwen2VLConfig has a vision_config"):
-        usp.verify_sequence_parallel(_qwen2_vl(), Topology.for_planning(2))
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_verify_checks_image_text_models_with_random_images(ranks, world):
+    """Each family's default config, shrunk, with random images (one across a shard boundary; packed,
+    a document without any): exact. A planted defect (the packed row's document boundaries dropped)
+    is caught, in the packed run only."""
+    for r in values(ranks(world), "vlm/verify"):
+        for name in VERIFIED[world]:
+            assert ": exact, worst relative error" in r[name], r[name]
+        if world == 2:
+            passed, loss_error, worst = r["planted"]
+            assert not passed and loss_error["packed"] > 1e-3 and loss_error["unpacked"] < 1e-12 and worst[0] == "packed", r["planted"]
+
+
+def test_verify_refuses_other_image_text_models_by_name():
+    """Before any collective; it used to stop with an AttributeError (no num_hidden_layers on the composite config)."""
+    with pytest.raises(ValueError, match="checks text causal LMs and the image-text families .*; Gemma3Config \\(gemma3\\) is neither"):
+        usp.verify_sequence_parallel(transformers.Gemma3Config(), Topology.for_planning(2))
 
 
 @pytest.mark.quick

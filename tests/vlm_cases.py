@@ -327,3 +327,29 @@ def embed_memory(env: Env) -> dict:
         peak, seen = peak_until(text_decoder(model), lambda: model(**inputs))
     usp.remove_sequence_parallel(model)
     return {"peak": peak, "images": rows[0] // 64, "embeds": tuple(seen["inputs_embeds"].shape)}
+
+
+VERIFIED = {2: ("LlavaConfig", "Qwen2_5_VLConfig", "Qwen3VLMoeConfig", "SmolVLMConfig"), 3: ("LlavaConfig", "Qwen3VLConfig"),
+            4: ("SmolVLMConfig", "Qwen2VLConfig")}
+"""The default (full-size) configs ``verify_sequence_parallel`` shrinks and checks, per P: each family at some P,
+each way of giving images (patch rows, [N, ...] and [B, N, ...] pixels) at every P."""
+
+
+@case("vlm/verify", (2, 3, 4))
+def vlm_verify(env: Env) -> dict:
+    """verify_sequence_parallel on each family's default config (shrunk, random images), and on
+    Qwen2-VL with a planted defect: the packed row's document boundaries dropped on their way to
+    the model (its documents then attend to each other)."""
+    import transformers
+
+    topo = env.topo()
+    out = {name: str(usp.verify_sequence_parallel(getattr(transformers, name)(), topo)) for name in VERIFIED[env.world]}
+    if env.world == 2:
+        planted = usp.model_inputs
+        usp.model_inputs = lambda local: {k: v for k, v in planted(local).items() if k != "cu_seq_lens_q"}
+        try:
+            report = usp.verify_sequence_parallel(transformers.Qwen2VLConfig(), topo, raise_on_mismatch=False)
+        finally:
+            usp.model_inputs = planted
+        out["planted"] = (report.passed, report.loss_error, report.worst)
+    return out

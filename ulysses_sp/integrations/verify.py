@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from ..devices import move_batch
 from .mixers import check_supported, mixer_layers
 
 
@@ -128,6 +129,37 @@ def shrink_config(config, min_layers: int = 2):
     has (built on the meta device to find them; at least ``min_layers``)."""
     import transformers
 
+    small = _shrink_widths(config)
+    # every kind of layer: its module types on the full model (built without memory) and its layer_types entry
+    n = config.num_hidden_layers
+    with torch.device("meta"):
+        full = transformers.AutoModelForCausalLM.from_config(small)  # small widths, all n layers
+    types = list(getattr(config, "layer_types", None) or [None] * n)
+    kinds = [(_layer_signature(layer), kind) for layer, kind in zip(_decoder_layers(full, n), types)] or types
+    return _keep_layers(small, next((k for k in range(min(min_layers, n), n + 1) if set(kinds[:k]) == set(kinds)), n))
+
+
+def _keep_layers(small, keep: int):
+    """``small`` with its first ``keep`` layers, no training-time randomness and no cache."""
+    types = list(getattr(small, "layer_types", None) or [])
+    small.num_hidden_layers = keep
+    if types:
+        try:
+            small.layer_types = types[:keep]
+        except AttributeError:  # derived from other fields (Bamba's attn_layer_indices): they still hold
+            pass
+    _no_randomness(small)
+    small.use_cache = False
+    return small
+
+
+def _shrink_text(config):
+    """An image-text model's text config, small (its decoder layers are all of one kind: two kept)."""
+    return _keep_layers(_shrink_widths(config), min(2, config.num_hidden_layers))
+
+
+def _shrink_widths(config):
+    """A copy of ``config`` with :func:`shrink_config`'s small widths, all its layers."""
     small = copy.deepcopy(config)
 
     def put(name, value):
@@ -159,21 +191,6 @@ def shrink_config(config, min_layers: int = 2):
         token = getattr(small, name, None)
         if isinstance(token, int) and token >= small.vocab_size:
             put(name, small.vocab_size - 1)
-    # every kind of layer: its module types on the full model (built without memory) and its layer_types entry
-    n = config.num_hidden_layers
-    with torch.device("meta"):
-        full = transformers.AutoModelForCausalLM.from_config(small)  # small widths, all n layers
-    types = list(getattr(config, "layer_types", None) or [None] * n)
-    kinds = [(_layer_signature(layer), kind) for layer, kind in zip(_decoder_layers(full, n), types)] or types
-    keep = next((k for k in range(min(min_layers, n), n + 1) if set(kinds[:k]) == set(kinds)), n)
-    small.num_hidden_layers = keep
-    if isinstance(getattr(small, "layer_types", None), list):
-        try:
-            small.layer_types = types[:keep]
-        except AttributeError:  # derived from other fields (Bamba's attn_layer_indices): they still hold
-            pass
-    _no_randomness(small)
-    small.use_cache = False
     return small
 
 
@@ -206,10 +223,24 @@ def _check_small(config) -> None:
     import transformers
 
     with torch.device("meta"):
-        n = sum(p.numel() for p in transformers.AutoModelForCausalLM.from_config(config).parameters())
+        auto = transformers.AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else transformers.AutoModelForCausalLM
+        n = sum(p.numel() for p in auto.from_config(config).parameters())
     if n > _MAX_SHRUNK_PARAMETERS:
         raise ValueError(f"the shrunk copy of {type(config).__name__} still has {n / 1e6:.0f}M parameters (its widths use names "
                          "shrink_config does not know); pass a small config of the same architecture with shrink=False")
+
+
+def _image_text(config):
+    """:mod:`.verify_image_text` for an image-text config of a tested family, None for a text
+    model's; raises ``ValueError`` naming any other model with inputs besides text."""
+    if getattr(config, "vision_config", None) is None and getattr(config, "audio_config", None) is None:
+        return None
+    from . import multimodal, verify_image_text
+
+    if getattr(config, "audio_config", None) is not None or config.model_type not in multimodal.TESTED:
+        raise ValueError(f"verify_sequence_parallel checks text causal LMs and the image-text families ulysses_sp switches "
+                         f"({', '.join(multimodal.TESTED)}); {type(config).__name__} ({config.model_type}) is neither")
+    return verify_image_text
 
 
 def _build(config, device, seed: int):
@@ -325,8 +356,7 @@ def _one_run(ref, topo, data, reference, backend, kernel, mixer) -> tuple[float,
 
     usp.apply_sequence_parallel(sp_model, topo, backend=backend, kernel=kernel, mixer=mixer)
     try:
-        local = usp.shard_batch(data, topo)
-        local = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in local.items()}
+        local = move_batch(usp.shard_batch(data, topo), device)
         loss = usp.sp_cross_entropy(sp_model(**usp.model_inputs(local)).logits, local["shift_labels"], topo)
         loss.backward()
     finally:
@@ -334,8 +364,7 @@ def _one_run(ref, topo, data, reference, backend, kernel, mixer) -> tuple[float,
         usp.remove_sequence_parallel(sp_model)
     grads = {}
     for (name, p), ref_grad in zip(sp_model.named_parameters(), ref_grads):
-        if ref_grad is None and p.grad is None:
-            continue
+        # every parameter, on every rank alike: a rank encoding no image has zero gradients where another has none
         grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
         if topo.sp_size > 1:
             dist.all_reduce(grad, group=topo.sp_group)  # the SP group's gradient is the sum of its ranks'
@@ -365,29 +394,32 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
     """
     started = time.perf_counter()
     config = getattr(model_or_config, "config", model_or_config)
-    others = [name for name in ("vision_config", "audio_config") if getattr(config, name, None) is not None]
-    if others:  # before any collective: every rank refuses alike
-        raise ValueError(
-            f"verify_sequence_parallel builds text causal LMs; {type(config).__name__} has a {others[0]}: the image-text families "
-            "ulysses_sp switches (ulysses_sp.integrations.multimodal.TESTED) are checked against one process in its tests, and "
-            "verifying an image-text model with random images is not built yet"
-        )
+    image_text = _image_text(config)  # before any collective: every rank refuses alike
+    build = image_text.build if image_text else _build
     if shrink:
-        config = shrink_config(config)
+        config = image_text.shrink_image_text_config(config, _shrink_text) if image_text else shrink_config(config)
         _check_small(config)
-        ref = _build(config, topo.device, seed)
+        ref = build(config, topo.device, seed)
     elif config is model_or_config:
         config = copy.deepcopy(config)
         _no_randomness(config)
-        ref = _build(config, topo.device, seed)
+        ref = build(config, topo.device, seed)
     else:
         ref = copy.deepcopy(model_or_config).to(device=topo.device, dtype=torch.float64).train()
         _no_randomness(ref)
     check_supported(ref, topo, mixer)  # a model SP does not cover is refused before anything runs
-    seq_len = seq_len or 12 * topo.sp_size + 5
-    batches = {is_packed: _batch(config, seq_len, is_packed, seed + 1) for is_packed in (False, *packed)}
-    jobs = [functools.partial(_noise_part, ref, batches[False], topo.device, part) for part in ("whole", "first", "second")]
-    jobs += [functools.partial(lambda data: _grads(ref, _one_process_loss(ref, data, topo.device)), batches[is_packed]) for is_packed in packed]
+    device = topo.device
+    if image_text:  # rows of random images; each document's own inputs for one process
+        rows = {is_packed: image_text.rows(config, topo.sp_size, is_packed, seed + 1) for is_packed in (False, *packed)}
+        batches = {is_packed: batch for is_packed, (batch, _) in rows.items()}
+        alone = rows[False][1][0]
+        jobs = [functools.partial(lambda part: _grads(ref, image_text.noise_part(ref, alone, device, part)), part) for part in ("whole", "first", "second")]
+        jobs += [functools.partial(lambda docs: _grads(ref, image_text.one_process_loss(ref, docs, device)), rows[is_packed][1]) for is_packed in packed]
+    else:
+        seq_len = seq_len or 12 * topo.sp_size + 5
+        batches = {is_packed: _batch(config, seq_len, is_packed, seed + 1) for is_packed in (False, *packed)}
+        jobs = [functools.partial(_noise_part, ref, batches[False], device, part) for part in ("whole", "first", "second")]
+        jobs += [functools.partial(lambda data: _grads(ref, _one_process_loss(ref, data, device)), batches[is_packed]) for is_packed in packed]
     done = _spread(jobs, ref, topo)
     noise = _rounding_noise(*(grads for _, grads in done[:3]))
     references = dict(zip(packed, done[3:]))
@@ -401,7 +433,7 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
         loss_error[run], grad_errors[run], chosen, mixers = _one_run(ref, topo, batches[is_packed], references[is_packed], backend, kernel, mixer)
         for layer, names in chosen.items():
             backends[layer] = sorted(set(backends.get(layer, [])) | set(names))
-    report = VerifyReport(type(ref).__name__, topo.sp_size, config.num_hidden_layers, loss_error, grad_errors, backends, mixers,
+    report = VerifyReport(type(ref).__name__, topo.sp_size, config.get_text_config().num_hidden_layers, loss_error, grad_errors, backends, mixers,
                           time.perf_counter() - started, tolerance, noise)
     if raise_on_mismatch and not report.passed:
         worst = sorted(((e, f"{name} ({run})") for run, errs in grad_errors.items() for name, e in errs.items()), reverse=True)[:5]
