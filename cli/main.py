@@ -124,8 +124,10 @@ def calibrate(nproc, out, repeat, seq, backend_seq):
               help="a packed row's document lengths: a repeated pattern (12k,512x8) or lognormal:MEDIAN:SIGMA (lognormal:2k:1.5)")
 @click.option("--docs-seed", type=int, default=0, show_default=True, help="the seed of a lognormal row")
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False), help="from sp-bench calibrate (default: built-in NVLink GPU figures)")
+@click.option("--images", type=click.IntRange(min=1), default=None, help="images per sequence: plan an image-text model's vision tower too")
+@click.option("--image-size", default=None, metavar="HxW", help="pixels per image (default: 448x448 for Qwen's families, else the model's own)")
 def plan(model_config, heads, kv_heads, head_dim, layers, window, seq, sp_size, ulysses_degree, gpus_per_node, batch, dtype, causal, layout, docs,
-         docs_seed, profile_path):
+         docs_seed, profile_path, images, image_size):
     """Show, per layer, the backend auto would choose and every alternative's estimate or reason."""
     import torch
 
@@ -154,6 +156,21 @@ def plan(model_config, heads, kv_heads, head_dim, layers, window, seq, sp_size, 
         click.echo(f"packed row: {describe_docs(cu)}; the slowest rank's causal attention work over the mean: "
                    + ", ".join(f"{name} {work_imbalance(name, seq_len, sp_size, cu):.3f}" for name in LAYOUTS))
     render(rows, title=f"{parse_tokens(seq)} tokens on {sp_size} ranks ({gpus_per_node} per node), {dtype}, profile {profile.name}", sp_size=sp_size)
+    if images:
+        import json
+
+        from .vision import describe, vision_share
+
+        if not model_config:
+            raise click.UsageError("--images needs --model-config (an image-text model's config.json)")
+        with open(model_config) as f:
+            config = json.load(f)
+        try:
+            share = vision_share(config, images=images, image_size=image_size, sp_size=sp_size, dtype_bytes=getattr(torch, dtype).itemsize)
+        except ValueError as e:
+            raise click.UsageError(str(e)) from None
+        for line in describe(share, seq_len):
+            click.echo(line)
 
 
 def _csv(text: str, convert=str) -> list:

@@ -468,3 +468,23 @@ def test_docs_specs():
     for bad, message in (("lognormal:2k", "lognormal:MEDIAN:SIGMA"), ("lognormal:2k:-1", "sigma must be >= 0"), ("0", "must be positive")):
         with pytest.raises(ValueError, match=message):
             parse_docs(bad, 64)
+
+
+def test_plan_shares_an_image_text_models_vision_tower(tmp_path):
+    """5 images of 64 x 64 pixels (Qwen2.5-VL's 4-pixel patches merged 2 x 2: 256 patches, 64 tokens
+    each) over 4 ranks: one rank encodes two, the others one; a text model's config is refused."""
+    transformers = pytest.importorskip("transformers")
+    from .vlm_cases import _qwen2_5_vl
+
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps(_qwen2_5_vl().config.to_dict()))
+    result = CliRunner().invoke(sp_bench, ["plan", "--model-config", str(config), "--seq", "4k", "--sp-size", "4", "--images", "5",
+                                           "--image-size", "64x64"])
+    assert result.exit_code == 0, result.output
+    assert "5 images of 64x64 pixels, 256 patches and 64 tokens each (320 of the 4096 tokens)" in result.output, result.output
+    assert "the busiest rank 2 images, 512 patches" in result.output and "(40.0% of one process's" in result.output, result.output
+    assert "over the mean 1.60" in result.output, result.output
+    text = tmp_path / "text.json"
+    text.write_text(json.dumps(transformers.LlamaConfig(num_hidden_layers=2).to_dict()))
+    result = CliRunner().invoke(sp_bench, ["plan", "--model-config", str(text), "--seq", "4k", "--sp-size", "4", "--images", "5"])
+    assert result.exit_code != 0 and "this config's model_type is 'llama'" in result.output, result.output
