@@ -181,6 +181,30 @@ def hybrid_checks(topo=None, rank: int = 0) -> None:
                 return str(report)
 
 
+def vlm_checks(topo=None, rank: int = 0) -> None:
+    """Image-text models on the GPU: verify_sequence_parallel on shrunk Qwen2.5-VL (patch rows, the
+    window attention of its vision tower), Qwen3-VL (deepstack) and LLaVA (CLIP) with random images,
+    fp64, each image encoded on one rank and its features sent to the ranks holding its tokens (NCCL's
+    uneven all-to-all); on NCCL ranks over the whole group (rank 0 prints)."""
+    import transformers
+
+    topo = topo or usp.init_sequence_parallel(1)
+    for cls in ("Qwen2_5_VLConfig", "Qwen3VLConfig", "LlavaConfig"):
+        def run(cls=cls):
+            return usp.verify_sequence_parallel(getattr(transformers, cls)(), topo)
+
+        if rank:
+            try:
+                run()
+            except Exception:  # rank 0 reports it
+                pass
+            continue
+
+        @check(f"verify {cls[:-6]} (shrunk, random images) fp64 P={topo.sp_size} on the GPU")
+        def _(run=run):
+            return str(run())
+
+
 def _llama_bf16():
     """A 2-layer Llama (vocabulary 32000, hidden 256, 8/2 heads) in bf16 on the GPU, one rank's
     topology, and an 8k-token batch."""
@@ -349,6 +373,7 @@ def parity_rank(rank: int, world: int, port: int) -> None:
                         RESULTS.append(ok)
                         print(f"{'PASS' if ok else 'FAIL'} {name}: errors out/dq/dk/dv " + " ".join(f"{e:.1e}" for e in errs.tolist()), flush=True)
     hybrid_checks(usp.init_sequence_parallel(world), rank)
+    vlm_checks(usp.init_sequence_parallel(world), rank)
     pipeline_timing(rank, world)
     dist.destroy_process_group()
     if rank == 0:
@@ -420,6 +445,7 @@ def main() -> int:
     backend_checks()
     mla_checks()
     hybrid_checks()
+    vlm_checks()
     stream_checks()
     memory_checks()
     compile_checks()

@@ -5,8 +5,8 @@
 #
 # Installs the package (and flash-attn if it is missing and installs in time), prints the
 # versions, runs benchmarks/gpu_check.py, then the main job for 20 bf16 steps on one GPU (and on
-# real data with its resume, fp16 with its overflow steps counted, and --engine fsdp2 in bf16) and, with 2+ GPUs, with SP=2 on two with the memory stack on (--tiled-loss --tiled-mlp
-# --checkpoint offload), the Trainer on two (DDP, FSDP2) against one, the NCCL parity, sp-bench run (--check)
+# real data with its resume, fp16 with its overflow steps counted, --engine fsdp2 in bf16 and a tiny image-text model) and, with 2+ GPUs,
+# with SP=2 on two with the memory stack on (--tiled-loss --tiled-mlp --checkpoint offload) and on the image-text model, the Trainer on two (DDP, FSDP2) against one, the NCCL parity, sp-bench run (--check)
 # and sp-bench calibrate under torchrun (its profile is left in the logs). One summary line per check: "PASS name ...",
 # "FAIL name ..." or "SKIP name ..." (not a failure). Exit status 1 if any check failed,
 # 0 otherwise; without nvidia-smi or without a GPU it prints "SKIP no GPU" and exits 0.
@@ -97,8 +97,10 @@ echo "gpu_check: $NGPU GPU(s), budget ${BUDGET} s, logs in $LOGS"
 nvidia-smi -L
 
 # the least time kept for each later check while earlier ones run
+R_VLM2=0
+if ((NGPU >= 2)); then R_VLM2=60; fi  # the tiny image-text model at SP=2
 R_TRAIN2=0
-if ((NGPU >= 2)); then R_TRAIN2=130; fi
+if ((NGPU >= 2)); then R_TRAIN2=$((130 + R_VLM2)); fi  # the memory stack at SP=2, then the image-text model
 R_CAL=0
 if ((NGPU >= 2)); then R_CAL=60; fi  # sp-bench calibrate under torchrun
 R_BENCH=0
@@ -108,7 +110,8 @@ if ((NGPU >= 2)); then R_PAR=$((150 + R_BENCH)); fi  # the NCCL parity, then sp-
 R_HF=0
 if ((NGPU >= 2)); then R_HF=180; fi  # the Trainer example: one GPU, two under DDP, two under FSDP2
 R_RESUME=60  # its resume from the step-10 checkpoint
-R_FSDP2=60  # the job under --engine fsdp2 in bf16 (FSDP2's mixed precision on CUDA)
+R_VLM=60  # the tiny image-text model on 1 GPU
+R_FSDP2=$((60 + R_VLM))  # the job under --engine fsdp2 in bf16 (FSDP2's mixed precision on CUDA), then the image-text model
 R_FP16=$((60 + R_FSDP2))  # fp16 from a loss scale of 2^32: the overflow steps DeepSpeed skips, counted in the metrics; then fsdp2
 R_REAL=$((90 + R_RESUME + R_FP16))  # the real-data job on 1 GPU, then its resume, then fp16 and fsdp2
 R_TRAIN1=$((100 + R_REAL + R_TRAIN2 + R_HF + R_PAR))
@@ -231,12 +234,19 @@ sys.exit(0 if steps and 0 < n < len(steps) else 1)' "$LOGS/fp16_metrics.jsonl" 2
     && pass "fp16_skipped_steps $verdict" || fail "fp16_skipped_steps $verdict"
 # the torch-native stack on CUDA: fully_shard, bf16 compute with fp32 reductions, DCP checkpoint written at the end
 rm -rf "$LOGS/fsdp2_ckpt"  # a rerun's
-train train_1gpu_fsdp2_bf16 1 "$R_FSDP2" "$((R_TRAIN2 + R_HF + R_PAR))" --sp-size 1 --steps 20 --dtype bf16 --engine fsdp2 \
+train train_1gpu_fsdp2_bf16 1 60 "$((R_VLM + R_TRAIN2 + R_HF + R_PAR))" --sp-size 1 --steps 20 --dtype bf16 --engine fsdp2 \
     --save "$LOGS/fsdp2_ckpt"
 rm -rf "$LOGS/fsdp2_ckpt"
+# an image-text model directory (tiny LLaVA, its processor, JSON lines of generated images) in bf16, with its export
+"$PYTHON" -m ulysses_sp.testing.tiny_checkpoint --vlm llava "$LOGS/tinyvlm" >/dev/null 2>&1 || fail "tiny_checkpoint --vlm could not write $LOGS/tinyvlm"
+vlm_args=(--model "$LOGS/tinyvlm/model" --data "$LOGS/tinyvlm/train.jsonl" --eval-data "$LOGS/tinyvlm/eval.jsonl" --seq-len 512
+          --steps 20 --lr 1e-2 --dtype bf16 --verify)
+train train_1gpu_vlm 1 "$R_VLM" "$((R_TRAIN2 + R_HF + R_PAR))" --sp-size 1 "${vlm_args[@]}" --export-hf "$LOGS/tinyvlm/export"
 if ((NGPU >= 2)); then
     # SP=2 with the memory stack on: tiled loss, tiled MLP, checkpoints offloaded to pinned host memory
-    train train_2gpu_sp2_bf16_memory_stack 2 240 "$((R_HF + R_PAR))" --sp-size 2 --steps 20 --dtype bf16 --tiled-loss --tiled-mlp --checkpoint offload
+    train train_2gpu_sp2_bf16_memory_stack 2 240 "$((R_VLM2 + R_HF + R_PAR))" --sp-size 2 --steps 20 --dtype bf16 --tiled-loss --tiled-mlp --checkpoint offload
+    # the image-text model at SP=2: each image encoded on one GPU, its features sent over NCCL's uneven all-to-all; --verify first
+    train train_2gpu_sp2_vlm 2 "$R_VLM2" "$((R_HF + R_PAR))" --sp-size 2 "${vlm_args[@]}"
     # SequenceParallelTrainer (DDP over NCCL, fp32) on 2 GPUs against the same script on one: losses and eval_loss
     hf_args=(examples/train_with_trainer.py --output_dir "$LOGS/hf" --max_steps 8 --learning_rate 1e-2 --logging_steps 1
              --report_to none --save_strategy no --disable_tqdm true --seq_len 256)
