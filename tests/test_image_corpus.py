@@ -42,6 +42,18 @@ def test_whole_documents_are_packed_with_their_images(tiny):
         assert (labels[used:] == -100).all() and (b["input_ids"][0, used:] == 1).all()
 
 
+def test_chat_messages_go_through_the_processors_template(tiny, tmp_path):
+    root, processor = tiny
+    chat = tmp_path / "chat.jsonl"
+    content = [{"type": "text", "text": "w1 w2"}, {"type": "image"}, {"type": "text", "text": "w3"}]
+    chat.write_text(json.dumps({"images": [str(root / "images" / "docs-00000.png")],
+                                "messages": [{"role": "user", "content": content}, {"role": "assistant", "content": "w4 w5"}]}) + "\n")
+    b = ImageRows(str(chat), processor, 64, 1, packing=True).batch([0])
+    ids = processor.tokenizer.convert_tokens_to_ids
+    assert b["input_ids"][0, :23].tolist() == ids(["w1", "w2"]) + [ids("<image>")] * 16 + ids(["w3", "w4", "w5"]) + [2, 1], b["input_ids"]
+    assert b["pixel_values"].shape == (1, 3, 32, 32)
+
+
 def test_refusals_name_the_line(tiny, tmp_path):
     root, processor = tiny
     with pytest.raises(JobError, match="line 1: .* tokens with its images, more than --seq-len 16"):
@@ -51,7 +63,11 @@ def test_refusals_name_the_line(tiny, tmp_path):
     with pytest.raises(JobError, match="line 2: image missing.png cannot be read"):
         ImageRows(str(bad), processor, 64, 1, packing=True)
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "w1"}]}) + "\n")
-    with pytest.raises(JobError, match="line 1 holds chat messages, and the processor has no chat template"):
-        ImageRows(str(bad), processor, 64, 1, packing=True)
+    template, processor.chat_template = processor.chat_template, None
+    try:
+        with pytest.raises(JobError, match="line 1 holds chat messages, and the processor has no chat template"):
+            ImageRows(str(bad), processor, 64, 1, packing=True)
+    finally:
+        processor.chat_template = template
     write_tiny_llama(str(tmp_path / "text"))
     assert is_image_text(str(root / "model")) and not is_image_text(str(tmp_path / "text")) and not is_image_text(None)

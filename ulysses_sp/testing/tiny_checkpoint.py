@@ -53,6 +53,9 @@ def write_tiny_llama(path: str, seed: int = 0) -> None:
     LlamaForCausalLM(LlamaConfig(**_text_config())).save_pretrained(path)
 
 
+CHAT_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}{% for c in m['content'] %}"
+                 "{% if c['type'] == 'image' %}<image> {% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endif %}{% endfor %}")
+"""The tiny processor's chat template: each message's text and image tokens in turn (roles are not words it knows)."""
 VLMS = ("llava",)
 """The image-text families ``write_tiny_vlm`` writes."""
 IMAGE_SIZE = 32
@@ -68,7 +71,7 @@ def write_tiny_vlm(path: str, family: str = "llava", seed: int = 0) -> None:
     tokenizer = _tokenizer(["<image>"], extra_special_tokens={"image_token": "<image>"})
     images = CLIPImageProcessor(size={"shortest_edge": IMAGE_SIZE}, crop_size={"height": IMAGE_SIZE, "width": IMAGE_SIZE})
     LlavaProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
-                   num_additional_image_tokens=1).save_pretrained(path)
+                   num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE).save_pretrained(path)
     torch.manual_seed(seed)
     text = dict(_text_config(), model_type="llama", vocab_size=len(tokenizer))
     config = LlavaConfig(text_config=text, image_token_id=tokenizer.convert_tokens_to_ids("<image>"), projector_hidden_act="gelu",
