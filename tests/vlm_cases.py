@@ -329,10 +329,14 @@ def embed_memory(env: Env) -> dict:
     return {"peak": peak, "images": rows[0] // 64, "embeds": tuple(seen["inputs_embeds"].shape)}
 
 
-VERIFIED = {2: ("LlavaConfig", "Qwen2_5_VLConfig", "Qwen3VLMoeConfig", "SmolVLMConfig"), 3: ("LlavaConfig", "Qwen3VLConfig"),
-            4: ("SmolVLMConfig", "Qwen2VLConfig")}
+VERIFIED = {2: ("LlavaConfig", "Qwen2_5_VLConfig", "Qwen3VLMoeConfig", "SmolVLMConfig", "Qwen3_5Config", "Qwen3_5MoeConfig"),
+            3: ("LlavaConfig", "Qwen3VLConfig"), 4: ("SmolVLMConfig", "Qwen2VLConfig")}
 """The default (full-size) configs ``verify_sequence_parallel`` shrinks and checks, per P: each family at some P,
-each way of giving images (patch rows, [N, ...] and [B, N, ...] pixels) at every P."""
+each way of giving images (patch rows, [N, ...] and [B, N, ...] pixels) at every P. Qwen3.5 (Gated DeltaNet and
+attention layers, its DeltaNet under the ulysses mixer) only here, with 2 layers, one of each kind."""
+VERIFIED_ONLY = ("qwen3_5", "qwen3_5_moe")
+"""Image-text families held exact by the verify case alone (the parity cases above hold the others)."""
+_HYBRID_TEXT = dict(text_config=dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]))
 
 
 @case("vlm/verify", (2, 3, 4))
@@ -343,7 +347,8 @@ def vlm_verify(env: Env) -> dict:
     import transformers
 
     topo = env.topo()
-    out = {name: str(usp.verify_sequence_parallel(getattr(transformers, name)(), topo)) for name in VERIFIED[env.world]}
+    out = {name: str(usp.verify_sequence_parallel(getattr(transformers, name)(**(_HYBRID_TEXT if name.startswith("Qwen3_5") else {})), topo))
+           for name in VERIFIED[env.world]}
     if env.world == 2:
         planted = usp.model_inputs
         usp.model_inputs = lambda local: {k: v for k, v in planted(local).items() if k != "cu_seq_lens_q"}

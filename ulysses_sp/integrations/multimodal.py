@@ -91,7 +91,8 @@ class EncodedVisuals(ModelOutput):
     deepstack_features: list | None = None
 
 
-STYLES = {"qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "llava": "images", "smolvlm": "images"}
+STYLES = {"qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
+          "llava": "images", "smolvlm": "images"}
 """How a family's visual inputs split into items (images, videos): rows of patches with a
 ``*_grid_thw`` per item (Qwen), or one image per ``[C, H, W]`` of ``pixel_values`` (LLaVA's
 ``[N, ...]``, SmolVLM's ``[B, N, ...]`` with ``pixel_attention_mask``; all-zero padding images dropped)."""

@@ -154,8 +154,11 @@ def _keep_layers(small, keep: int):
 
 
 def _shrink_text(config):
-    """An image-text model's text config, small (its decoder layers are all of one kind: two kept)."""
-    return _keep_layers(_shrink_widths(config), min(2, config.num_hidden_layers))
+    """An image-text model's text config, small: the shortest prefix of at least 2 layers holding every
+    ``layer_types`` kind (a hybrid's linear and full attention)."""
+    n = config.num_hidden_layers
+    types = list(getattr(config, "layer_types", None) or [None] * n)
+    return _keep_layers(_shrink_widths(config), next(k for k in range(min(2, n), n + 1) if set(types[:k]) == set(types)))
 
 
 def _shrink_widths(config):

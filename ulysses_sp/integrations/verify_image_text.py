@@ -26,6 +26,7 @@ _VISION = {  # vision config fields per family in the small copy ("TEXT": the te
     "smolvlm": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4),
 }
 _VISION["qwen3_vl_moe"] = _VISION["qwen3_vl"]
+_VISION["qwen3_5"] = _VISION["qwen3_5_moe"] = {k: v for k, v in _VISION["qwen3_vl"].items() if k != "deepstack_visual_indexes"}
 _TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
@@ -85,7 +86,7 @@ def _item(config, kind: str, g: torch.Generator) -> tuple[list[int], dict]:
     grid = [1, 4 * m, 4 * m] if kind == "image" else [2, 2 * m, 4 * m]
     pixels = torch.randn(grid[0] * grid[1] * grid[2], 3 * t * vision.patch_size ** 2, generator=g, dtype=torch.float64)
     start, end = config.vision_start_token_id, config.vision_end_token_id
-    if kind == "video" and config.model_type.startswith("qwen3"):
+    if kind == "video" and config.model_type.startswith("qwen3"):  # Qwen3-VL's and Qwen3.5's frames, each after a timestamp
         ids = [start] + [token] * 8 + [end] + [0] + [start] + [token] * 8 + [end]
     else:
         ids = [start] + [token] * 16 + [end]
