@@ -89,6 +89,26 @@ def test_verify_checks_image_text_models_with_random_images(ranks, world):
             assert not passed and loss_error["packed"] > 1e-3 and loss_error["unpacked"] < 1e-12 and worst[0] == "packed", r["planted"]
 
 
+@pytest.mark.quick
+def test_verify_shrinks_an_image_text_config_to_a_small_model():
+    """ulysses_sp.integrations.verify_image_text on Qwen2.5-VL's default config (a 75B model): one of
+    1.5 million parameters whose multimodal RoPE sections fill the small head dim and whose
+    placeholder ids lie in the small vocabulary; its rows hold 16 tokens an image."""
+    from ulysses_sp.integrations.verify import _shrink_text
+    from ulysses_sp.integrations.verify_image_text import rows, shrink_image_text_config
+
+    small = shrink_image_text_config(transformers.Qwen2_5_VLConfig(), _shrink_text)
+    text = small.text_config
+    with torch.device("meta"):
+        n = sum(p.numel() for p in transformers.Qwen2_5_VLForConditionalGeneration(small).parameters())
+    assert n < 2_000_000 and text.num_hidden_layers == 2 and small.vision_config.depth == 2, n
+    assert sum(text.rope_parameters["mrope_section"]) == text.hidden_size // text.num_attention_heads // 2
+    assert max(small.image_token_id, small.video_token_id, small.vision_start_token_id) < text.vocab_size
+    batch, docs = rows(small, 2, packed=True, seed=0)
+    assert len(docs) == 3 and int((batch["input_ids"] == small.image_token_id).sum()) == 32
+    assert batch["input_ids"].shape[1] == sum(d["input_ids"].shape[1] for d in docs) and "video_grid_thw" in batch
+
+
 def test_verify_refuses_other_image_text_models_by_name():
     """Before any collective; it used to stop with an AttributeError (no num_hidden_layers on the composite config)."""
     with pytest.raises(ValueError, match="checks text causal LMs and the image-text families .*; Gemma3Config \\(gemma3\\) is neither"):
