@@ -421,7 +421,18 @@ def verify_planted(topo) -> dict:
 
     big = transformers.LlamaConfig(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                                    num_key_value_heads=8, vocab_size=128256)
+    from ulysses_sp.integrations import verify
+
+    def failing(ref, data, device):  # one reference run fails, on the one rank that runs it
+        raise ValueError("planted")
+
+    kept, verify._one_process_loss = verify._one_process_loss, failing
+    try:
+        reference_failed = raised(lambda: usp.verify_sequence_parallel(big, topo), errors=(RuntimeError,))
+    finally:
+        verify._one_process_loss = kept
     return {
+        "reference failed": reference_failed,
         "planted": raised(lambda: usp.verify_sequence_parallel(big, topo, backend="own-shard-only"), errors=(AssertionError,)),
         "planted mixer": raised(lambda: usp.verify_sequence_parallel(config("lfm2"), topo, shrink=False, mixer="own-shard-only"),
                                 errors=(AssertionError,)),

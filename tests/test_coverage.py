@@ -232,6 +232,10 @@ def test_verify_catches_a_backend_that_sees_only_its_shard(ranks):
         assert "MISMATCH" in r["planted mixer"] and ".conv." in r["planted mixer"].split("worst gradients:")[1], r["planted mixer"]
         _assert_exact(r["exact"], "shrunk llama")
         assert r["exact"]["layers"] == 2  # 32 identical layers shrink to two
+    # a one-process reference that raises on the rank running it: every rank raises, naming it (they used to wait in a broadcast)
+    for r in values(ranks(2), "verify/planted"):
+        assert r["reference failed"].startswith("RuntimeError: verify_sequence_parallel: the one-process run of the reference on SP rank 1 "
+                                                "failed: ValueError: planted"), r["reference failed"]
 
 
 @hf

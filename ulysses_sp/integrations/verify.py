@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from .. import comm
 from ..devices import move_batch
 from .mixers import check_supported, mixer_layers
 
@@ -307,17 +308,26 @@ def _spread(jobs: list, ref, topo) -> list:
     if topo.sp_size == 1:
         return [job() for job in jobs]
     params = list(ref.parameters())
+    size = 2 + len(params) + sum(p.numel() for p in params)
     me, out = dist.get_rank(topo.sp_group), []
     for i, job in enumerate(jobs):
-        owner = i % topo.sp_size
-        if owner == me:  # [loss, whether each parameter has a gradient, the gradients]
-            loss, grads = job()
-            flat = torch.cat([loss.reshape(1).double(), torch.tensor([g is not None for g in grads], dtype=torch.float64, device=topo.device)]
-                             + [(torch.zeros_like(p) if g is None else g).flatten().double() for p, g in zip(params, grads)])
-        else:
-            flat = torch.empty(1 + len(params) + sum(p.numel() for p in params), dtype=torch.float64, device=topo.device)
-        dist.broadcast(flat, src=dist.get_global_rank(topo.sp_group, owner), group=topo.sp_group)
-        out.append(flat)
+        owner, failure = i % topo.sp_size, None
+        flat = torch.zeros(size, dtype=torch.float64, device=topo.device)
+        if owner == me:  # [failed, loss, whether each parameter has a gradient, the gradients]
+            try:
+                loss, grads = job()
+                flat = torch.cat([torch.zeros(1, dtype=torch.float64, device=topo.device), loss.reshape(1).double(),
+                                  torch.tensor([g is not None for g in grads], dtype=torch.float64, device=topo.device)]
+                                 + [(torch.zeros_like(p) if g is None else g).flatten().double() for p, g in zip(params, grads)])
+            except Exception as e:  # told to every rank, which would otherwise wait in the broadcast until the timeout
+                failure = e
+                flat[0] = 1
+        src = dist.get_global_rank(topo.sp_group, owner)
+        dist.broadcast(flat, src=src, group=topo.sp_group)
+        if flat[0].item():
+            why = comm.broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", src=src, group=topo.sp_group)
+            raise RuntimeError(f"verify_sequence_parallel: the one-process run of the reference on SP rank {owner} failed: {why}") from failure
+        out.append(flat[1:])
     results = []
     for flat in out:  # the reference model is fp64 throughout: the owner's values, bit for bit
         loss, has, rest = flat[0], flat[1:1 + len(params)], flat[1 + len(params):].split([p.numel() for p in params])
