@@ -70,4 +70,7 @@ def test_refusals_name_the_line(tiny, tmp_path):
     finally:
         processor.chat_template = template
     write_tiny_llama(str(tmp_path / "text"))
-    assert is_image_text(str(root / "model")) and not is_image_text(str(tmp_path / "text")) and not is_image_text(None)
+    assert is_image_text(str(root / "model")) and is_image_text(str(root / "model" / "config.json"))
+    assert not is_image_text(str(tmp_path / "text")) and not is_image_text(None)
+    with pytest.raises(JobError, match="config.json is an image-text model's config: pass its directory"):
+        load_processor(str(root / "model" / "config.json"))

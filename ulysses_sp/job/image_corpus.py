@@ -25,17 +25,21 @@ from .config import JobError
 __all__ = ["is_image_text", "load_processor", "ImageRows"]
 
 
-def is_image_text(model_dir: str | None) -> bool:
-    """Whether ``model_dir``'s config is an image-text model's (it has a ``vision_config``)."""
-    if not model_dir or not os.path.isfile(os.path.join(model_dir, "config.json")):
+def is_image_text(model: str | None) -> bool:
+    """Whether ``--model`` (a directory or a config.json) is an image-text model's (its config has a ``vision_config``)."""
+    path = model if model and os.path.isfile(model) else os.path.join(model or "", "config.json")
+    if not model or not os.path.isfile(path):
         return False
-    with open(os.path.join(model_dir, "config.json")) as f:
+    with open(path) as f:
         return "vision_config" in json.load(f)
 
 
 def load_processor(model_dir: str):
     from transformers import AutoProcessor
 
+    if not os.path.isdir(model_dir):
+        raise JobError(f"--model {model_dir} is an image-text model's config: pass its directory, which holds its processor "
+                       "(with --from-scratch for random weights)")
     try:
         processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
     except (OSError, ValueError, TypeError, AttributeError) as e:
