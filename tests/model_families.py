@@ -80,10 +80,24 @@ def auto_mixer(family: str, p: int) -> str:
         return "halo"
     heads, groups = MIXER_HEADS.get(family, (1, 0))
     return "ulysses" if groups and heads % p == 0 and (groups % p == 0 or p % groups == 0) else "allgather"
+def _falcon_routed() -> bool:
+    """Whether transformers' Falcon attention goes through the attention interface (from 5.25; its ALiBi
+    then comes as a float attention mask) rather than its own code."""
+    import inspect
+
+    try:
+        from transformers.models.falcon.modeling_falcon import FalconAttention
+    except ImportError:
+        return False
+    return "ALL_ATTENTION_FUNCTIONS" in inspect.getsource(FalconAttention.forward)
+
+
+FALCON_ROUTED = _falcon_routed()
 REFUSED = {  # family: the module the refusal names, and why
     "bloom": ("BloomAttention (layer 0", "computes attention in its own code with ALiBi"),
-    "falcon-alibi": ("FalconAttention (layer 0", "computes attention in its own code with ALiBi"),
-    "falcon-rotary": ("FalconAttention (layer 0", "computes attention in its own code,"),
+    "falcon-alibi": ("FalconAttention (layer 0", "ALiBi position biases through its attention mask" if FALCON_ROUTED
+                     else "computes attention in its own code with ALiBi"),
+    **({} if FALCON_ROUTED else {"falcon-rotary": ("FalconAttention (layer 0", "computes attention in its own code,")}),
     "mpt": ("MptAttention (layer 0", "computes attention in its own code with ALiBi"),
     "bart": ("BartDecoder (no layer index, model.decoder)", "numbers token positions itself (its forward takes no position_ids)"),
 }
@@ -94,7 +108,9 @@ REFUSED_WITHOUT_MIXER = {  # with mixer="none"
     "rwkv": ("RwkvFeedForward (layer 0", "a token shift (RWKV's time mix"),
 }
 REFUSED_AT_FORWARD = {  # what only the first forward shows
-    "bert-bidirectional": ("BertSelfAttention (layer 0)", "bidirectional self-attention (is_causal=False) is not supported"),
+    "bert-bidirectional": ("BertSelfAttention (layer 0)", ": bidirectional self-attention (is_causal=False) is not supported"),
+    # transformers 5.25's Falcon attends through the interface but does not forward the model's keyword arguments
+    **({"falcon-rotary": ("FalconAttention (layer 0)", " did not receive the packed documents' boundaries")} if FALCON_ROUTED else {}),
 }
 
 

@@ -102,16 +102,24 @@ def attention_modules(model, innermost: bool = False) -> list[tuple[str, nn.Modu
     return [(n, m) for n, m in named if not any("Attention" in type(c).__name__ for c in m.modules() if c is not m)]
 
 
-def _own_attention_reason(module, config) -> str:
-    source = _forward_source(type(module))
+def _alibi(config) -> bool | None:
     alibi = getattr(config, "alibi", None)
     if alibi is None:
         alibi = getattr(getattr(config, "attn_config", None), "alibi", None)  # MPT
+    return alibi
+
+
+def _own_attention_reason(module, config) -> str:
+    alibi = _alibi(config)
     if alibi is None:
-        alibi = "alibi" in source
+        alibi = "alibi" in _forward_source(type(module))
     what = " with ALiBi position biases" if alibi else ""
     return (f"computes attention in its own code{what}, not through transformers' attention interface, "
             "so ulysses_sp cannot route it and each rank would attend only to its own shard")
+
+
+_ALIBI_THROUGH_MASK = ("takes ALiBi position biases through its attention mask (transformers 5.25's Falcon), which ulysses_sp's "
+                       "attention does not apply, so its scores would lack them")
 
 
 def _nested(a: str, b: str) -> bool:
@@ -175,6 +183,8 @@ def find_uncovered(model) -> list[Finding]:
             continue  # linear attention (Gated DeltaNet, KDA): its recurrence or convolution is the mixer found below
         if not any(word in _forward_source(type(module)) for word in _ROUTED):
             found[path] = Finding(path, type(module).__name__, _layer_of(path, module), _own_attention_reason(module, config), "attention")
+        elif _alibi(config):
+            found[path] = Finding(path, type(module).__name__, _layer_of(path, module), _ALIBI_THROUGH_MASK, "attention")
     covered_layers = set()
     for owner, why in reasons.items():
         owner_module = modules[owner] if owner in modules else model
