@@ -164,21 +164,28 @@ def hybrid_checks(topo=None, rank: int = 0) -> None:
               "Lfm2Config": ({"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}, ("halo", "allgather"))}
     for cls, (overrides, strategies) in models.items():
         for mixer in strategies:
-            def run(cls=cls, overrides=overrides, mixer=mixer):
-                return usp.verify_sequence_parallel(getattr(transformers, cls)(**overrides), topo, mixer=mixer)
-
-            if rank:
-                try:
-                    run()
-                except Exception:  # rank 0 reports it
-                    pass
-                continue
-
-            @check(f"verify {cls[:-6]} (shrunk, {mixer} mixer) fp64 P={topo.sp_size} on the GPU")
-            def _(run=run, mixer=mixer):
-                report = run()
+            def ran(report, mixer=mixer):
                 assert report.mixers and set(report.mixers.values()) == {mixer}, report.mixers
-                return str(report)
+
+            _verify_on_every_rank(f"verify {cls[:-6]} (shrunk, {mixer} mixer) fp64 P={topo.sp_size} on the GPU", rank, ran,
+                                  lambda cls=cls, overrides=overrides, mixer=mixer: usp.verify_sequence_parallel(
+                                      getattr(transformers, cls)(**overrides), topo, mixer=mixer))
+
+
+def _verify_on_every_rank(name: str, rank: int, inspect, run) -> None:
+    """``run()`` (a verify) on every rank of the group; rank 0 reports it as check ``name``, after ``inspect(report)``."""
+    if rank:
+        try:
+            run()
+        except Exception:  # rank 0 reports it
+            pass
+        return
+
+    @check(name)
+    def _():
+        report = run()
+        inspect(report)
+        return str(report)
 
 
 def vlm_checks(topo=None, rank: int = 0) -> None:
@@ -190,19 +197,8 @@ def vlm_checks(topo=None, rank: int = 0) -> None:
 
     topo = topo or usp.init_sequence_parallel(1)
     for cls in ("Qwen2_5_VLConfig", "Qwen3VLConfig", "LlavaConfig"):
-        def run(cls=cls):
-            return usp.verify_sequence_parallel(getattr(transformers, cls)(), topo)
-
-        if rank:
-            try:
-                run()
-            except Exception:  # rank 0 reports it
-                pass
-            continue
-
-        @check(f"verify {cls[:-6]} (shrunk, random images) fp64 P={topo.sp_size} on the GPU")
-        def _(run=run):
-            return str(run())
+        _verify_on_every_rank(f"verify {cls[:-6]} (shrunk, random images) fp64 P={topo.sp_size} on the GPU", rank, lambda report: None,
+                              lambda cls=cls: usp.verify_sequence_parallel(getattr(transformers, cls)(), topo))
 
 
 def _llama_bf16():
