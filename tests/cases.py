@@ -1057,3 +1057,4 @@ from . import tiling_cases  # noqa: E402,F401
 from . import fsdp_cases  # noqa: E402,F401
 from . import compile_cases  # noqa: E402,F401
 from . import vlm_cases  # noqa: E402,F401
+from . import rl_cases  # noqa: E402,F401

@@ -6,6 +6,7 @@
 """
 
 from . import comm
+from . import rl  # noqa: F401  (usp.rl: sequence log-probabilities for DPO and GRPO)
 from .attention import SequenceParallelAttention, sp_attention
 from .comm import CommCounter
 from .data import (

@@ -1,0 +1,127 @@
+"""Sequence-level quantities under SP, for preference and RL losses (DPO, GRPO).
+
+A sequence's log-probability is a sum over its tokens, and under SP its tokens lie on several
+ranks (a packed row's document may span ranks, and a rank may hold parts of several). So the
+per-token log-probabilities are computed from each rank's local logits (:func:`token_logprobs`,
+tiled over tokens: never the full-vocabulary log-softmax of a long shard at once) and summed per
+sequence over the SP group (:func:`sequence_sums`). Like :func:`ulysses_sp.sp_cross_entropy`, each
+value is the same on every rank of the group and its gradient reaches only this rank's tokens, so
+summing parameter gradients over the group gives the one-process gradient; a per-rank mean in place
+of the group's sum is the bug this guards against.
+
+    local = usp.shard_batch(batch, topo)
+    logits = model(**usp.model_inputs(local)).logits
+    logps, counts = usp.rl.sequence_logprobs(logits, local, topo)   # [sequences], the same on every rank
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import comm
+from .data import IGNORE_INDEX, shard_sequence
+from .layout import document_bounds
+from .kernels.common import accumulator_dtype
+from .loss import default_chunk_tokens
+from .topology import Topology
+
+__all__ = ["token_logprobs", "sequence_ids", "sequence_sums", "sequence_logprobs", "token_mean"]
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log p(label) per token, chunk by chunk over the tokens: the forward keeps one logsumexp per
+    token, the backward recomputes each chunk's softmax; neither holds more than a chunk's."""
+
+    @staticmethod
+    def forward(ctx, logits, labels, chunk: int, ignore_index: int):
+        acc = accumulator_dtype(logits.dtype)
+        flat, targets = logits.reshape(-1, logits.shape[-1]), labels.reshape(-1)
+        valid = targets != ignore_index
+        safe = targets.masked_fill(~valid, 0)
+        lse = torch.empty(flat.shape[0], dtype=acc, device=logits.device)
+        out = torch.empty(flat.shape[0], dtype=acc, device=logits.device)
+        for a in range(0, flat.shape[0], chunk):
+            part = flat[a:a + chunk].to(acc)
+            lse[a:a + chunk] = torch.logsumexp(part, dim=-1)
+            out[a:a + chunk] = part.gather(1, safe[a:a + chunk, None])[:, 0] - lse[a:a + chunk]
+        ctx.save_for_backward(logits, safe, valid, lse)
+        ctx.chunk = chunk
+        return out.masked_fill(~valid, 0).view(labels.shape)
+
+    @staticmethod
+    def backward(ctx, grad):
+        logits, safe, valid, lse = ctx.saved_tensors
+        flat = logits.reshape(-1, logits.shape[-1])
+        g = (grad.reshape(-1) * valid).to(lse.dtype)
+        out = torch.empty_like(flat)
+        for a in range(0, flat.shape[0], ctx.chunk):
+            rows = slice(a, a + ctx.chunk)
+            part = -torch.exp(flat[rows].to(lse.dtype) - lse[rows, None]) * g[rows, None]  # d/dlogits of -lse
+            part.scatter_add_(1, safe[rows, None], g[rows, None])  # + d/dlogits of the label's logit
+            out[rows] = part.to(out.dtype)
+        return out.view_as(logits), None, None, None
+
+
+def token_logprobs(logits_local: torch.Tensor, labels_local: torch.Tensor, *, ignore_index: int = IGNORE_INDEX,
+                   chunk_tokens: int | None = None) -> torch.Tensor:
+    """``log p(label)`` of each local token ``[B, s]`` (in the accumulation dtype: fp32 for bf16
+    logits), 0 where the label is ``ignore_index``; differentiable. ``labels_local`` is the
+    ``shift_labels`` of :func:`ulysses_sp.shard_batch` (each token's next token). Tiled over
+    ``chunk_tokens`` tokens (default: as the tiled loss), so no full-vocabulary log-softmax of the
+    shard is made."""
+    chunk = chunk_tokens or default_chunk_tokens(logits_local.shape[-1])
+    return _TokenLogprobs.apply(logits_local, labels_local, chunk, ignore_index)
+
+
+def sequence_ids(local_batch: dict, topo: Topology) -> tuple[torch.Tensor, int]:
+    """(the sequence each local token belongs to ``[B, s]``, the number of sequences): row ``b``'s
+    documents are sequences ``b * D .. b * D + D - 1`` for a packed batch of ``D`` documents per row
+    (``cu_seqlens``, the same for every row; the padding is a document of its own), row ``b`` is
+    sequence ``b`` otherwise."""
+    ids = local_batch["input_ids"]
+    b, s = ids.shape[0], ids.shape[1] * topo.sp_size
+    cu = local_batch.get("cu_seqlens")
+    bounds = document_bounds(cu, s)
+    per_row = len(bounds) - 1
+    lengths = torch.tensor([hi - lo for lo, hi in zip(bounds, bounds[1:])])
+    whole = torch.arange(b)[:, None] * per_row + torch.repeat_interleave(torch.arange(per_row), lengths)[None]
+    local = shard_sequence(whole, topo, dim=1, cu_seqlens=None if cu is None else list(bounds))
+    return local.to(ids.device), b * per_row
+
+
+def sequence_sums(values_local: torch.Tensor, ids_local: torch.Tensor, num_sequences: int, topo: Topology) -> torch.Tensor:
+    """Each sequence's sum of ``values_local`` ``[B, s]`` over the SP group ``[num_sequences]``: the
+    same on every rank; differentiable, its gradient reaching this rank's values only. One
+    all-reduce of ``num_sequences`` numbers."""
+    local = values_local.new_zeros(num_sequences).index_add(0, ids_local.reshape(-1), values_local.reshape(-1))
+    total = comm.all_reduce_sum(local.detach(), topo.sp_group) if topo.sp_size > 1 else local.detach()
+    return local + (total - local.detach())
+
+
+def sequence_logprobs(logits_local: torch.Tensor, local_batch: dict, topo: Topology, *, ignore_index: int = IGNORE_INDEX,
+                      chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(each sequence's summed log-probability of its targets, its number of targets), both
+    ``[sequences]`` (:func:`sequence_ids`) and the same on every rank of the SP group; the first is
+    differentiable. Divide one by the other for a length-normalised (IPO-style) log-probability."""
+    labels = local_batch["shift_labels"]
+    logps = token_logprobs(logits_local, labels, ignore_index=ignore_index, chunk_tokens=chunk_tokens)
+    ids, n = sequence_ids(local_batch, topo)
+    counts = sequence_sums((labels != ignore_index).to(logps.dtype), ids, n, topo).detach()
+    return sequence_sums(logps, ids, n, topo), counts
+
+
+def token_mean(values_local: torch.Tensor, mask_local: torch.Tensor, topo: Topology, *, count_group=None,
+               count: float | None = None) -> torch.Tensor:
+    """The mean of ``values_local`` over the masked tokens of the whole SP group (``count_group``:
+    of a wider group, e.g. the world for a mean over DP too), or their sum over ``count`` when given
+    (the tokens of every micro-batch of an accumulation window, counted beforehand with
+    :func:`ulysses_sp.data.target_counts`, as TRL's DAPO loss does). The same on every rank; its
+    gradient reaches this rank's values only."""
+    mask = mask_local.to(values_local.dtype)
+    summed = (values_local * mask).sum()
+    group = topo.sp_group if count_group is None else count_group
+    sizes = comm.all_reduce_sum(torch.stack([summed.detach(), mask.sum()]).double(), group) if (topo.sp_size > 1 or count_group is not None) \
+        else torch.stack([summed.detach(), mask.sum()]).double()
+    n = sizes[1].clamp(min=1) if count is None else torch.tensor(float(count), dtype=torch.float64)
+    local = summed / n.to(summed.dtype)
+    return local + (sizes[0].to(summed.dtype) / n.to(summed.dtype) - local.detach())
