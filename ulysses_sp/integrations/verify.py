@@ -399,6 +399,10 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
     computes in float32 inside the fp64 copy, such as Gated DeltaNet and Mamba scans, re-associate
     at float32's rounding; a rank seeing only its shard is wrong at order 1 either way).
 
+    An image-text model of the families ulysses_sp switches (``multimodal.TESTED``) runs with random
+    images (:mod:`.verify_image_text`: one across a shard boundary; packed, a document without any);
+    other models with inputs besides text are refused by name.
+
     ``shrink`` (default) runs a small copy of the architecture (:func:`shrink_config`) built
     from the config with random weights in fp64 on ``topo.device``; ``shrink=False`` copies
     the given model (or builds the config as it is), so keep it small. ``seq_len`` defaults to
