@@ -31,11 +31,11 @@ def _batch(packed: bool) -> dict:
     return batch
 
 
-def _losses(sums, counts, token_lp, mask, topo) -> dict:
+def _losses(sums, counts, token_mean) -> dict:
     """A DPO-style sigmoid loss over consecutive pairs of sequences, its length-normalised variant, and a token mean."""
     return {"dpo": -F.logsigmoid(BETA * (sums[0::2] - sums[1::2])).mean(),
             "normalised": -F.logsigmoid(BETA * ((sums / counts.clamp(min=1))[0::2] - (sums / counts.clamp(min=1))[1::2])).mean(),
-            "token_mean": rl.token_mean(token_lp, mask, topo)}
+            "token_mean": token_mean}
 
 
 @case("rl/sequences", (2, 3))
@@ -53,7 +53,8 @@ def sequences(env: Env) -> dict:
         ids, n = rl.sequence_ids({**whole, "input_ids": batch["input_ids"]}, Topology.for_planning(1, layout=layout))
         ref_sums = torch.zeros(n, dtype=torch.float64).index_add(0, ids.flatten(), ref_lp.flatten())
         ref_counts = torch.zeros(n, dtype=torch.float64).index_add(0, ids.flatten(), (labels != -100).double().flatten())
-        ref = {k: v.detach() for k, v in _losses(ref_sums, ref_counts, ref_lp, labels != -100, Topology.for_planning(1)).items()}
+        ref_mean = ref_lp.sum() / (labels != -100).sum()
+        ref = {k: v.detach() for k, v in _losses(ref_sums, ref_counts, ref_mean).items()}
         # SP: this rank's shard of the same logits
         local = usp.shard_batch(batch, topo)
         cu = local.get("cu_seqlens")
@@ -61,11 +62,11 @@ def sequences(env: Env) -> dict:
         errors = {}
         for name in ref:
             ref_logits.grad = None
-            _losses(ref_sums, ref_counts, ref_lp, labels != -100, Topology.for_planning(1))[name].backward(retain_graph=True)
+            _losses(ref_sums, ref_counts, ref_mean)[name].backward(retain_graph=True)
             mine = usp.shard_sequence(full, topo, cu_seqlens=cu).requires_grad_()
             sums, counts = rl.sequence_logprobs(mine, local, topo, chunk_tokens=4)
             token_lp = rl.token_logprobs(mine, local["shift_labels"], chunk_tokens=4)
-            loss = _losses(sums, counts, token_lp, local["shift_labels"] != -100, topo)[name]
+            loss = _losses(sums, counts, rl.token_mean(token_lp, local["shift_labels"] != -100, topo))[name]
             loss.backward()
             grad = usp.gather_sequence(mine.grad, topo, cu_seqlens=cu)
             errors[name] = (abs(loss.item() - ref[name].item()), (grad - ref_logits.grad).abs().max().item())

@@ -431,11 +431,9 @@ def rows_to_ranks(x: torch.Tensor, send: list[int], recv: list[int], group) -> t
     """Uneven all-to-all of rows: ``x``'s first ``send[0]`` rows go to rank 0, the next ``send[1]``
     to rank 1, ...; the result holds ``recv[i]`` rows from each rank ``i`` in rank order (every
     rank's ``send`` to this one). Differentiable: the backward sends each row's gradient back."""
-    if len(recv) != len(send) or sum(send) != x.shape[0] or len(send) != (1 if len(send) == 1 else group_size(group)):
+    if len(recv) != len(send) or sum(send) != x.shape[0] or (len(send) > 1 and len(send) != group_size(group)):
         raise ValueError(f"rows_to_ranks: {x.shape[0]} rows cannot be sent as {send}, receiving {recv}")
-    if len(send) == 1:
-        return x
-    return _RowsTo.apply(x, list(send), list(recv), group)
+    return x if len(send) == 1 else _RowsTo.apply(x, list(send), list(recv), group)
 
 
 class _GatherScatter(torch.autograd.Function):

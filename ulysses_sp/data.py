@@ -197,12 +197,17 @@ def sp_cross_entropy(
     summed = F.cross_entropy(
         logits_local.reshape(-1, logits_local.shape[-1]).to(acc), shift_labels_local.reshape(-1), ignore_index=ignore_index, reduction="sum"
     )
-    count = (shift_labels_local != ignore_index).sum()
-    group = topo.sp_group if count_group is None else count_group
+    return group_mean(summed, (shift_labels_local != ignore_index).sum(), topo.sp_group if count_group is None else count_group)
+
+
+def group_mean(summed: torch.Tensor, count: torch.Tensor, group, *, total_count: float | None = None) -> torch.Tensor:
+    """``summed`` (this rank's sum) summed over ``group`` and divided by ``count`` summed over it (at
+    least 1), or by ``total_count`` when given: the same on every rank, its gradient reaching this
+    rank's ``summed`` only. One all-reduce of two numbers."""
     totals = comm.all_reduce_sum(torch.stack([summed.detach().double(), count.double()]), group)
-    n = totals[1].clamp(min=1).to(acc)
+    n = (totals[1].clamp(min=1) if total_count is None else totals.new_tensor(float(total_count))).to(summed.dtype)
     local = summed / n
-    return local + (totals[0].to(acc) / n - local.detach())
+    return local + (totals[0].to(summed.dtype) / n - local.detach())
 
 
 def model_inputs(local_batch: dict) -> dict:

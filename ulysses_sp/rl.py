@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from . import comm
-from .data import IGNORE_INDEX, shard_sequence
+from .data import IGNORE_INDEX, group_mean, shard_sequence
 from .layout import document_bounds
 from .kernels.common import accumulator_dtype
 from .loss import default_chunk_tokens
@@ -116,12 +116,6 @@ def token_mean(values_local: torch.Tensor, mask_local: torch.Tensor, topo: Topol
     of a wider group, e.g. the world for a mean over DP too), or their sum over ``count`` when given
     (the tokens of every micro-batch of an accumulation window, counted beforehand with
     :func:`ulysses_sp.data.target_counts`, as TRL's DAPO loss does). The same on every rank; its
-    gradient reaches this rank's values only."""
+    gradient reaches this rank's values only (:func:`ulysses_sp.data.group_mean`)."""
     mask = mask_local.to(values_local.dtype)
-    summed = (values_local * mask).sum()
-    group = topo.sp_group if count_group is None else count_group
-    sizes = comm.all_reduce_sum(torch.stack([summed.detach(), mask.sum()]).double(), group) if (topo.sp_size > 1 or count_group is not None) \
-        else torch.stack([summed.detach(), mask.sum()]).double()
-    n = sizes[1].clamp(min=1) if count is None else torch.tensor(float(count), dtype=torch.float64)
-    local = summed / n.to(summed.dtype)
-    return local + (sizes[0].to(summed.dtype) / n.to(summed.dtype) - local.detach())
+    return group_mean((values_local * mask).sum(), mask.sum(), topo.sp_group if count_group is None else count_group, total_count=count)

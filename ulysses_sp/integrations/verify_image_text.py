@@ -106,7 +106,7 @@ def _document(config, parts: list, g: torch.Generator) -> dict:
         ids += item
         for key, value in visual.items():
             inputs[key] = torch.cat([inputs[key], value]) if key in inputs else value
-    if STYLES[config.model_type] == "images" and config.model_type == "smolvlm" and "pixel_values" in inputs:
+    if config.model_type == "smolvlm" and "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"][None]  # SmolVLM: the images of a row in one [1, N, ...]
     input_ids = torch.tensor([ids])
     visual = (input_ids == config.image_token_id) | (input_ids == getattr(config, "video_token_id", -1))
