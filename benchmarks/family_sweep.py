@@ -13,7 +13,7 @@ import time
 import warnings
 
 REFUSALS = ("cannot run under sequence parallelism", "not supported by ulysses_sp", "ran without calling", "needs the global position_ids",
-            "did not receive the packed documents' boundaries")
+            "did not receive the packed documents' boundaries", "checks text causal LMs and the image-text families")
 
 
 def _rank(rank: int, world: int, names: list, out_path: str) -> None:
