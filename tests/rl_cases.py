@@ -41,7 +41,7 @@ def _losses(sums, counts, token_mean) -> dict:
 @case("rl/sequences", (2, 3))
 def sequences(env: Env) -> dict:
     out = {}
-    for layout, packed in (("zigzag", True), ("balanced", True), ("zigzag", False)):
+    for layout, packed in (("zigzag", True), ("balanced", True), ("contiguous", True), ("zigzag", False)):
         topo = env.topo(layout=layout)
         batch = _batch(packed)
         full = torch.randn(2, sum(DOCS), V, generator=generator("rl/logits"), dtype=torch.float64)

@@ -1,6 +1,6 @@
 """ulysses_sp/rl.py: sequence log-probabilities summed over the SP group, exact against one process
-in fp64 (cases in tests/rl_cases.py), for packed rows under zigzag and balanced and for unpacked
-rows; a per-rank part in place of the group's sum is far off; the tiled log-probabilities hold
+in fp64 (cases in tests/rl_cases.py), for packed rows under zigzag, balanced and contiguous and for
+unpacked rows; a per-rank part in place of the group's sum is far off; the tiled log-probabilities hold
 no full-vocabulary tensor in the forward."""
 
 import pytest
