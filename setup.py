@@ -8,6 +8,8 @@ EXTRAS = {
     "hf": ["transformers>=4.56", "datasets>=2.14", "accelerate>=1.0"],
     # LoRA adapters through the Trainer integration
     "peft": ["peft>=0.10"],
+    # TRL's SFT, DPO and GRPO trainers under SP (ulysses_sp.integrations.trl): written against trl 1.16's fused LM head
+    "trl": ["trl>=1.16"],
     # sp-bench's tables, progress bars and plots
     "bench": ["rich>=13", "tqdm>=4.60", "matplotlib>=3.7"],
     # what the tests need: they check the transformers and DeepSpeed integrations and sp-bench's outputs too
@@ -15,11 +17,11 @@ EXTRAS = {
     # as sp-bench peers on the CPU fake of flash-attn
     "dev": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "transformers>=4.56", "datasets>=2.14", "accelerate>=1.0", "peft>=0.10",
             "deepspeed>=0.17", "rich>=13", "tqdm>=4.60",
-            "matplotlib>=3.7", "ring-flash-attn>=0.1.8", "yunchang>=0.6.4"],
+            "matplotlib>=3.7", "ring-flash-attn>=0.1.8", "yunchang>=0.6.4", "trl>=1.16"],
     # flash-attn builds only against CUDA; kept apart from `all`.
     "cuda": ["flash-attn>=2.5", "ring-flash-attn>=0.1"],
 }
-EXTRAS["all"] = sorted({req for name in ("deepspeed", "hf", "peft", "bench", "dev") for req in EXTRAS[name]})
+EXTRAS["all"] = sorted({req for name in ("deepspeed", "hf", "peft", "trl", "bench", "dev") for req in EXTRAS[name]})
 
 setup(
     name="ulysses-sp",

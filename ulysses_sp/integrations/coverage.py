@@ -267,8 +267,16 @@ def _after_attention(path):
     return hook
 
 
+FUSED_HEAD = "_ulysses_sp_fused_head"
+"""Key in a model's ``__dict__`` of :func:`ulysses_sp.integrations.trl.sequence_parallel_fused_head`,
+which takes whole rows and calls the model again with this rank's shard (``SHARD_CALL=True``)."""
+SHARD_CALL = "_usp_shard_call"
+
+
 def _before_model(sp_size: int, calls: list):
     def hook(model, args, kwargs):
+        if FUSED_HEAD in model.__dict__ and kwargs.get("fused_lm_head") and not kwargs.get(SHARD_CALL):
+            return  # whole rows for the SP fused head, which shards them and calls the model again: checked then
         calls[0].clear()  # what a forward that raised left
         calls[1] = kwargs.get("cu_seq_lens_q") is not None  # packed input: every attention call must get it
         if sp_size > 1 and kwargs.get("position_ids") is None and len(args) < 3:  # (input_ids, attention_mask, position_ids)

@@ -1,0 +1,93 @@
+"""ulysses_sp.integrations.trl: TRL's SFT, DPO and GRPO trainers under SP (2 and 3 ranks) and DP2 x SP2
+against the TRL trainer on one process, on a tiny Llama and a hybrid (Qwen3.5: Gated DeltaNet and
+attention). Cases in tests/trl_cases.py; the SP runs of each world size in one call on the session's
+pool of ranks, the references on the 1-rank pool. fp32, two optimizer steps of two accumulated
+micro-batches; SGD without clipping (an SGD step shows a gradient off by a constant factor, Adam's
+would not) and one AdamW case. Negative control: each rank summing its own tokens' log-probabilities
+(a per-rank loss) moves the DPO loss far beyond the tolerance.
+"""
+
+import importlib.util
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="not installed: trl (extra trl)")
+
+from .trl_cases import REFERENCES, SP_CASES, STEPS, run_references, run_sp_cases  # noqa: E402
+
+TOL = 1e-5
+EXACT = [(world, name) for world, cases in SP_CASES.items() for name in cases if "per-rank" not in name]
+COMPARED = {"dpo": ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "entropy"),
+            "sft": ("loss",), "grpo": ("loss", "kl", "entropy", "reward", "clip_ratio/region_mean")}
+
+
+@pytest.fixture(scope="module")
+def runs(pool):
+    """(reference results by name, {world: [each rank's results by case name]}); every pool at once."""
+    with ThreadPoolExecutor(1 + len(SP_CASES)) as threads:
+        ref = threads.submit(pool(1).run, run_references, list(REFERENCES), timeout=600)
+        sp = {world: threads.submit(pool(world).run, run_sp_cases, list(cases), timeout=600) for world, cases in SP_CASES.items()}
+        return ref.result()[0], {world: f.result() for world, f in sp.items()}
+
+
+def _ok(result, what):
+    if not result["ok"]:
+        pytest.fail(f"{what} raised:\n{result['error']}")
+    return result["value"]
+
+
+def _pair(runs, world, name):
+    refs, sp = runs
+    ref_name, _ = SP_CASES[world][name]
+    return _ok(refs[ref_name], f"reference {ref_name}"), [_ok(r[name], f"{name} on rank {i}") for i, r in enumerate(sp[world])]
+
+
+def _worst_param_error(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[n] - b[n]).abs().max().item() for n in a)
+
+
+@pytest.mark.parametrize("world,name", EXACT, ids=[f"P{w}-{n}" for w, n in EXACT])
+@pytest.mark.quick(name=("dpo-llama/sp2", "sft-llama-packed/sp2", "grpo-llama-grpo/sp2"))
+def test_trl_trainer_equals_one_process(runs, world, name):
+    """Every logged loss and metric TRL computes from the whole rows (DPO's rewards and log-probabilities,
+    GRPO's KL, entropy and clipping) and every parameter after the steps, on every rank."""
+    ref, ranks = _pair(runs, world, name)
+    trainer = SP_CASES[world][name][1]["trainer"]
+    steps = [h for h in ref["logged"] if "loss" in h]
+    assert len(steps) == STEPS
+    moved = _worst_param_error(ref["params"], ref["initial"])
+    assert moved > 1e-3, f"the reference must train, else equal parameters prove little (moved {moved})"
+    for rank, r in enumerate(ranks):
+        got = [h for h in r["logged"] if "loss" in h]
+        # TRL shuffles each generation batch and logs its micro-batches' means: under DP the micro-batches
+        # hold other samples than on one process, so only the window's loss and reward compare there
+        keys = ("loss", "reward") if trainer == "grpo" and world == 4 else COMPARED[trainer]
+        for key in keys:
+            for a, b in zip(steps, got):
+                if key in a:
+                    assert abs(a[key] - b[key]) < TOL, f"rank {rank} {key}: {b[key]} vs one process {a[key]}"
+        error = _worst_param_error(ref["params"], r["params"])
+        assert error < TOL, f"rank {rank}: parameters {error:.3g} from one process"
+
+
+def test_per_rank_sums_are_far_off(runs):
+    """The negative control: each rank's loss from its own tokens' log-probabilities (a per-rank mean
+    in place of the group's sum) moves the DPO loss by more than 1e-2 at the second step."""
+    ref, ranks = _pair(runs, 2, "dpo-llama/sp2/per-rank-sums")
+    first = [h["loss"] for h in ref["logged"] if "loss" in h]
+    got = [h["loss"] for h in ranks[0]["logged"] if "loss" in h]
+    assert abs(got[-1] - first[-1]) > 1e-2, (got, first)
+
+
+def test_grpo_group_trains_on_the_first_ranks_completions(runs):
+    """Rank 1 samples other completions (a diverging RNG stream); the group trains on rank 0's, so both
+    ranks saw the same completions and the run equals one process (checked above for this case)."""
+    _, ranks = _pair(runs, 2, "grpo-llama-grpo/sp2/diverging-samples")
+    assert ranks[0]["completions"] == ranks[1]["completions"] and ranks[0]["completions"]
+
+
+def test_sft_packed_rows_use_the_balanced_layout(runs):
+    _, ranks = _pair(runs, 2, "sft-llama-packed/sp2")
+    assert {r["layout"] for r in ranks} == {"balanced"}

@@ -1,0 +1,341 @@
+"""TRL's SFT, DPO and GRPO trainers under sequence parallelism (``pip install ulysses-sp[trl]``).
+
+Each trainer is the TRL trainer combined with :class:`~ulysses_sp.integrations.trainer.SequenceParallelTrainer`
+(its topology, SP attention, sampling by DP group and gradient reduction), and each config the TRL
+config with the SP fields of :class:`~ulysses_sp.integrations.trainer.SequenceParallelTrainingArguments`.
+
+- **SFT** trains a causal LM: the batches are cut with :func:`ulysses_sp.shard_batch` and the loss
+  is the SP trainer's token-weighted mean over SP x DP x accumulation. TRL's collators decide the
+  targets (completion-only and assistant-only loss are labels of -100), and packed rows
+  (``packing=True`` or ``padding_free=True``: position ids restarting at 0) default to the balanced layout.
+- **DPO and GRPO** compute their losses from per-token log-probabilities, which TRL asks of the
+  model as ``model(..., labels=..., fused_lm_head=True)`` (:func:`trl.trainer.utils.add_fused_lm_head`).
+  Under SP that forward (:func:`sequence_parallel_fused_head`) takes the whole batch on every rank of
+  the group, runs the model on this rank's shard (tiled over the vocabulary by TRL's fused head, so
+  no logits), and gathers each per-token field (``B x S`` numbers, not ``B x S x vocab``) back into
+  whole rows. So TRL's own loss code (sums per sequence, ``ld_alpha``, IPO's lengths, GRPO's ratios,
+  clipping, KL and normalisations) runs unchanged, on every rank of the group, on exactly what one
+  process would hold. The gather's backward sends each rank the gradient of its own tokens; the
+  loss is scaled so the reduced gradient is the data-parallel average one process of each DP group
+  would give. Rows with left padding (GRPO's prompts) keep their positions; the padding before them
+  is a document of its own, so no token sees it.
+- **GRPO** generates on whole sequences: SP is removed around ``generate`` and the completions of
+  the SP group's first rank are sent to the others, so the group trains on identical completions
+  even when their sampling would differ. The data are split by DP group, not by rank.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer
+
+try:
+    from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
+    from trl.trainer.utils import FusedCausalLMOutput
+except ImportError as e:  # pragma: no cover - the trl extra
+    raise ImportError("ulysses_sp.integrations.trl needs TRL: pip install 'ulysses-sp[trl]'") from e
+
+from ..data import IGNORE_INDEX, gather_sequence, model_inputs, shard_batch, shard_sequence
+from .trainer import SequenceParallelTrainer, SequenceParallelTrainingArguments, _base_model, backend_names
+from .coverage import FUSED_HEAD as _FUSED, SHARD_CALL
+from .transformers import _PREVIOUS, ATTN_IMPLEMENTATION, apply_sequence_parallel, remove_sequence_parallel, switched_model
+
+__all__ = [
+    "SequenceParallelSFTConfig", "SequenceParallelSFTTrainer", "SequenceParallelDPOConfig", "SequenceParallelDPOTrainer",
+    "SequenceParallelGRPOConfig", "SequenceParallelGRPOTrainer", "sequence_parallel_fused_head",
+]
+
+_PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1", "label_mask")
+
+
+@dataclass
+class SequenceParallelSFTConfig(SequenceParallelTrainingArguments, SFTConfig):
+    """``trl.SFTConfig`` with the SP fields (``sp_size``, ``sp_backend``, ...)."""
+
+
+@dataclass
+class SequenceParallelDPOConfig(SequenceParallelTrainingArguments, DPOConfig):
+    """``trl.DPOConfig`` with the SP fields."""
+
+
+@dataclass
+class SequenceParallelGRPOConfig(SequenceParallelTrainingArguments, GRPOConfig):
+    """``trl.GRPOConfig`` with the SP fields. The generation batch is counted over the DP groups
+    (``per_device_train_batch_size x DP x steps_per_generation``): the SP ranks of a group share it."""
+
+    def __post_init__(self):
+        given = self.generation_batch_size is not None, self.steps_per_generation is not None
+        super().__post_init__()
+        dp, rows = self.world_size // self.sp_size, self.per_device_train_batch_size
+        if self.sp_size == 1 or self.world_size % self.sp_size:
+            return  # one process per sequence, or a world that the trainer refuses by name
+        if given[0]:  # TRL derived steps_per_generation from the world; the groups share their batches
+            if self.generation_batch_size % (rows * dp):
+                raise ValueError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by the global batch size "
+                                 f"({rows} x {dp} DP groups; the {self.sp_size} SP ranks of a group share theirs)")
+            self.steps_per_generation = self.generation_batch_size // (rows * dp)
+        else:
+            self.generation_batch_size = rows * dp * self.steps_per_generation
+        if (rows * self.steps_per_generation) % self.num_generations:
+            raise ValueError(f"under SP each DP group generates whole groups: per_device_train_batch_size x steps_per_generation "
+                             f"({rows} x {self.steps_per_generation}) must be divisible by num_generations ({self.num_generations})")
+
+
+class _GradScale(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, scale: float):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
+def _row_groups(attention_mask: torch.Tensor | None, b: int) -> dict[int, torch.Tensor]:
+    """Rows by their number of leading padding tokens (each group is one forward)."""
+    if attention_mask is None:
+        return {0: torch.arange(b)}
+    lead = (attention_mask.cumsum(1) == 0).sum(1)
+    lead = torch.where(lead == attention_mask.shape[1], 0, lead).cpu()  # an all-padding row: no real token to place
+    return {int(k): (lead == k).nonzero()[:, 0] for k in lead.unique()}
+
+
+def _shard_rows(input_ids, labels, attention_mask, position_ids, lead: int, topo) -> dict:
+    """shard_batch of rows whose first ``lead`` tokens are padding: the padding is made a document of its
+    own (so causal attention keeps every real token from it) and the positions stay those one process
+    gives the rows (``arange``), so rotary and absolute embeddings see the same numbers."""
+    labels = labels if attention_mask is None else labels.masked_fill(attention_mask == 0, IGNORE_INDEX)
+    batch = {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask, "position_ids": position_ids}
+    if lead == 0:
+        return shard_batch({k: v for k, v in batch.items() if v is not None}, topo)
+    if position_ids is not None:
+        raise ValueError("rows with left padding and position_ids: ulysses_sp places left-padded rows with positions 0..S-1 "
+                         "(what the model uses without position_ids); pass one or the other")
+    b, s = input_ids.shape
+    batch["attention_mask"] = attention_mask.clone()
+    batch["attention_mask"][:, :lead] = 1
+    batch["position_ids"] = torch.cat([torch.arange(lead), torch.arange(s - lead)]).to(input_ids.device).expand(b, s)
+    local = shard_batch(batch, topo)
+    whole = torch.arange(local["input_ids"].shape[1] * topo.sp_size, device=input_ids.device).expand(b, -1)
+    local["position_ids"] = shard_sequence(whole, topo, cu_seqlens=local["cu_seqlens"].tolist())
+    return local
+
+
+def sequence_parallel_fused_head(model, topo, grad_scale=lambda: 1.0) -> None:
+    """Make TRL's fused LM head (``model(..., labels=, fused_lm_head=True)``, already added to ``model``)
+    sequence parallel while ``model`` is switched by :func:`~ulysses_sp.apply_sequence_parallel`: every
+    rank of the SP group passes the whole batch and gets every per-token field of the whole rows,
+    computed on its shard and gathered (differentiable). ``grad_scale()`` multiplies the gradient
+    that reaches this rank's tokens (what undoes the gradient reduction's averaging). A forward without
+    ``fused_lm_head`` is refused while switched (the model would take the whole rows for a shard);
+    after :func:`~ulysses_sp.remove_sequence_parallel` every call is the model's own."""
+    if _FUSED in model.__dict__:
+        model.__dict__[_FUSED] = (topo, grad_scale)
+        return
+    inner = model.forward
+    model.__dict__[_FUSED] = (topo, grad_scale)
+
+    def forward(*args, fused_lm_head=False, labels=None, shift_labels=None, num_items_in_batch=None, **kwargs):
+        if kwargs.pop(SHARD_CALL, False):  # this rank's shard, from _sp_fused through the model's hooks
+            return inner(*args, fused_lm_head=True, shift_labels=shift_labels, **kwargs)
+        if switched_model(model) is None:
+            for key, value in (("fused_lm_head", fused_lm_head), ("labels", labels), ("shift_labels", shift_labels),
+                               ("num_items_in_batch", num_items_in_batch)):
+                if value is not None and value is not False:
+                    kwargs[key] = value
+            return inner(*args, **kwargs)
+        if not fused_lm_head:
+            raise RuntimeError("the model is sequence parallel: under a TRL trainer only fused_lm_head=True forwards split the rows; "
+                               "call remove_sequence_parallel() first to run it on whole sequences")
+        topo_, scale = model.__dict__[_FUSED]
+        return _sp_fused(model, topo_, scale, args, kwargs, labels, shift_labels, num_items_in_batch)
+
+    model.forward = forward
+
+
+def _sp_fused(model, topo, grad_scale, args, kwargs, labels, shift_labels, num_items_in_batch):
+    if args:
+        raise ValueError("pass the model's inputs by keyword under SP (input_ids=..., attention_mask=...)")
+    if shift_labels is not None or labels is None:
+        raise ValueError("the SP fused head takes whole-row labels (it shifts and shards them itself), not shift_labels")
+    if kwargs.get("output_router_logits"):
+        raise ValueError("the MoE load-balancing loss is not exact under SP (each rank would see its tokens' routing only): "
+                         "set router_aux_loss_coef=0")
+    input_ids = kwargs.pop("input_ids")
+    mask, position_ids = kwargs.pop("attention_mask", None), kwargs.pop("position_ids", None)
+    kwargs.pop("use_cache", None)
+    if kwargs:
+        raise ValueError(f"ulysses_sp's TRL trainers take text batches (input_ids, attention_mask, position_ids); got {sorted(kwargs)}")
+    b, s = input_ids.shape
+    groups = _row_groups(mask, b)
+    parts, order = [], []
+    for lead, rows in groups.items():
+        rows = rows.to(input_ids.device)
+        pick = (lambda t: None if t is None else t.index_select(0, rows) if t.shape[0] == b else t) if len(groups) > 1 else (lambda t: t)
+        local = _shard_rows(pick(input_ids), pick(labels), pick(mask), pick(position_ids), lead, topo)
+        out = model(**model_inputs(local), shift_labels=local["shift_labels"], fused_lm_head=True, use_cache=False, **{SHARD_CALL: True})
+        cu = local.get("cu_seqlens")
+        fields = {}
+        for name in _PER_TOKEN:
+            value = getattr(out, name, None)
+            if value is None:
+                continue
+            flag = value.dtype == torch.bool
+            full = gather_sequence(value.to(torch.uint8) if flag else value, topo, cu_seqlens=cu)[:, : s - 1]
+            fields[name] = full.bool() if flag else full
+        parts.append(fields)
+        order.append(rows)
+    if len(parts) == 1:
+        fields = parts[0]
+    else:
+        inverse = torch.argsort(torch.cat(order))
+        fields = {name: torch.cat([p[name] for p in parts]).index_select(0, inverse) for name in parts[0]}
+    scale = grad_scale() if torch.is_grad_enabled() else 1.0
+    if scale != 1.0:
+        for name in ("log_probs", "entropy"):
+            if name in fields and fields[name].requires_grad:
+                fields[name] = _GradScale.apply(fields[name], scale)
+    count = fields["label_mask"].sum().clamp(min=1) if num_items_in_batch is None else num_items_in_batch
+    return FusedCausalLMOutput(loss=-fields["log_probs"].sum() / count, **fields)
+
+
+class _FusedHeadTrainer(SequenceParallelTrainer):
+    """What DPO and GRPO share: TRL's own loss, training step and evaluation on whole batches, the SP
+    split inside the fused head, and the loss scaled so the reduced gradient is the average over DP
+    groups of each group's one-process gradient."""
+
+    compute_loss = Trainer.compute_loss  # replaced by the TRL class's in each subclass
+    get_batch_samples = Trainer.get_batch_samples
+    evaluation_loop = Trainer.evaluation_loop
+
+    def _token_grad_scale(self) -> float:
+        """Every rank of an SP group computes the same loss from the gathered fields, and the gather's
+        backward sums their gradients (``sp_size`` x each token's); the reduction then sums over SP
+        and averages over DP only when this factor undoes what it averages beyond that."""
+        return self._gradient_scale(self.model_wrapped) / (self.topo.world_size)
+
+    @staticmethod
+    def _check_router_loss(args, model) -> None:
+        """Before any collective: TRL adds the MoE load-balancing loss when the model has router logits."""
+        if model is not None and args.sp_size > 1 and hasattr(_base_model(model).config.get_text_config(), "output_router_logits") \
+                and getattr(args, "router_aux_loss_coef", 0) != 0:
+            raise ValueError("the MoE load-balancing loss is not exact under SP (each rank sees its own tokens' routing): "
+                             "set router_aux_loss_coef=0")
+
+    def _switch_reference_and_heads(self) -> None:
+        """After the TRL trainer's init (which adds its fused heads and makes the reference model): the
+        reference model switched like the policy, and both fused heads made sequence parallel."""
+        ref = getattr(self.ref_model, "module", self.ref_model)
+        if ref is not None:
+            if ref.config._attn_implementation == ATTN_IMPLEMENTATION:  # TRL made it like the policy, which SP had switched
+                ref.set_attn_implementation(switched_model(self._sp_model).__dict__[_PREVIOUS][0])
+            a = self._sp_args
+            apply_sequence_parallel(ref, self.topo, backend=backend_names(a.sp_backend), kernel=a.sp_kernel, mixer=a.sp_mixer)
+        for model in (self._sp_model, ref):
+            if model is not None:
+                sequence_parallel_fused_head(model, self.topo, self._token_grad_scale)
+        self._tp_size = self.topo.sp_size  # TRL's count of ranks given the same batch (its token counts divide by it)
+
+
+class SequenceParallelSFTTrainer(SequenceParallelTrainer, SFTTrainer):
+    """``trl.SFTTrainer`` with every sequence split over the SP group; takes a model object and
+    :class:`SequenceParallelSFTConfig`. Packed rows (``packing=True``, ``padding_free=True``) use the
+    balanced layout under ``sp_layout="auto"``. The loss is the token-weighted NLL (``loss_type="nll"``)."""
+
+    def __init__(self, model=None, args: SequenceParallelSFTConfig | None = None, **kwargs):
+        if isinstance(args, SequenceParallelSFTConfig):
+            if args.loss_type != "nll":
+                raise ValueError(f"SequenceParallelSFTTrainer computes the token-weighted NLL; loss_type={args.loss_type!r} is not supported")
+            if args.sp_layout == "auto" and (args.packing or args.padding_free):
+                args.sp_layout = "balanced"
+        elif args is not None:
+            raise ValueError("SequenceParallelSFTTrainer needs args=SequenceParallelSFTConfig(...)")
+        super().__init__(model=model, args=args, **kwargs)
+
+
+class SequenceParallelDPOTrainer(_FusedHeadTrainer, DPOTrainer):
+    """``trl.DPOTrainer`` with every sequence split over the SP group; takes a model object and
+    :class:`SequenceParallelDPOConfig`. Chosen and rejected rows of a pair are in the same batch, so in
+    the same SP group. The reference model (``ref_model``, or the adapter-free model under PEFT) runs
+    under SP too; ``precompute_ref_log_probs`` is refused under SP."""
+
+    compute_loss = DPOTrainer.compute_loss
+    training_step = DPOTrainer.training_step
+    prediction_step = DPOTrainer.prediction_step
+
+    def __init__(self, model=None, ref_model=None, args: SequenceParallelDPOConfig | None = None, **kwargs):
+        if not isinstance(args, SequenceParallelDPOConfig):
+            raise ValueError("SequenceParallelDPOTrainer needs args=SequenceParallelDPOConfig(...)")
+        if args.precompute_ref_log_probs and args.sp_size > 1:
+            raise ValueError("precompute_ref_log_probs is not supported under SP (its pass splits the data by rank): "
+                             "the reference model runs under SP in each step instead")
+        self._check_router_loss(args, model)
+        super().__init__(model=model, ref_model=ref_model, args=args, **kwargs)
+        self._switch_reference_and_heads()
+
+
+class SequenceParallelGRPOTrainer(_FusedHeadTrainer, GRPOTrainer):
+    """``trl.GRPOTrainer`` with the training forward split over the SP group; takes a model object
+    (loaded ``from_pretrained`` when ``beta != 0``: TRL loads the reference model from its path) and
+    :class:`SequenceParallelGRPOConfig`. Completions are generated on whole sequences (SP removed
+    around ``generate``) and the SP group's first rank's are used by the whole group."""
+
+    compute_loss = GRPOTrainer.compute_loss
+    training_step = GRPOTrainer.training_step
+    prediction_step = GRPOTrainer.prediction_step
+    _get_train_sampler = GRPOTrainer._get_train_sampler
+
+    def __init__(self, model=None, reward_funcs=None, args: SequenceParallelGRPOConfig | None = None, **kwargs):
+        if not isinstance(args, SequenceParallelGRPOConfig):
+            raise ValueError("SequenceParallelGRPOTrainer needs args=SequenceParallelGRPOConfig(...)")
+        refused = {
+            "use_vllm": args.use_vllm,
+            f"scale_rewards={args.scale_rewards!r} (only 'group' and 'none': batch statistics would count each sample once per SP rank)":
+                args.scale_rewards not in ("group", "none", False),
+            f"multi_objective_aggregation={args.multi_objective_aggregation!r}": args.multi_objective_aggregation != "sum_then_normalize",
+        }
+        refused = [name for name, on in refused.items() if on and args.sp_size > 1]
+        if refused:
+            raise ValueError(f"SequenceParallelGRPOTrainer under SP does not support: {', '.join(refused)}")
+        self._check_router_loss(args, model)
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
+        self._switch_reference_and_heads()
+
+    def get_train_dataloader(self):
+        loader = GRPOTrainer.get_train_dataloader(self)
+        shard = getattr(loader, "batch_sampler", None)
+        if type(shard).__name__ == "BatchSamplerShard":  # accelerate splits by world rank; the SP ranks of a group share batches
+            shard.num_processes, shard.process_index = self.topo.dp_size, self.topo.dp_rank
+        return loader
+
+    def _generate_single_turn(self, *args, **kwargs):
+        """Generation on whole sequences (SP removed around it); the group's first rank's completions for all
+        (the reference model's forward that follows runs under SP on them)."""
+        with self._whole_sequences():
+            got = super()._generate_single_turn(*args, **kwargs)
+        return self._from_first_sp_rank(got)
+
+    def _prepare_inputs(self, generation_batch):
+        """The micro-batch of the group's first rank on every rank of the group: TRL shuffles each
+        generation batch with the global RNG, whose state the ranks need not share."""
+        return self._from_first_sp_rank(super()._prepare_inputs(generation_batch))
+
+    def _from_first_sp_rank(self, value):
+        if self.topo.sp_size == 1:
+            return value
+        held = [value]
+        dist.broadcast_object_list(held, src=dist.get_global_rank(self.topo.sp_group, 0), group=self.topo.sp_group)
+        return held[0]
+
+    @contextlib.contextmanager
+    def _whole_sequences(self):
+        remove_sequence_parallel(self._sp_model)
+        try:
+            yield
+        finally:
+            self.apply_sequence_parallel()
