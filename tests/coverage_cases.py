@@ -83,6 +83,40 @@ def adapted_default(topo, name: str) -> dict:
     return dict(_summary(report), mixers=report.mixers)
 
 
+def kernelized(topo) -> dict:
+    with fp64_throughout():  # the Gated DeltaNet computes its gates in float32: lifted, so the comparison is exact
+        return _kernelized(topo)
+
+
+def _kernelized(topo) -> dict:
+    """A hybrid as from_pretrained loads it, where transformers turns its Hub kernels on by default (the
+    ``kernels`` package is its dependency) and re-kernelizes on every train()/eval() switch, dropping each
+    kernel-decorated module's instance forward: the mixers' SP forward must survive it. Loss and gradients
+    of the Gated DeltaNet model after eval() then train(), against the same model on whole sequences."""
+    import transformers
+
+    from .cases import generator, max_err
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config("qwen3_5")).to(torch.float64)
+    model.set_use_kernels(True)  # what from_pretrained does by default
+    ids = torch.randint(0, 64, (2, 24), generator=generator("kernelized"))
+    whole = model(input_ids=ids, labels=ids)
+    whole.loss.backward()
+    ref = {n: p.grad.clone() for n, p in model.named_parameters()}
+    model.zero_grad()
+    usp.apply_sequence_parallel(model, topo)
+    model.eval()
+    model.train()  # a new kernels mode: kernelize runs again
+    local = usp.shard_batch({"input_ids": ids, "labels": ids}, topo)
+    logits = model(**usp.model_inputs(local)).logits
+    loss = usp.sp_cross_entropy(logits, local["shift_labels"], topo)
+    loss.backward()
+    grads = {n: usp.comm.all_reduce_sum(p.grad, topo.sp_group) for n, p in model.named_parameters()}
+    return {"use_kernels": bool(getattr(model, "use_kernels", False)), "loss": abs(loss.item() - whole.loss.item()),
+            "grad": max(max_err(grads[n], ref[n]) for n in ref)}
+
+
 def raised_on(fn) -> str:
     from .cases import raised
 
@@ -520,6 +554,7 @@ def register(case, topo_for, hf: bool) -> None:
     case("mixers/ulysses/refused-groups", (4,))(
         lambda env: raised_on(lambda: family(topo_for(env), "bamba_12h", mixer="ulysses", mamba_n_groups=6)))
     case("mixers/ulysses/all-or-none", (2,))(lambda env: ulysses_all_or_none(topo_for(env)))
+    case("mixers/kernelized", (2,))(lambda env: kernelized(topo_for(env)))
     case("coverage/planted", (2, 3))(lambda env: planted(topo_for(env)))
     case("coverage/conv-attention", (2, 3))(lambda env: conv_attention(topo_for(env)))
     case("coverage-contiguous/conv-attention", (2, 3))(lambda env: conv_attention(topo_for(env, "contiguous")))

@@ -286,3 +286,12 @@ def test_shrink_keeps_every_kind_of_layer():
     for cls in ("LlamaConfig", "GPT2Config", "MixtralConfig"):
         small, model = shrunk(cls)
         assert small.num_hidden_layers == 2 and sum(p.numel() for p in model.parameters()) < 1e6, cls
+
+
+def test_mixers_survive_transformers_kernelize(ranks):
+    """from_pretrained turns transformers' Hub kernels on (its ``kernels`` dependency); train()/eval() then
+    re-kernelize and drop each kernel-decorated module's instance forward, which silently ran Qwen3.5's Gated
+    DeltaNet on each rank's shard alone until the mixers' pre-hook put theirs back (found under TRL's DPO)."""
+    for r in values(ranks(2), "mixers/kernelized"):
+        assert r["use_kernels"], "the model must have been kernelized, else this proves nothing"
+        assert r["loss"] < 1e-12 and r["grad"] < 1e-10, r

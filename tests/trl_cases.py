@@ -264,6 +264,8 @@ def _cases() -> tuple[dict, dict]:
         "sft-llama-dp2": {"trainer": "sft", "family": "llama", "dp": 2},
         **{f"grpo-llama-{loss}": {"trainer": "grpo", "family": "llama", "loss_type": loss} for loss in ("grpo", "dapo", "dr_grpo")},
         "grpo-qwen3_5": {"trainer": "grpo", "family": "qwen3_5"},
+        "dpo-qwen3_5": {"trainer": "dpo", "family": "qwen3_5"},
+        "sft-qwen3_5": {"trainer": "sft", "family": "qwen3_5"},
         "grpo-llama-dapo-dp2": {"trainer": "grpo", "family": "llama", "loss_type": "dapo", "dp": 2},
     }
     sp = {2: {}, 3: {}, 4: {}}

@@ -30,8 +30,12 @@ def _sp_forward(self, *args, **kwargs):
     return strategy(self, type(self).forward.__get__(self), args, kwargs, context["batch"], context["seq_local"], context["cu_seqlens"])
 
 
-def _record_context(context: dict):
+def _record_context(context: dict, modules: list):
     def hook(model, args, kwargs):
+        for module in modules:  # transformers' Hub kernels (on by default from from_pretrained when `kernels` is installed)
+            # re-kernelize on every train()/eval() switch, dropping or replacing each kernel-decorated module's forward
+            if getattr(module.__dict__.get("forward"), "__func__", None) is not _sp_forward:
+                module.__dict__["forward"] = types.MethodType(_sp_forward, module)
         ids = kwargs.get("input_ids", args[0] if args else None)
         if ids is None:
             ids = kwargs.get("inputs_embeds")
@@ -60,7 +64,7 @@ def install_mixers(model, topo, mixer: str = "auto") -> dict[str, str]:
         module.__dict__["forward"] = types.MethodType(_sp_forward, module)  # deepcopy rebinds it to the copy
     chosen = {path: strategy.name for path, strategy in strategies.items()}
     if chosen:
-        model.__dict__[_CONTEXT_HOOK] = model.register_forward_pre_hook(_record_context(context), with_kwargs=True)
+        model.__dict__[_CONTEXT_HOOK] = model.register_forward_pre_hook(_record_context(context, [m for _, m in found]), with_kwargs=True)
     return chosen
 
 
