@@ -138,7 +138,7 @@ def _sft(case: dict, sp: bool, out: str, path: str) -> dict:
     initial = _params(model)
     kwargs = dict(_common(case, out, 2 if sp else 1), packing=case.get("packing", False), padding_free=case.get("padding_free", False),
                   train_sampling_strategy="sequential", max_length=64 if case.get("packing") else None, **case.get("args", {}))
-    rows = completion_rows(STEPS * GA * case.get("batch", 2) * case.get("dp", 1) * (3 if case.get("packing") else 1))
+    rows = completion_rows(STEPS * GA * case.get("batch", 2) * case.get("dp", 1) * (4 if case.get("packing") else 1))  # packed: more rows than the steps read
     data = Dataset.from_list(rows)
     if sp:
         from ulysses_sp.integrations.trl import SequenceParallelSFTConfig, SequenceParallelSFTTrainer
@@ -262,6 +262,7 @@ def _cases() -> tuple[dict, dict]:
         "sft-llama-packed": {"trainer": "sft", "family": "llama", "packing": True},
         "sft-llama-packed-adamw": {"trainer": "sft", "family": "llama", "packing": True, "optim": "adamw_torch", "lr": 1e-3},
         "sft-llama-dp2": {"trainer": "sft", "family": "llama", "dp": 2},
+        "sft-llama-packed-dp2": {"trainer": "sft", "family": "llama", "packing": True, "dp": 2},
         **{f"grpo-llama-{loss}": {"trainer": "grpo", "family": "llama", "loss_type": loss} for loss in ("grpo", "dapo", "dr_grpo")},
         "grpo-qwen3_5": {"trainer": "grpo", "family": "qwen3_5"},
         "dpo-qwen3_5": {"trainer": "dpo", "family": "qwen3_5"},
@@ -276,7 +277,7 @@ def _cases() -> tuple[dict, dict]:
     sp[2]["grpo-llama-grpo/sp2/diverging-samples"] = ("grpo-llama-grpo", {**refs["grpo-llama-grpo"], "sp": 2, "rank_noise": True})
     for name in ("dpo-llama", "sft-llama-packed-adamw", "grpo-llama-dr_grpo"):
         sp[3][f"{name}/sp3"] = (name, {**refs[name], "sp": 3})
-    for name in ("dpo-llama-dp2", "sft-llama-dp2", "grpo-llama-dapo-dp2"):
+    for name in ("dpo-llama-dp2", "sft-llama-dp2", "sft-llama-packed-dp2", "grpo-llama-dapo-dp2"):
         sp[4][f"{name}/dp2xsp2"] = (name, {**refs[name], "sp": 2})
     return refs, sp
 
