@@ -234,3 +234,37 @@ def test_records_without_text_are_counted(tmp_path):
     tf = token_file(str(data), None, str(tmp_path / "cache"), builder=True, say=said.append)
     assert tf.tokens.tolist() == [ord("a"), EOS_ID, ord("b"), EOS_ID] and tf.ends.tolist() == [2, 4]
     assert f"{data}: 2 of 4 records have no text (empty, null or not a string) and are skipped" in said
+
+
+def test_sft_rows_hold_whole_documents_with_targets_on_completions_only(tmp_path):
+    from ulysses_sp.job.completion_corpus import CompletionRows
+    from ulysses_sp.testing.tiny_checkpoint import _tokenizer
+
+    tok = _tokenizer()
+    data = tmp_path / "sft.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [{"prompt": "w1 w2 w3", "completion": " w4 w5"},
+                                                      {"prompt": "w7", "completion": " w8 w9 w10"}]) + "\n")
+    rows = CompletionRows(str(data), tok, 16, 1, packing=True)
+    assert len(rows) == 1
+    b = rows.batch([0])
+    eos = tok.eos_token_id
+    w = lambda *ks: [tok.convert_tokens_to_ids(f"w{k}") for k in ks]  # noqa: E731
+    assert b["input_ids"][0].tolist() == w(1, 2, 3, 4, 5) + [eos] + w(7, 8, 9, 10) + [eos] + [1] * 5
+    assert b["labels"][0].tolist() == [IGNORE_INDEX] * 3 + w(4, 5) + [eos] + [IGNORE_INDEX] + w(8, 9, 10) + [eos] + [IGNORE_INDEX] * 5
+    assert b["position_ids"][0].tolist() == list(range(6)) + list(range(5)) + list(range(5))
+    assert len(CompletionRows(str(data), tok, 16, 1, packing=False)) == 2
+    with pytest.raises(JobError, match="line 1: 6 tokens, more than --seq-len 5"):
+        CompletionRows(str(data), tok, 5, 1, packing=True)
+    data.write_text(json.dumps({"text": "w1"}) + "\n")
+    with pytest.raises(JobError, match="line 1: --task sft reads JSON lines with 'prompt' and 'completion'"):
+        CompletionRows(str(data), tok, 16, 1, packing=True)
+
+
+def test_sft_task_needs_data():
+    with pytest.raises(SystemExit):
+        parse_args(["--task", "dpo"])
+    cfg = parse_args(["--task", "sft", "--seq-len", "64"])
+    from ulysses_sp.job.config import check_launch
+
+    with pytest.raises(JobError, match="--task sft needs --data"):
+        check_launch(cfg, 2)

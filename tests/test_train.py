@@ -1,5 +1,8 @@
 """The main job end to end: the SP loss curve equals the one-process one, resume is exact."""
 
+import dataclasses
+import json
+
 import pytest
 
 pytest.importorskip("deepspeed", reason="the deepspeed extra is not installed")
@@ -388,3 +391,30 @@ def test_a_hybrid_model_trains_through_its_mixers(tmp_path, run_ranks):
     for message in run_ranks(_verified, 2, cfg):
         assert message.startswith("JobError: Qwen3_5ForCausalLM cannot run under sequence parallelism"), message
         assert "Qwen3_5GatedDeltaNet (layer 0" in message, message
+
+
+def _sft_data(path, n: int = 48) -> str:
+    """Prompt-completion lines in the tiny tokenizer's words: the completion continues the prompt's count."""
+    import random
+
+    rng = random.Random(0)
+    with open(path, "w") as f:
+        for _ in range(n):
+            start, a, b = rng.randrange(40), rng.randint(3, 30), rng.randint(3, 60)
+            words = [f"w{(start + i) % 40}" for i in range(a + b)]
+            f.write(json.dumps({"prompt": " ".join(words[:a]), "completion": " " + " ".join(words[a:])}) + "\n")
+    return str(path)
+
+
+def test_sft_task_trains_on_completions_like_one_process(tmp_path, run_ranks):
+    """``--task sft`` on a tiny Llama checkpoint: packed prompt-completion documents, the loss on the
+    completions only; the SP=2 loss curve equals one process's (fp32) and falls."""
+    from ulysses_sp.testing.tiny_checkpoint import write_tiny_llama
+
+    write_tiny_llama(str(tmp_path / "model"))
+    cfg = TrainConfig(model=str(tmp_path / "model"), data=_sft_data(tmp_path / "sft.jsonl"), task="sft", seq_len=256, steps=6, lr=3e-3,
+                      token_cache=str(tmp_path / "cache"))
+    one = run_ranks(_train, 1, dataclasses.replace(cfg, sp_size=1))[0]
+    two = run_ranks(_train, 2, dataclasses.replace(cfg, sp_size=2))
+    assert max(abs(a - b) for a, b in zip(one, two[0])) < 1e-5, (one, two[0])
+    assert two[0][-1] < two[0][0] - 0.1, two[0]

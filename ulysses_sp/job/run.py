@@ -40,7 +40,7 @@ from ..loss import causal_lm_loss
 from ..tasks import KEY_LENGTH, PAD_ID, VOCAB_SIZE
 from ..tiling import compile_layers
 from ..topology import init_sequence_parallel
-from . import checkpoint, corpus, image_corpus
+from . import checkpoint, completion_corpus, corpus, image_corpus
 from .config import JobError, TrainConfig, check_launch, job_layout, memory_options
 from .ds_config import load_ds_config, resolve_ds_config
 from .export import export_hf
@@ -230,9 +230,12 @@ class Job:
         self.peak = peak_tflops(self.device, self.ds.dtype, cfg.peak_tflops)
 
     def _rows(self, path: str, progress: bool):
+        say = (lambda line: print(line, flush=True)) if progress else None
+        if self.cfg.task == "sft":
+            return completion_corpus.CompletionRows(path, self.tokenizer, self.cfg.seq_len, corpus.pad_id(self.tokenizer),
+                                                    packing=self.cfg.packing, say=say)
         if self.processor is None:
             return corpus.build_rows(path, self.tokenizer, self.cfg, progress=progress)
-        say = (lambda line: print(line, flush=True)) if progress else None
         return image_corpus.ImageRows(path, self.processor, self.cfg.seq_len, corpus.pad_id(self.tokenizer), packing=self.cfg.packing, say=say)
 
     def _deepspeed_engine(self, model) -> None:
