@@ -256,15 +256,36 @@ def test_sft_rows_hold_whole_documents_with_targets_on_completions_only(tmp_path
     with pytest.raises(JobError, match="line 1: 6 tokens, more than --seq-len 5"):
         CompletionRows(str(data), tok, 5, 1, packing=True)
     data.write_text(json.dumps({"text": "w1"}) + "\n")
-    with pytest.raises(JobError, match="line 1: --task sft reads JSON lines with 'prompt' and 'completion'"):
+    with pytest.raises(JobError, match="line 1: --task sft reads JSON lines with 'prompt', 'completion' strings"):
         CompletionRows(str(data), tok, 16, 1, packing=True)
 
 
-def test_sft_task_needs_data():
-    with pytest.raises(SystemExit):
-        parse_args(["--task", "dpo"])
-    cfg = parse_args(["--task", "sft", "--seq-len", "64"])
+def test_dpo_rows_keep_each_pair_in_one_row(tmp_path):
+    from ulysses_sp.job.completion_corpus import CompletionRows
+    from ulysses_sp.testing.tiny_checkpoint import _tokenizer
+
+    tok = _tokenizer()
+    data = tmp_path / "dpo.jsonl"
+    data.write_text("\n".join(json.dumps(r) for r in [{"prompt": "w1 w2", "chosen": " w3", "rejected": " w9 w8"},
+                                                      {"prompt": "w5", "chosen": " w6 w7", "rejected": " w0"}]) + "\n")
+    rows = CompletionRows(str(data), tok, 12, 1, packing=True, task="dpo")
+    assert len(rows) == 2 and rows.documents(0) == 2  # the second pair (7 tokens) does not fit beside the first (7): a row of its own
+    eos, w = tok.eos_token_id, (lambda *ks: [tok.convert_tokens_to_ids(f"w{k}") for k in ks])  # noqa: E731
+    b = rows.batch([0])
+    assert b["input_ids"][0].tolist() == w(1, 2, 3) + [eos] + w(1, 2, 9, 8) + [eos] + [1] * 3
+    assert b["labels"][0].tolist() == [IGNORE_INDEX] * 2 + w(3) + [eos] + [IGNORE_INDEX] * 2 + w(9, 8) + [eos] + [IGNORE_INDEX] * 3
+    assert b["documents"].tolist() == [2]
+    with pytest.raises(JobError, match="line 1: 9 tokens, more than --seq-len 8; a prompt and its chosen and rejected are never cut"):
+        CompletionRows(str(data), tok, 8, 1, packing=True, task="dpo")
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["--task", "sft"], "--task sft needs --data"),
+    (["--task", "dpo"], "--task dpo needs --data"),
+    (["--task", "dpo", "--data", __file__, "--tiled-loss"], "--task dpo takes no --tiled-loss"),
+])
+def test_sft_and_dpo_tasks_refuse_what_they_cannot_take(argv, message):
     from ulysses_sp.job.config import check_launch
 
-    with pytest.raises(JobError, match="--task sft needs --data"):
-        check_launch(cfg, 2)
+    with pytest.raises(JobError, match=message):
+        check_launch(parse_args([*argv, "--seq-len", "64"]), 2)

@@ -2,6 +2,7 @@
 
 import dataclasses
 import json
+import math
 
 import pytest
 
@@ -418,3 +419,35 @@ def test_sft_task_trains_on_completions_like_one_process(tmp_path, run_ranks):
     two = run_ranks(_train, 2, dataclasses.replace(cfg, sp_size=2))
     assert max(abs(a - b) for a, b in zip(one, two[0])) < 1e-5, (one, two[0])
     assert two[0][-1] < two[0][0] - 0.1, two[0]
+
+
+def _dpo_data(path, n: int = 32) -> str:
+    """Preference lines: the chosen reply continues the prompt's count, the rejected one does not."""
+    import random
+
+    rng = random.Random(1)
+    with open(path, "w") as f:
+        for _ in range(n):
+            start, a, b = rng.randrange(40), rng.randint(3, 20), rng.randint(3, 25)
+            words = [f"w{(start + i) % 40}" for i in range(a + b)]
+            rejected = [f"w{rng.randrange(40)}" for _ in range(rng.randint(3, 25))]
+            f.write(json.dumps({"prompt": " ".join(words[:a]), "chosen": " " + " ".join(words[a:]), "rejected": " " + " ".join(rejected)}) + "\n")
+    return str(path)
+
+
+def test_dpo_task_equals_one_process(tmp_path, run_ranks):
+    """``--task dpo`` (DeepSpeed and FSDP2): pairs packed whole into rows, the reference log-probabilities those of the model as
+    loaded (so the first step's loss is log 2), DPO's sigmoid loss over every pair of the step; the SP=2
+    loss curve equals one process's (fp32) and falls."""
+    from ulysses_sp.testing.tiny_checkpoint import write_tiny_llama
+
+    write_tiny_llama(str(tmp_path / "model"))
+    cfg = TrainConfig(model=str(tmp_path / "model"), data=_dpo_data(tmp_path / "dpo.jsonl"), task="dpo", beta=0.5, seq_len=256, steps=6,
+                      lr=3e-3, grad_accum=2, micro_batch=1)
+    one = run_ranks(_train, 1, dataclasses.replace(cfg, sp_size=1))[0]
+    two = run_ranks(_train, 2, dataclasses.replace(cfg, sp_size=2))
+    fsdp2 = run_ranks(_train, 2, dataclasses.replace(cfg, sp_size=2, engine="fsdp2"))
+    assert abs(one[0] - math.log(2)) < 1e-6, one
+    for got in (two[0], fsdp2[0]):
+        assert max(abs(a - b) for a, b in zip(one, got)) < 1e-5, (one, got)
+    assert two[0][-1] < two[0][0] - 0.05, two[0]

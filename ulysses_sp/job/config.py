@@ -23,7 +23,7 @@ class JobError(ValueError):
 
 
 ENGINES = ("deepspeed", "fsdp2")
-TASKS = ("lm", "sft")
+TASKS = ("lm", "sft", "dpo")
 
 DEFAULT_LR = {"embedded": 3e-3, "pretrained": 2e-5}
 """--lr when neither the flag nor the DeepSpeed config gives one: the embedded model trains from
@@ -49,7 +49,10 @@ class TrainConfig:
     data: str | None = None
     """Local JSON lines / Parquet (a ``text`` column) or text files; None: the embedded passkey task."""
     task: str = "lm"
-    """``lm``: every token of the data's text is a target; ``sft``: JSON lines of ``prompt`` and ``completion``, the loss on the completion."""
+    """``lm``: every token of the data's text is a target; ``sft``: JSON lines of ``prompt`` and ``completion``, the loss on the
+    completion; ``dpo``: JSON lines of ``prompt``, ``chosen`` and ``rejected``, DPO's sigmoid loss against the initial model."""
+    beta: float = 0.1
+    """``--task dpo``: the DPO temperature."""
     eval_data: str | None = None
     token_cache: str | None = None
     """Where data files are tokenized once and memory-mapped (reused on resume); None: $XDG_CACHE_HOME/ulysses_sp/tokens."""
@@ -186,7 +189,9 @@ def parse_args(argv=None) -> TrainConfig:
     g.add_argument("--eval-data", default=None, help="held-out data in the same formats (the passkey task has its own)")
     g.add_argument("--task", choices=TASKS, default="lm",
                    help="lm: every token of the text is a target (default); sft: --data holds JSON lines of 'prompt' and 'completion', "
-                        "the loss on the completion only (whole documents per row)")
+                        "the loss on the completion only; dpo: JSON lines of 'prompt', 'chosen' and 'rejected', DPO's sigmoid loss with "
+                        "the initial model as the reference (whole lines per row)")
+    g.add_argument("--beta", type=float, default=0.1, help="--task dpo: the DPO temperature (default 0.1)")
     g.add_argument("--token-cache", default=None, metavar="DIR",
                    help="where --data and --eval-data are tokenized once into memory-mapped token files, reused by later and "
                         "resumed runs (default: $XDG_CACHE_HOME/ulysses_sp/tokens, else ~/.cache/ulysses_sp/tokens)")
@@ -239,7 +244,7 @@ def parse_args(argv=None) -> TrainConfig:
         p.error(f"--gradient-checkpointing is --checkpoint layers; it contradicts --checkpoint {a.checkpoint}")
     return TrainConfig(
         sp_size=a.sp_size, sp_backend=a.sp_backend, engine=a.engine, zero_stage=a.zero_stage, deepspeed=next(iter(paths), None), model=a.model,
-        tokenizer=a.tokenizer, data=a.data, task=a.task, eval_data=a.eval_data, token_cache=a.token_cache, packing=a.packing, seq_len=a.seq_len, steps=a.steps,
+        tokenizer=a.tokenizer, data=a.data, task=a.task, beta=a.beta, eval_data=a.eval_data, token_cache=a.token_cache, packing=a.packing, seq_len=a.seq_len, steps=a.steps,
         micro_batch=a.micro_batch, grad_accum=a.grad_accum, lr=a.lr, warmup_steps=a.warmup_steps, min_lr_ratio=a.min_lr_ratio,
         weight_decay=a.weight_decay, seed=a.seed, eval_every=a.eval_every, eval_samples=a.eval_samples, save=a.save,
         save_every=a.save_every, keep_last=a.keep_last, resume=a.resume, metrics_file=a.metrics_file, export_hf=a.export_hf, dist_timeout=a.dist_timeout,
@@ -283,12 +288,19 @@ def check_launch(cfg: TrainConfig, world_size: int) -> int:
                            f"({sp} ranks, layout {layout}); use a longer --seq-len")
     if cfg.eval_data is not None and cfg.data is None:
         raise JobError("--eval-data needs --data (the passkey task has its own held-out prompts)")
-    if cfg.task == "sft" and cfg.data is None:
-        raise JobError("--task sft needs --data: JSON lines of 'prompt' and 'completion'")
-    from .image_corpus import is_image_text
+    if cfg.task != "lm":
+        from .image_corpus import is_image_text
 
-    if cfg.task == "sft" and is_image_text(cfg.model):
-        raise JobError("--task sft takes a text model: an image-text --model trains on its 'images' and 'text' lines (--task lm)")
+        if cfg.data is None:
+            raise JobError(f"--task {cfg.task} needs --data: JSON lines of " + ("'prompt' and 'completion'" if cfg.task == "sft" else
+                                                                                  "'prompt', 'chosen' and 'rejected'"))
+        if is_image_text(cfg.model):
+            raise JobError(f"--task {cfg.task} takes a text model: an image-text --model trains on its 'images' and 'text' lines (--task lm)")
+    if cfg.task == "dpo":
+        given = [flag for flag, on in (("--eval-data", cfg.eval_data is not None), ("--tiled-loss", bool(cfg.tiled_loss))) if on]
+        if given:
+            raise JobError(f"--task dpo takes no {', '.join(given)}: its loss reads each reply's log-probabilities from the logits "
+                           "(no eval loss is defined for it here)")
     for name in ("data", "eval_data", "deepspeed", "profile"):
         path = getattr(cfg, name)
         if path and not os.path.exists(path):

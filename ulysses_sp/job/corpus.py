@@ -139,11 +139,15 @@ class TrainBatches:
         self._epoch, self._order = None, None
 
     def __call__(self, m: int) -> dict:
+        return self.rows.batch(self.indices(m))
+
+    def indices(self, m: int) -> list[int]:
+        """The rows of micro-batch ``m``."""
         epoch, offset = divmod(m, self.per_epoch)
         if epoch != self._epoch:
             self.sampler.set_epoch(epoch)
             self._epoch, self._order = epoch, list(self.sampler)
-        return self.rows.batch(self._order[offset * self.micro : (offset + 1) * self.micro])
+        return self._order[offset * self.micro : (offset + 1) * self.micro]
 
 
 def passkey_train_batches(cfg: TrainConfig, topo: Topology, micro_batch: int, accumulation: int):

@@ -200,6 +200,12 @@ class Job:
         self.pad_id = corpus.pad_id(self.tokenizer)
         self.flops_per_token = flops_per_token(text_config, count_params(model), cfg.seq_len)
         self.memory, self.memory_why = memory_options(cfg, text_config, topo.sp_size, on_gpu)
+        if cfg.task == "dpo":
+            if self.ds.micro_batch != 1:
+                raise JobError(f"--task dpo trains one packed row per micro-batch (its pairs' log-probabilities are summed per document); "
+                               f"the micro batch is {self.ds.micro_batch}: set train_micro_batch_size_per_gpu to 1 and pack more pairs per row "
+                               "(--seq-len) or accumulate (--gradient-accumulation-steps)")
+            self.memory["tiled_loss"], self.memory_why["tiled_loss"] = False, "--task dpo reads log-probabilities from the logits"
         backend = cfg.sp_backend.split(",") if "," in cfg.sp_backend else cfg.sp_backend
         self.verify_report = None
         try:
@@ -224,6 +230,7 @@ class Job:
             self.scale = 1.0  # reduce-scatters sum (divide factor 1): the loss is counted over the world
         else:
             self._deepspeed_engine(model)
+        self.reference = self._reference_logps() if cfg.task == "dpo" else None  # the initial model's, also when resuming
         if resume is not None:
             self._load(*resume[:2])
         self.metrics = MetricsFile(cfg.metrics_file, self.rank0, keep_through=self.start if self.resumed else None)
@@ -231,9 +238,9 @@ class Job:
 
     def _rows(self, path: str, progress: bool):
         say = (lambda line: print(line, flush=True)) if progress else None
-        if self.cfg.task == "sft":
+        if self.cfg.task != "lm":
             return completion_corpus.CompletionRows(path, self.tokenizer, self.cfg.seq_len, corpus.pad_id(self.tokenizer),
-                                                    packing=self.cfg.packing, say=say)
+                                                    packing=self.cfg.packing, task=self.cfg.task, say=say)
         if self.processor is None:
             return corpus.build_rows(path, self.tokenizer, self.cfg, progress=progress)
         return image_corpus.ImageRows(path, self.processor, self.cfg.seq_len, corpus.pad_id(self.tokenizer), packing=self.cfg.packing, say=say)
@@ -274,10 +281,55 @@ class Job:
         total = float(counts.sum())
         return counts / max(total, 1.0), int(total)
 
+    def _pair_logps(self, batch: dict, local: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """(chosen, rejected) summed log-probabilities of the row's pairs ``[pairs]``, the same on every rank
+        of the SP group; differentiable to this rank's tokens (:func:`ulysses_sp.rl.sequence_logprobs`)."""
+        from .. import rl
+
+        logps, _ = rl.sequence_logprobs(self._logits(local), local, self.topo)
+        docs = int(batch["documents"][0])
+        return logps[0:docs:2], logps[1:docs:2]
+
+    def _reference_logps(self) -> list[torch.Tensor]:
+        """``--task dpo``: every train row's (chosen, rejected) log-probabilities under the model as built (the
+        reference), before any step or resume: one forward per row, on every DP group."""
+        rows, out, start = self.train_rows, [], time.perf_counter()
+        self.engine.eval()  # as a reference model runs: no dropout
+        with torch.no_grad():
+            for i in range(len(rows)):
+                batch = rows.batch([i])
+                out.append(torch.stack(self._pair_logps(batch, self._local(batch))).cpu())
+                if self.rank0 and (i + 1) % max(1, len(rows) // 10) == 0:
+                    print(f"reference log-probabilities: {i + 1}/{len(rows)} rows ({time.perf_counter() - start:.0f} s)", flush=True)
+        self.engine.train()
+        return out
+
+    def _dpo_step(self, step: int) -> float:
+        """DPO's sigmoid loss, the mean over every pair of the step's micro-batches and DP groups."""
+        accum = self.ds.grad_accum
+        drawn = [self.batches.indices(step * accum + j) for j in range(accum)]
+        pairs = torch.tensor([self.train_rows.documents(d[0]) / 2 for d in drawn], dtype=torch.float64)
+        total = float(comm.all_reduce_sum(pairs.sum().to(self.topo.device), self.topo.dp_group)) if self.topo.dp_size > 1 else float(pairs.sum())
+        value = 0.0
+        for d in drawn:
+            batch = self.train_rows.batch(d)
+            chosen, rejected = self._pair_logps(batch, self._local(batch))
+            ref = self.reference[d[0]].to(chosen.device, chosen.dtype)
+            loss = -F.logsigmoid(self.cfg.beta * ((chosen - ref[0]) - (rejected - ref[1]))).sum() / total
+            self.engine.backward(loss * self.scale, scale_wrt_gas=False)
+            self.engine.step()
+            value += loss.item()
+        if self.topo.dp_size > 1:
+            value = float(comm.all_reduce_sum(torch.tensor(value, dtype=torch.float64, device=self.topo.device), self.topo.dp_group))
+        self.work_imbalance = None
+        return self._from_rank0(value)
+
     # -- training ----------------------------------------------------------------------------
 
     def step(self, step: int) -> float:
         """One optimizer step (``step`` counts from 0); returns its loss, the same on every rank."""
+        if self.cfg.task == "dpo":
+            return self._dpo_step(step)
         accum = self.ds.grad_accum
         locals_ = [self._local(self.batches(step * accum + j)) for j in range(accum)]
         weights, targets = self._weights(locals_)
