@@ -22,12 +22,26 @@ COMPARED = {"dpo": ("loss", "rewards/chosen", "rewards/rejected", "rewards/margi
             "sft": ("loss",), "grpo": ("loss", "kl", "entropy", "reward", "clip_ratio/region_mean")}
 
 
+NAMED = {"test_per_rank_sums_are_far_off": (2, "dpo-llama/sp2/per-rank-sums"),
+         "test_grpo_group_trains_on_the_first_ranks_completions": (2, "grpo-llama-grpo/sp2/diverging-samples"),
+         "test_sft_packed_rows_use_the_balanced_layout": (2, "sft-llama-packed/sp2")}
+"""The case each unparametrized test reads."""
+
+
 @pytest.fixture(scope="module")
-def runs(pool):
-    """(reference results by name, {world: [each rank's results by case name]}); every pool at once."""
+def runs(pool, request):
+    """(reference results by name, {world: [each rank's results by case name]}) of the cases this session's
+    tests of this module read (the quick slice reads three); every pool at once."""
+    wanted = set()
+    for item in request.session.items:
+        if item.module is request.module:
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            wanted.add((params["world"], params["name"]) if "name" in params else NAMED[item.originalname])
+    refs = sorted({SP_CASES[w][n][0] for w, n in wanted})
     with ThreadPoolExecutor(1 + len(SP_CASES)) as threads:
-        ref = threads.submit(pool(1).run, run_references, list(REFERENCES), timeout=600)
-        sp = {world: threads.submit(pool(world).run, run_sp_cases, list(cases), timeout=600) for world, cases in SP_CASES.items()}
+        ref = threads.submit(pool(1).run, run_references, refs, timeout=600)
+        sp = {world: threads.submit(pool(world).run, run_sp_cases, sorted(n for w, n in wanted if w == world), timeout=600)
+              for world in sorted({w for w, _ in wanted})}
         return ref.result()[0], {world: f.result() for world, f in sp.items()}
 
 
