@@ -14,7 +14,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="not installed: trl (extra trl)")
 
-from .trl_cases import REFERENCES, SP_CASES, STEPS, run_references, run_sp_cases  # noqa: E402
+from .trl_cases import SP_CASES, STEPS, run_references, run_sp_cases  # noqa: E402
 
 TOL = 1e-5
 EXACT = [(world, name) for world, cases in SP_CASES.items() for name in cases if "per-rank" not in name]
@@ -66,7 +66,8 @@ def _worst_param_error(a: dict, b: dict) -> float:
 @pytest.mark.quick(name=("dpo-llama/sp2", "sft-llama-packed/sp2", "grpo-llama-grpo/sp2"))
 def test_trl_trainer_equals_one_process(runs, world, name):
     """Every logged loss and metric TRL computes from the whole rows (DPO's rewards and log-probabilities,
-    GRPO's KL, entropy and clipping) and every parameter after the steps, on every rank."""
+    GRPO's KL, entropy and clipping), every parameter after the steps and DPO's and GRPO's evaluate(), on
+    every rank. (SFT's eval loss is the Trainer's, token-weighted, tested in tests/test_hf_trainer.py.)"""
     ref, ranks = _pair(runs, world, name)
     trainer = SP_CASES[world][name][1]["trainer"]
     steps = [h for h in ref["logged"] if "loss" in h]
@@ -84,6 +85,11 @@ def test_trl_trainer_equals_one_process(runs, world, name):
                     assert abs(a[key] - b[key]) < TOL, f"rank {rank} {key}: {b[key]} vs one process {a[key]}"
         error = _worst_param_error(ref["params"], r["params"])
         assert error < TOL, f"rank {rank}: parameters {error:.3g} from one process"
+        if trainer != "sft":  # evaluate() after training: TRL's own evaluation loop and metrics, whole batches per DP group
+            assert ref["eval"].keys() == r["eval"].keys(), (ref["eval"], r["eval"])
+            for key in ("eval_loss", "eval_rewards/chosen", "eval_rewards/margins", "eval_reward", "eval_kl"):
+                if key in ref["eval"]:
+                    assert abs(ref["eval"][key] - r["eval"][key]) < TOL, f"rank {rank} {key}: {r['eval'][key]} vs one process {ref['eval'][key]}"
 
 
 def test_per_rank_sums_are_far_off(runs):

@@ -83,6 +83,11 @@ def _logged(trainer) -> list[dict]:
     return [{k: v for k, v in h.items() if isinstance(v, float)} for h in trainer.state.log_history if "train_runtime" not in h]
 
 
+def _evaluated(trainer) -> dict:
+    """``evaluate()``'s numbers after training (on the held-out rows)."""
+    return {k: v for k, v in trainer.evaluate().items() if isinstance(v, float) and "runtime" not in k and "per_second" not in k}
+
+
 def _params(model) -> dict:
     return {n: p.detach().clone() for n, p in model.named_parameters()}
 
@@ -96,20 +101,24 @@ def _dpo(case: dict, sp: bool, out: str, path: str) -> dict:
     kwargs = dict(_common(case, out, 2 if sp else 1), beta=0.5, loss_type=case.get("loss_type", ["sigmoid"]),
                   ld_alpha=case.get("ld_alpha"), train_sampling_strategy="sequential", **case.get("args", {}))
     data = Dataset.from_list(preference_rows(STEPS * GA * case.get("batch", 2) * case.get("dp", 1)))
+    evaluation = Dataset.from_list(preference_rows(4, seed=5))
+    kwargs["per_device_eval_batch_size"] = 2 * (1 if sp else case.get("dp", 1))
     if sp:
         from ulysses_sp.integrations.trl import SequenceParallelDPOConfig, SequenceParallelDPOTrainer
 
         args = SequenceParallelDPOConfig(**kwargs, sp_size=case["sp"], sp_backend=case.get("backend", "auto"))
         with per_rank_sums() if case.get("per_rank") else contextlib.nullcontext():
-            trainer = SequenceParallelDPOTrainer(model=model, ref_model=ref, args=args, train_dataset=data, processing_class=tok)
+            trainer = SequenceParallelDPOTrainer(model=model, ref_model=ref, args=args, train_dataset=data, eval_dataset=evaluation,
+                                                 processing_class=tok)
             trainer.train()
-        return {"logged": _logged(trainer), "params": _params(trainer.model), "initial": initial}
+            return {"logged": _logged(trainer), "params": _params(trainer.model), "initial": initial, "eval": _evaluated(trainer)}
     else:
         from trl import DPOConfig, DPOTrainer
 
-        trainer = DPOTrainer(model=model, ref_model=ref, args=DPOConfig(**kwargs), train_dataset=data, processing_class=tok)
+        trainer = DPOTrainer(model=model, ref_model=ref, args=DPOConfig(**kwargs), train_dataset=data, eval_dataset=evaluation,
+                             processing_class=tok)
     trainer.train()
-    return {"logged": _logged(trainer), "params": _params(trainer.model), "initial": initial}
+    return {"logged": _logged(trainer), "params": _params(trainer.model), "initial": initial, "eval": _evaluated(trainer)}
 
 
 @contextlib.contextmanager
@@ -187,6 +196,8 @@ def _grpo(case: dict, sp: bool, out: str, path: str) -> dict:
     kwargs = dict(_common(case, out, 2 if sp else 1), num_generations=2, max_completion_length=10, beta=case.get("beta", 0.1),
                   loss_type=case.get("loss_type", "grpo"), shuffle_dataset=False, **case.get("args", {}))
     data = Dataset.from_list(prompt_rows(STEPS * GA * case.get("batch", 2) * case.get("dp", 1)))
+    evaluation = Dataset.from_list(prompt_rows(4, seed=5))  # 2 prompts x 2 generations: batches of 2 rows (a prompt) per DP group
+    kwargs["per_device_eval_batch_size"] = 2 * (1 if sp else case.get("dp", 1))  # one process: the DP groups' batches at once
     seen = []
     if sp:
         from ulysses_sp.integrations.trl import SequenceParallelGRPOConfig, SequenceParallelGRPOTrainer as cls
@@ -203,9 +214,11 @@ def _grpo(case: dict, sp: bool, out: str, path: str) -> dict:
             seen.append(got[0])
             return got
 
-    trainer = Recording(model=model, reward_funcs=_reward, args=args, train_dataset=data, processing_class=tok)
+    trainer = Recording(model=model, reward_funcs=_reward, args=args, train_dataset=data, eval_dataset=evaluation, processing_class=tok)
     trainer.train()
-    return {"logged": _logged(trainer), "params": _params(trainer.model), "initial": initial, "completions": seen}
+    seen_in_training = list(seen)
+    return {"logged": _logged(trainer), "params": _params(trainer.model), "initial": initial, "completions": seen_in_training,
+            "eval": _evaluated(trainer)}
 
 
 RUNS = {"dpo": _dpo, "sft": _sft, "grpo": _grpo}

@@ -68,21 +68,22 @@ class SequenceParallelGRPOConfig(SequenceParallelTrainingArguments, GRPOConfig):
     (``per_device_train_batch_size x DP x steps_per_generation``): the SP ranks of a group share it."""
 
     def __post_init__(self):
-        given = self.generation_batch_size is not None, self.steps_per_generation is not None
+        batch_given = self.generation_batch_size is not None
         super().__post_init__()
         dp, rows = self.world_size // self.sp_size, self.per_device_train_batch_size
         if self.sp_size == 1 or self.world_size % self.sp_size:
             return  # one process per sequence, or a world that the trainer refuses by name
-        if given[0]:  # TRL derived steps_per_generation from the world; the groups share their batches
+        if batch_given:  # TRL derived steps_per_generation from the world; the groups share their batches
             if self.generation_batch_size % (rows * dp):
                 raise ValueError(f"generation_batch_size ({self.generation_batch_size}) must be divisible by the global batch size "
                                  f"({rows} x {dp} DP groups; the {self.sp_size} SP ranks of a group share theirs)")
             self.steps_per_generation = self.generation_batch_size // (rows * dp)
         else:
             self.generation_batch_size = rows * dp * self.steps_per_generation
-        if (rows * self.steps_per_generation) % self.num_generations:
+        if (rows * self.steps_per_generation) % self.num_generations or self.per_device_eval_batch_size % self.num_generations:
             raise ValueError(f"under SP each DP group generates whole groups: per_device_train_batch_size x steps_per_generation "
-                             f"({rows} x {self.steps_per_generation}) must be divisible by num_generations ({self.num_generations})")
+                             f"({rows} x {self.steps_per_generation}) and per_device_eval_batch_size ({self.per_device_eval_batch_size}) "
+                             f"must be divisible by num_generations ({self.num_generations})")
 
 
 class _GradScale(torch.autograd.Function):
@@ -213,6 +214,17 @@ class _FusedHeadTrainer(SequenceParallelTrainer):
     get_batch_samples = Trainer.get_batch_samples
     evaluation_loop = Trainer.evaluation_loop
 
+    def _eval_loader(self, dataset, description: str):
+        """Eval batches go whole to DP groups; transformers' evaluation loop (TRL's metrics) would count the
+        padding batches a group runs when the batches do not split evenly, so that is refused."""
+        loader = super()._eval_loader(dataset, description)
+        batches = loader.batch_sampler.batches
+        if self.topo.dp_size > 1 and batches % self.topo.dp_size:
+            raise ValueError(f"{description}: {batches} batches of {self.args.eval_batch_size} do not split evenly over {self.topo.dp_size} "
+                             "DP groups; TRL's evaluation would count a repeated batch. Pick an eval set or per_device_eval_batch_size "
+                             "that does")
+        return loader
+
     def _token_grad_scale(self) -> float:
         """Every rank of an SP group computes the same loss from the gathered fields, and the gather's
         backward sums their gradients (``sp_size`` x each token's); the reduction then sums over SP
@@ -307,9 +319,15 @@ class SequenceParallelGRPOTrainer(_FusedHeadTrainer, GRPOTrainer):
         self._switch_reference_and_heads()
 
     def get_train_dataloader(self):
-        loader = GRPOTrainer.get_train_dataloader(self)
+        return self._by_dp_group(GRPOTrainer.get_train_dataloader(self))
+
+    def get_eval_dataloader(self, eval_dataset=None):
+        return self._by_dp_group(GRPOTrainer.get_eval_dataloader(self, eval_dataset))
+
+    def _by_dp_group(self, loader):
+        """accelerate splits the batches by world rank; the SP ranks of a group share theirs."""
         shard = getattr(loader, "batch_sampler", None)
-        if type(shard).__name__ == "BatchSamplerShard":  # accelerate splits by world rank; the SP ranks of a group share batches
+        if type(shard).__name__ == "BatchSamplerShard":
             shard.num_processes, shard.process_index = self.topo.dp_size, self.topo.dp_rank
         return loader
 
