@@ -307,6 +307,13 @@ sys.exit(1 if bad or not ours else 0)' "$LOGS/bench-nccl.json" 2>&1) || RC=1
     else
         report calibrate_nccl fail "$LOGS/profile-${ncal}gpu.json: $figures"
     fi
+    # TRL's DPO and GRPO trainers under SP=2 on NCCL (CUDA's fused LM head: TRL scores only the valid positions there),
+    # with whatever budget is left: the CPU tests hold their exactness
+    for trl in dpo grpo; do
+        run_logged "trl_2gpu_sp2_$trl" 120 0 "$PYTHON" -m torch.distributed.run --standalone --nproc_per_node 2 "examples/trl_$trl.py" \
+            --sp_size 2 --output_dir "$LOGS/trl-$trl" --max_steps 3 --logging_steps 1 --report_to none --bf16 true
+        report "trl_2gpu_sp2_$trl" fail "$(grep -E '^(reward margins|rewards):' "$LOGS/trl_2gpu_sp2_$trl.log" | tail -1)"
+    done
 else
     skip "train_2gpu_sp2_bf16_memory_stack, parity_nccl and calibrate_nccl need 2 GPUs, found $NGPU"
 fi
