@@ -394,16 +394,20 @@ def test_a_hybrid_model_trains_through_its_mixers(tmp_path, run_ranks):
         assert "Qwen3_5GatedDeltaNet (layer 0" in message, message
 
 
-def _sft_data(path, n: int = 48) -> str:
-    """Prompt-completion lines in the tiny tokenizer's words: the completion continues the prompt's count."""
+def _reply_data(path, task: str, n: int) -> str:
+    """Lines in the tiny tokenizer's words: a prompt counting up, and a reply continuing the count
+    (``sft``: the completion; ``dpo``: the chosen one, the rejected one random words)."""
     import random
 
-    rng = random.Random(0)
+    rng = random.Random(0 if task == "sft" else 1)
     with open(path, "w") as f:
         for _ in range(n):
-            start, a, b = rng.randrange(40), rng.randint(3, 30), rng.randint(3, 60)
+            start, a, b = rng.randrange(40), rng.randint(3, 30 if task == "sft" else 20), rng.randint(3, 60 if task == "sft" else 25)
             words = [f"w{(start + i) % 40}" for i in range(a + b)]
-            f.write(json.dumps({"prompt": " ".join(words[:a]), "completion": " " + " ".join(words[a:])}) + "\n")
+            line = {"prompt": " ".join(words[:a]), "completion" if task == "sft" else "chosen": " " + " ".join(words[a:])}
+            if task == "dpo":
+                line["rejected"] = " " + " ".join(f"w{rng.randrange(40)}" for _ in range(rng.randint(3, 25)))
+            f.write(json.dumps(line) + "\n")
     return str(path)
 
 
@@ -413,26 +417,12 @@ def test_sft_task_trains_on_completions_like_one_process(tmp_path, run_ranks):
     from ulysses_sp.testing.tiny_checkpoint import write_tiny_llama
 
     write_tiny_llama(str(tmp_path / "model"))
-    cfg = TrainConfig(model=str(tmp_path / "model"), data=_sft_data(tmp_path / "sft.jsonl"), task="sft", seq_len=256, steps=6, lr=3e-3,
+    cfg = TrainConfig(model=str(tmp_path / "model"), data=_reply_data(tmp_path / "sft.jsonl", "sft", 48), task="sft", seq_len=256, steps=6, lr=3e-3,
                       token_cache=str(tmp_path / "cache"))
     one = run_ranks(_train, 1, dataclasses.replace(cfg, sp_size=1))[0]
     two = run_ranks(_train, 2, dataclasses.replace(cfg, sp_size=2))
     assert max(abs(a - b) for a, b in zip(one, two[0])) < 1e-5, (one, two[0])
     assert two[0][-1] < two[0][0] - 0.1, two[0]
-
-
-def _dpo_data(path, n: int = 32) -> str:
-    """Preference lines: the chosen reply continues the prompt's count, the rejected one does not."""
-    import random
-
-    rng = random.Random(1)
-    with open(path, "w") as f:
-        for _ in range(n):
-            start, a, b = rng.randrange(40), rng.randint(3, 20), rng.randint(3, 25)
-            words = [f"w{(start + i) % 40}" for i in range(a + b)]
-            rejected = [f"w{rng.randrange(40)}" for _ in range(rng.randint(3, 25))]
-            f.write(json.dumps({"prompt": " ".join(words[:a]), "chosen": " " + " ".join(words[a:]), "rejected": " " + " ".join(rejected)}) + "\n")
-    return str(path)
 
 
 def test_dpo_task_equals_one_process(tmp_path, run_ranks):
@@ -442,7 +432,7 @@ def test_dpo_task_equals_one_process(tmp_path, run_ranks):
     from ulysses_sp.testing.tiny_checkpoint import write_tiny_llama
 
     write_tiny_llama(str(tmp_path / "model"))
-    cfg = TrainConfig(model=str(tmp_path / "model"), data=_dpo_data(tmp_path / "dpo.jsonl"), task="dpo", beta=0.5, seq_len=256, steps=6,
+    cfg = TrainConfig(model=str(tmp_path / "model"), data=_reply_data(tmp_path / "dpo.jsonl", "dpo", 32), task="dpo", beta=0.5, seq_len=256, steps=6,
                       lr=3e-3, grad_accum=2, micro_batch=1)
     one = run_ranks(_train, 1, dataclasses.replace(cfg, sp_size=1))[0]
     two = run_ranks(_train, 2, dataclasses.replace(cfg, sp_size=2))

@@ -60,13 +60,11 @@ def _tiny(family: str, path: str):
         if family == "llama":
             tiny_checkpoint.write_tiny_llama(path)
         else:  # a hybrid of tests/model_families.py, with the tiny tokenizer
-            from transformers import AutoModelForCausalLM as Auto
-
             from .model_families import config
 
             tiny_checkpoint._tokenizer().save_pretrained(path)
             torch.manual_seed(0)
-            Auto.from_config(config(family, vocab_size=48, pad_token_id=1, eos_token_id=2, bos_token_id=None)).save_pretrained(path)
+            AutoModelForCausalLM.from_config(config(family, vocab_size=48, pad_token_id=1, eos_token_id=2, bos_token_id=None)).save_pretrained(path)
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
 
 

@@ -210,7 +210,6 @@ class _FusedHeadTrainer(SequenceParallelTrainer):
     split inside the fused head, and the loss scaled so the reduced gradient is the average over DP
     groups of each group's one-process gradient."""
 
-    compute_loss = Trainer.compute_loss  # replaced by the TRL class's in each subclass
     get_batch_samples = Trainer.get_batch_samples
     evaluation_loop = Trainer.evaluation_loop
 
