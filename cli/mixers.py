@@ -24,6 +24,8 @@ LAYERS = {
 def _layer(kind: str):
     import transformers
 
+    from ulysses_sp.integrations import mixers  # noqa: F401 - the layers' adapters and reaches, registered
+
     torch.manual_seed(0)
     if kind == "gdn":
         from transformers.models.qwen3_next.modeling_qwen3_next import Qwen3NextGatedDeltaNet

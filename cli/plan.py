@@ -96,6 +96,7 @@ def _mixer_modules(config: dict) -> dict:
     import transformers
 
     from ulysses_sp.integrations.coverage import find_uncovered
+    from ulysses_sp.integrations.mixers import install_mixers  # noqa: F401 - the mixer classes' adapters, registered
 
     try:
         with torch.device("meta"):

@@ -7,8 +7,8 @@ whom: one point-to-point exchange of the mixer's input forward, its gradient sen
 backward. The mixer's own forward then runs on each chunk with its halo in front, document by
 document when the batch is packed (no window crosses a document boundary), and the halo's rows
 are dropped. Bytes per rank: O(reach), independent of the sequence length; compute: the chunk
-plus ``reach`` rows. Each mixer class needs its reach registered in :data:`REACH` (filled by
-``ulysses_sp.integrations``), since only its code says how far it looks back.
+plus ``reach`` rows. Each mixer class needs its reach registered (:func:`register_reach`, called
+by the model integrations in ``ulysses_sp.integrations``), since only its code says how far it looks back.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from ulysses_sp.backends.halo import halo_ranges, local_positions
 from ulysses_sp.mixers.common import refuse_unsupported
 from ulysses_sp.spec import MixerEstimate
 
-__all__ = ["REACH", "HaloMixer", "reaches"]
+__all__ = ["REACH", "HaloMixer", "register_reach"]
 
 REACH: dict[str, Callable] = {}
 """``reach(module) -> int`` by mixer class name: how many tokens before its own each output sees."""
@@ -31,11 +31,10 @@ REACH: dict[str, Callable] = {}
 _INPUT_TAG, _GRAD_TAG = 2, 3
 
 
-def reaches() -> dict[str, Callable]:
-    """Every registered reach, the built-in ones (which import nothing beyond torch) registered on first use."""
-    import ulysses_sp.integrations.short_conv  # noqa: F401
-
-    return REACH
+def register_reach(names, reach: Callable) -> None:
+    """Register ``reach(module) -> int`` for the mixer classes named ``names``."""
+    for name in names:
+        REACH[name] = reach
 
 
 @dataclass(frozen=True, eq=False)
@@ -105,8 +104,8 @@ class HaloMixer:
 
     def check(self, module) -> str | None:
         """None if this strategy can run ``module``, else why not."""
-        if module is not None and type(module).__name__ not in reaches():
-            return (f"halo: no reach registered for {type(module).__name__} (it is, for LFM2's short convolutions); "
+        if module is not None and type(module).__name__ not in REACH:
+            return (f"halo: no reach registered for {type(module).__name__} (there are for {', '.join(sorted(REACH)) or 'none'}); "
                     "mixer='auto' takes another strategy there")
         return None
 
@@ -120,7 +119,7 @@ class HaloMixer:
     def estimate(self, module, batch: int, seq_local: int, hidden: int, itemsize: int) -> MixerEstimate:
         """The slowest rank's: its rows plus the halos its chunks run with; the halo rows of
         ``[batch, seq_local, hidden]`` it sends forward, and the gradients it sends back."""
-        p, reach = self.topo.sp_size, reaches()[type(module).__name__](module)
+        p, reach = self.topo.sp_size, REACH[type(module).__name__](module)
         table = layout.chunk_table(self.topo.layout, p, seq_local * p)
         plans = [_plan(table, r, seq_local // len(table[r]), reach, "cpu") for r in range(p)]
         per_token = batch * hidden * itemsize

@@ -5,7 +5,8 @@ Exact by construction, 1/P of the mixer's compute per rank, and the bytes of Uly
 over the tensors moved. Inputs shared by a group of heads (Gated DeltaNet's key heads, Mamba2's
 B/C groups) are split by group, or replicated when there are fewer groups than ranks, as
 Ulysses attention does with KV heads. Each mixer class needs an adapter that splits its forward
-at those boundaries (:data:`ADAPTERS`, filled by ``ulysses_sp.integrations``); a mixer without
+at those boundaries (:func:`register_adapter`, called by the model integrations in
+``ulysses_sp.integrations``, as backends register with the registry); a mixer without
 one, or whose heads P does not divide, is not taken (``auto`` gives it the allgather fallback).
 """
 
@@ -17,7 +18,7 @@ from typing import Callable
 from ulysses_sp.mixers.common import refuse_unsupported
 from ulysses_sp.spec import MixerEstimate
 
-__all__ = ["ADAPTERS", "Adapter", "UlyssesMixer", "adapters", "rank_groups"]
+__all__ = ["ADAPTERS", "Adapter", "UlyssesMixer", "rank_groups", "register_adapter"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -34,15 +35,13 @@ class Adapter:
 
 
 ADAPTERS: dict[str, Adapter] = {}
-"""Adapters by mixer class name (:func:`adapters` registers the built-in ones)."""
+"""Adapters by mixer class name."""
 
 
-def adapters() -> dict[str, Adapter]:
-    """Every adapter, the built-in ones (which import nothing beyond torch) registered on first use."""
-    import ulysses_sp.integrations.gated_deltanet  # noqa: F401
-    import ulysses_sp.integrations.mamba2  # noqa: F401
-
-    return ADAPTERS
+def register_adapter(names, adapter: Adapter) -> None:
+    """Register ``adapter`` for the mixer classes named ``names``."""
+    for name in names:
+        ADAPTERS[name] = adapter
 
 
 def rank_groups(groups: int, p: int, rank: int) -> range:
@@ -60,10 +59,10 @@ class UlyssesMixer:
 
     def check(self, module) -> str | None:
         """None if this strategy can run ``module`` on the topology, else why not."""
-        adapter = adapters().get(type(module).__name__)
+        adapter = ADAPTERS.get(type(module).__name__)
         if adapter is None:
-            return (f"ulysses: no adapter for {type(module).__name__} (there are adapters for the Gated DeltaNet and Mamba2 "
-                    "mixers of transformers); mixer='auto' takes allgather there")
+            return (f"ulysses: no adapter for {type(module).__name__} (there are for {', '.join(sorted(ADAPTERS)) or 'none'}); "
+                    "mixer='auto' takes allgather there")
         (heads, groups), p, name = adapter.heads(module), self.topo.sp_size, type(module).__name__
         if heads % p:
             return f"ulysses: {name}'s {heads} heads do not divide by the SP size {p}; mixer='auto' takes allgather there"
@@ -75,7 +74,7 @@ class UlyssesMixer:
     def estimate(self, module, batch: int, seq_local: int, hidden: int, itemsize: int) -> MixerEstimate:
         """1/P of the mixer's compute; (P-1)/P of the tensors moved each way, again in the backward."""
         p = self.topo.sp_size
-        moved = batch * seq_local * sum(adapters()[type(module).__name__].sent(module, p, itemsize)) * (p - 1) // p
+        moved = batch * seq_local * sum(ADAPTERS[type(module).__name__].sent(module, p, itemsize)) * (p - 1) // p
         return MixerEstimate(1 / p, moved, moved)
 
     def __call__(self, module, forward, args: tuple, kwargs: dict, batch: int, seq_local: int, cu_seqlens):

@@ -12,6 +12,7 @@ from torch import nn
 
 import ulysses_sp as usp
 from ulysses_sp import kernels
+from ulysses_sp.integrations import mixers as _adapters  # noqa: F401 - registers the adapters of transformers' mixers
 from ulysses_sp.mixers import MIXERS
 
 from .model_families import EXACT, HYBRID, REFUSED, REFUSED_AT_FORWARD, REFUSED_WITHOUT_MIXER, config

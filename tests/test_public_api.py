@@ -33,3 +33,22 @@ def test_sp_bench_backends_lists_every_backend():
     assert result.exit_code == 0, result.output
     listed = [line.split()[0] for line in result.output.splitlines() if line.strip()]
     assert set(BUILT_IN) <= set(listed) and "hybrid-u{U}" in listed, result.output
+
+
+def test_strategies_do_not_import_the_integrations():
+    """``backends/`` and ``mixers/`` are generic, below the integrations: model-specific code registers
+    with them (``register_backend``, ``register_adapter``, ``register_reach``), never the reverse."""
+    import ast
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    files = sorted((root / "backends").glob("*.py")) + sorted((root / "mixers").glob("*.py"))
+    assert len(files) >= 8
+    found = []
+    for file in files:
+        for node in ast.walk(ast.parse(file.read_text())):
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            if isinstance(node, ast.ImportFrom):
+                names = [("." * node.level) + (node.module or "")] + [f"{node.module}.{a.name}" for a in node.names]
+            found += [f"{file.name}: {n}" for n in names if "integrations" in n or "transformers" in n]
+    assert not found, found

@@ -208,20 +208,27 @@ def _exported(rank, world, cfg, path):
     return logits
 
 
-def test_fsdp2_export_loads_with_the_jobs_logits(tmp_path, run_ranks):
-    """--engine fsdp2 --export-hf: the shards gathered to rank 0 load with from_pretrained and give
-    the job's logits (fp32), under the model's own class name."""
+@pytest.mark.parametrize("engine,dtype", [("fsdp2", "fp32"), ("fsdp2", "bf16"), ("deepspeed", "bf16")])
+def test_export_loads_with_the_jobs_logits(tmp_path, run_ranks, engine, dtype):
+    """--export-hf: the model (under FSDP2, its shards gathered to rank 0) loads with from_pretrained,
+    under the model's own class name, in the dtype it trained in whatever the engine (FSDP2's
+    parameters are float32 master weights; DeepSpeed's bf16 module is bf16), and gives the job's logits."""
     import json
 
     import torch
+    from safetensors import safe_open
     from transformers import AutoModelForCausalLM
 
-    cfg = TrainConfig(sp_size=2, seq_len=SEQ, steps=2, engine="fsdp2")
+    cfg = TrainConfig(sp_size=2, seq_len=SEQ, steps=2, engine=engine, dtype=dtype)
     logits = run_ranks(_exported, 2, cfg, str(tmp_path / "hf"))[0]
+    want = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    with safe_open(str(tmp_path / "hf" / "model.safetensors"), "pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {want}
     model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "hf")).eval()
+    assert model.dtype == want
     with torch.no_grad():
         exported = model(input_ids=torch.arange(SEQ)[None] % 200).logits
-    assert (exported - logits).abs().max() < 1e-5
+    assert (exported.float() - logits.float()).abs().max() < (1e-5 if dtype == "fp32" else 0.05)
     assert json.loads((tmp_path / "hf" / "config.json").read_text())["architectures"] == ["LlamaForCausalLM"]
 
 

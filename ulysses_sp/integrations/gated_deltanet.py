@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import comm, layout
-from ..mixers.ulysses import ADAPTERS, Adapter, rank_groups
+from ..mixers.ulysses import Adapter, rank_groups, register_adapter
 
 
 def _channels(module, key_heads: range, rank: int, p: int, device) -> torch.Tensor:
@@ -85,6 +85,7 @@ def _sent(module, p: int, itemsize: int) -> tuple[int, int]:
     return (keys + module.value_dim + 2 * module.num_v_heads) * itemsize, module.value_dim * itemsize
 
 
-for _name, _projections in (("Qwen3NextGatedDeltaNet", _qwen3_next_projections), ("Qwen3_5GatedDeltaNet", _qwen3_5_projections),
-                            ("Qwen3_5MoeGatedDeltaNet", _qwen3_5_projections)):
-    ADAPTERS[_name] = Adapter(heads=lambda module: (module.num_v_heads, module.num_k_heads), run=functools.partial(_run, _projections), sent=_sent)
+for _names, _projections in ((("Qwen3NextGatedDeltaNet",), _qwen3_next_projections),
+                             (("Qwen3_5GatedDeltaNet", "Qwen3_5MoeGatedDeltaNet"), _qwen3_5_projections)):
+    register_adapter(_names, Adapter(heads=lambda module: (module.num_v_heads, module.num_k_heads), run=functools.partial(_run, _projections),
+                                     sent=_sent))

@@ -19,7 +19,7 @@ import sys
 import torch
 
 from .. import comm, layout
-from ..mixers.ulysses import ADAPTERS, Adapter, rank_groups
+from ..mixers.ulysses import Adapter, rank_groups, register_adapter
 
 
 def _projections(module, hidden_states):
@@ -72,5 +72,5 @@ def _sent(module, p: int, itemsize: int) -> tuple[int, int]:
     return (module.intermediate_size + bc + module.num_heads) * itemsize, module.intermediate_size * torch.finfo(torch.float32).bits // 8
 
 
-for _name in ("Mamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "Zamba2MambaMixer", "FalconH1Mixer"):
-    ADAPTERS[_name] = Adapter(heads=lambda module: (module.num_heads, module.n_groups), run=_run, sent=_sent)
+register_adapter(("Mamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "Zamba2MambaMixer", "FalconH1Mixer"),
+                 Adapter(heads=lambda module: (module.num_heads, module.n_groups), run=_run, sent=_sent))

@@ -4,7 +4,6 @@ causal convolution, so each output sees its token and the ``kernel - 1`` before 
 
 from __future__ import annotations
 
-from ..mixers.halo import REACH
+from ..mixers.halo import register_reach
 
-for _name in ("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"):
-    REACH[_name] = lambda module: module.conv_kernel_size - 1
+register_reach(("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"), lambda module: module.conv_kernel_size - 1)

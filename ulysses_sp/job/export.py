@@ -55,9 +55,10 @@ def export_hf(engine, path: str, tokenizer=None, wait_group=None) -> None:
     else:
         state = {k: v.detach().cpu().clone() for k, v in model.state_dict().items()} if rank0 else None
     if rank0:
-        dtype = next(iter(state.values())).dtype
-        model.config.dtype = dtype  # what from_pretrained loads it as
+        dtype = next(v.dtype for v in state.values() if v.is_floating_point())
         model.save_pretrained(path, state_dict=state)
+        model.config.dtype = dtype  # what from_pretrained loads it as: save_pretrained wrote the parameters' (FSDP2's float32 masters)
+        model.config.save_pretrained(path)
         if tokenizer is not None:
             tokenizer.save_pretrained(path)
     dist.barrier(group=wait_group)

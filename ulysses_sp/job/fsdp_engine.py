@@ -42,6 +42,8 @@ class FSDP2Engine:
         self.lr_scheduler = get_cosine_with_min_lr_schedule_with_warmup(self.optimizer, warmup_steps, steps, min_lr_rate=min_lr_ratio)
         self.grad_accum, self.clip, self.micro_steps = grad_accum, clip, 0
         self.skipped_steps = 0  # no loss scaler: no step is skipped
+        self.dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+        """What the model computes in (its parameters stay float32, the master weights): what ``--export-hf`` writes."""
 
     def __call__(self, *args, **kwargs):
         return self.module(*args, **kwargs)
@@ -96,11 +98,14 @@ class FSDP2Engine:
         return path, extra["client"]
 
     def full_state_dict(self) -> dict | None:
-        """The whole model's state on rank 0's CPU (None elsewhere). Collective."""
+        """The whole model's state on rank 0's CPU (None elsewhere), its floating tensors in the
+        dtype the model computes in, as DeepSpeed's bf16 module holds them. Collective."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(self.module, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-        return state if dist.get_rank() == 0 else None
+        if dist.get_rank():
+            return None
+        return {k: v.to(self.dtype) if v.is_floating_point() else v for k, v in state.items()}
 
     def destroy(self) -> None:
         pass
