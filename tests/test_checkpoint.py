@@ -45,6 +45,7 @@ def test_an_existing_tag_is_never_overwritten(tmp_path):
     (lambda d: os.remove(d / "step5" / "rng_state_rank0.pt"), "rng_state_rank0.pt is missing"),
     (lambda d: os.remove(d / "step5" / checkpoint.MANIFEST), "no manifest"),
     (lambda d: (d / "step5" / checkpoint.MANIFEST).write_text("{cut"), "unreadable manifest"),
+    (lambda d: (d / "step5" / "global" / "extra.pt").write_bytes(b"x"), "global/extra.pt is not in the manifest"),
 ])
 def test_resume_takes_the_newest_intact_checkpoint_and_says_what_it_skipped(tmp_path, damage, why):
     _written(tmp_path, 3)
@@ -143,3 +144,34 @@ def test_the_ranks_wait_for_rank_0s_file_work_on_their_own_group(tmp_path, monke
     run.Job.save(job, 3)
     assert calls == [("barrier", "io"), ("barrier", None), ("broadcast", "io")]
     assert job.last_checkpoint == str(tmp_path / "step3") and checkpoint.inspect(str(tmp_path), "step3")[1] is None
+
+
+def test_rng_states_round_trip_without_unpickling_and_a_pickle_is_refused(tmp_path):
+    """save_rng writes tensors and plain values only: load_rng reads them with weights_only=True and
+    restores every stream; a file holding another object (what a hostile checkpoint would plant) is
+    refused by name, and its code never runs."""
+    import pickle
+    import random
+
+    import numpy
+    import torch
+
+    (tmp_path / checkpoint.partial_tag(1)).mkdir()
+    torch.manual_seed(3), random.seed(3), numpy.random.seed(3)
+    checkpoint.save_rng(str(tmp_path), 1, 0)
+    want = (torch.rand(3), random.random(), numpy.random.rand())
+    torch.manual_seed(4), random.seed(4), numpy.random.seed(4)
+    assert checkpoint.load_rng(str(tmp_path), checkpoint.partial_tag(1), 0)
+    got = (torch.rand(3), random.random(), numpy.random.rand())
+    assert torch.equal(got[0], want[0]) and got[1:] == want[1:]
+    torch.load(tmp_path / checkpoint.partial_tag(1) / "rng_state_rank0.pt", weights_only=True)  # raises on anything else
+
+    class Planted:
+        def __reduce__(self):
+            return (print, ("code ran",))
+
+    (tmp_path / "bad").mkdir()
+    with open(tmp_path / "bad" / "rng_state_rank0.pt", "wb") as f:
+        pickle.dump({"torch": Planted()}, f, protocol=2)
+    with pytest.raises(ValueError, match="refuses to unpickle"):
+        checkpoint.load_rng(str(tmp_path), "bad", 0)

@@ -69,13 +69,15 @@ def _files(root: str) -> dict[str, int]:
 
 
 def save_rng(directory: str, step: int, rank: int) -> None:
-    """This rank's RNG states (torch, CUDA, Python, NumPy) beside its checkpoint files."""
+    """This rank's RNG states (torch, CUDA, Python, NumPy) beside its checkpoint files, as tensors,
+    numbers and tuples only: :func:`load_rng` reads them with ``weights_only=True``, which runs no code."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     try:
         import numpy
 
-        state["numpy"] = numpy.random.get_state()
+        kind, keys, pos, has_gauss, cached = numpy.random.get_state(legacy=True)
+        state["numpy"] = (kind, torch.from_numpy(keys.astype("int64")), int(pos), int(has_gauss), float(cached))
     except ImportError:
         pass
     path = os.path.join(directory, partial_tag(step), f"rng_state_rank{rank}.pt")
@@ -84,11 +86,18 @@ def save_rng(directory: str, step: int, rank: int) -> None:
 
 
 def load_rng(directory: str, tag: str, rank: int) -> bool:
-    """Restore this rank's RNG states if the checkpoint has them; whether it had."""
+    """Restore this rank's RNG states if the checkpoint has them; whether it had. The file is read
+    with ``weights_only=True``: one holding anything but tensors and plain values is refused."""
+    import pickle
+
     path = os.path.join(directory, tag, f"rng_state_rank{rank}.pt")
     if not os.path.exists(path):
         return False
-    state = torch.load(path, weights_only=False)
+    try:
+        state = torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as e:
+        raise ValueError(f"{path} holds objects that torch.load(weights_only=True) refuses to unpickle (not written by this "
+                         f"version of ulysses_sp): {str(e).splitlines()[0]}") from None
     torch.set_rng_state(state["torch"])
     random.setstate(state["python"])
     if state.get("cuda") is not None and torch.cuda.is_available():
@@ -96,7 +105,8 @@ def load_rng(directory: str, tag: str, rank: int) -> bool:
     if "numpy" in state:
         import numpy
 
-        numpy.random.set_state(state["numpy"])
+        kind, keys, pos, has_gauss, cached = state["numpy"]
+        numpy.random.set_state((kind, keys.numpy().astype(numpy.uint32), pos, has_gauss, cached))
     return True
 
 
@@ -137,6 +147,9 @@ def inspect(directory: str, tag: str) -> tuple[dict | None, str | None]:
             return None, f"{rel} is missing"
         if os.path.getsize(file) != size:
             return None, f"{rel} has {os.path.getsize(file)} bytes, the manifest says {size}"
+    extra = sorted(set(_files(path)) - set(manifest.get("files", {})))
+    if extra:  # added after the save: the engine's loader (which unpickles) must not meet a file nobody vouched for
+        return None, f"{extra[0]} is not in the manifest" + (f" (and {len(extra) - 1} more files)" if len(extra) > 1 else "")
     return manifest, None
 
 

@@ -8,7 +8,8 @@ of each accumulation window. bf16 trains with bf16 parameters in compute and fp3
 master weights (``MixedPrecisionPolicy``); fp16, which needs a loss scaler, is DeepSpeed's only.
 
 Checkpoints are ``torch.distributed.checkpoint`` directories (every rank writes its shards) with
-rank 0's ``engine_state.pt`` beside them (scheduler, micro-step count, the job's client state):
+rank 0's ``engine_state.pt`` beside them (scheduler, micro-step count, the job's client state: plain
+values, read back with ``weights_only=True``; DCP's own ``.metadata`` is a pickle that its loader reads):
 the job's crash-safe protocol (written aside, manifest last, renamed) wraps them as it wraps
 DeepSpeed's.
 """
@@ -92,7 +93,7 @@ class FSDP2Engine:
         state = {"model": model_state, "optimizer": optimizer_state}
         dcp.load(state, checkpoint_id=path)
         set_state_dict(self.module, self.optimizer, model_state_dict=state["model"], optim_state_dict=state["optimizer"])
-        extra = torch.load(os.path.join(path, ENGINE_STATE), weights_only=False)
+        extra = torch.load(os.path.join(path, ENGINE_STATE), weights_only=True)  # numbers and lists: nothing to unpickle
         self.lr_scheduler.load_state_dict(extra["scheduler"])
         self.micro_steps = extra["micro_steps"]
         return path, extra["client"]

@@ -113,7 +113,8 @@ def _find_checkpoint(cfg: TrainConfig) -> tuple[tuple[str, str, dict | None] | N
         return (directory, tag, manifest), [f"--resume: checkpoint {tag} (step {manifest['step']}) in {directory}"]
     if not why.startswith("no manifest"):
         raise JobError(f"--resume {cfg.resume}: the checkpoint is not intact: {why}")
-    return (directory, tag, None), [f"--resume {cfg.resume}: no manifest, so neither its files nor its settings can be checked; loading it as it is"]
+    return (directory, tag, None), [f"--resume {cfg.resume}: no manifest, so neither its files nor its settings can be checked; loading it as it is "
+                               "(the engine's loader unpickles its files: resume only checkpoints you trust)"]
 
 
 def key_scores(logits_local: torch.Tensor, answers_local: torch.Tensor, topo) -> torch.Tensor:
