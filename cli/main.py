@@ -201,7 +201,7 @@ def _bench_rank(rank, world, cells, entries, options):
 
 
 @main.command("mixers")
-@click.option("--mixers", "kinds", default="gdn,mamba2,conv", show_default=True, help="comma list of gdn, mamba2, conv")
+@click.option("--mixers", "kinds", default="gdn,mamba2,conv,kda", show_default=True, help="comma list of gdn, mamba2, conv, kda")
 @click.option("--seq", default="4k,8k,16k", show_default=True, help="global tokens, comma list")
 @click.option("--nproc", default="2,4", show_default=True, help="gloo ranks, comma list")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)

@@ -1,5 +1,5 @@
 """``sp-bench mixers``: what the mixer strategies cost. One mixer layer of each kind (Qwen3-Next's
-Gated DeltaNet, Bamba's Mamba2, LFM2's short convolution; transformers' torch code, so transformers
+Gated DeltaNet, Bamba's Mamba2, LFM2's short convolution, Kimi Linear's Kimi Delta Attention; transformers' torch code, so transformers
 must be installed) forward + backward on P gloo ranks under every strategy that can run it, against
 the same layer on the whole sequence in one process and on one rank's shard alone (the compute an
 even split of the mixer reaches). Median of ``repeat`` after one warm-up, slowest rank; bytes rank 0
@@ -18,6 +18,7 @@ LAYERS = {
     "gdn": "Gated DeltaNet (Qwen3-Next), 8 value / 4 key heads of 32, conv kernel 4",
     "mamba2": "Mamba2 (Bamba), 8 heads of 64, 1 group, state 64, conv kernel 4",
     "conv": "short convolution (LFM2), kernel 3",
+    "kda": "Kimi Delta Attention (Kimi Linear), 8 heads of 32, conv kernel 4",
 }
 
 
@@ -37,6 +38,12 @@ def _layer(kind: str):
 
         return BambaMixer(transformers.BambaConfig(hidden_size=HIDDEN, mamba_n_heads=8, mamba_d_head=64, mamba_expand=2, mamba_n_groups=1,
                                                    mamba_d_state=64, mamba_d_conv=4), 0)
+    if kind == "kda":
+        from transformers.models.kimi_linear.modeling_kimi_linear import KimiLinearDeltaAttention
+
+        return KimiLinearDeltaAttention(transformers.KimiLinearConfig(hidden_size=HIDDEN, linear_num_heads=8, linear_head_dim=32,
+                                                                      linear_conv_kernel_dim=4, layer_types=["linear_attention"],
+                                                                      mlp_layer_types=["dense"], num_hidden_layers=1), 0)
     from transformers.models.lfm2.modeling_lfm2 import Lfm2ShortConv
 
     return Lfm2ShortConv(transformers.Lfm2Config(hidden_size=HIDDEN, conv_L_cache=3, layer_types=["conv"], num_hidden_layers=1), 0)

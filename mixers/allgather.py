@@ -64,6 +64,7 @@ class AllGatherMixer:
             raise ValueError(f"the allgather mixer found no [batch {batch}, sequence {seq_local}, ...] input to gather")
         if cu_seqlens is None:
             out = forward(*args, **kwargs)
+            _check_output(out, seq_local * self.topo.sp_size)
         else:
             full = seq_local * self.topo.sp_size
             bounds = layout.document_bounds(cu_seqlens, full)
@@ -82,20 +83,30 @@ def _first(out):
 
 
 def _concat(outs: list):
-    first = [_first(o) for o in outs]
-    _check_output(outs[0])
-    cat = torch.cat(first, dim=1)
-    return (cat,) + tuple(outs[0][1:]) if isinstance(outs[0], (tuple, list)) else cat
+    for out in outs:
+        _check_output(out)
+    shapes = {tuple(None if r is None else tuple(r.shape) for r in o[1:]) for o in outs if isinstance(o, (tuple, list))}
+    if len(shapes) > 1:
+        raise ValueError(f"the allgather mixer's extra outputs change shape with the document's length (a per-token output it cannot "
+                         f"gather): {sorted(shapes, key=str)}")
+    cat = torch.cat([_first(o) for o in outs], dim=1)
+    return (cat,) + tuple(outs[-1][1:]) if isinstance(outs[0], (tuple, list)) else cat  # the last document's final state
 
 
-def _check_output(out) -> None:
+def _check_output(out, seq: int | None = None) -> None:
+    """A tensor, or a tuple of one and extras that are None or tensors that do not run along the
+    sequence (a recurrence's final state, as MiniMax's lightning attention returns: passed on as the
+    whole run gives it, of the row or of its last document); a per-token extra is refused: one
+    with the sequence's length among its dimensions (``seq``), or whose shape changes with the document."""
     rest = out[1:] if isinstance(out, (tuple, list)) else ()
-    if not isinstance(_first(out), torch.Tensor) or any(r is not None for r in rest):
-        raise ValueError(f"the allgather mixer handles a mixer returning a tensor (or a tuple of one tensor and Nones), got {type(out).__name__}")
+    bad = [r for r in rest if r is not None and not (isinstance(r, torch.Tensor) and (seq is None or seq not in r.shape[1:]))]
+    if not isinstance(_first(out), torch.Tensor) or bad:
+        raise ValueError(f"the allgather mixer handles a mixer returning a tensor, or a tuple of one tensor and extras that do not run "
+                         f"along the sequence (a final state), got {type(out).__name__}"
+                         + (f" with extras {[tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__ for r in bad]}" if bad else ""))
 
 
 def _local_rows(out, topo, batch: int, seq_full: int, cu_seqlens):
-    _check_output(out)
     hidden = _first(out)
     if hidden.shape[:2] != (batch, seq_full):
         raise ValueError(f"the mixer returned shape {tuple(hidden.shape)}, not [batch {batch}, sequence {seq_full}, ...]")

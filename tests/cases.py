@@ -1058,3 +1058,4 @@ from . import fsdp_cases  # noqa: E402,F401
 from . import compile_cases  # noqa: E402,F401
 from . import vlm_cases  # noqa: E402,F401
 from . import rl_cases  # noqa: E402,F401
+from . import dropout_cases  # noqa: E402,F401

@@ -27,7 +27,7 @@ BALANCED_FAMILIES = ("llama", "gemma3", "deepseek_v3", "qwen3_next", "qwen3_next
 """Through verify under the balanced layout: GQA, sliding windows, MLA, and every mixer strategy."""
 MIXER_LAYER_CASES = (  # strategy, family, worlds: the layer alone, its bytes counted
     ("ulysses", "qwen3_next_12kh", (1, 2, 3, 4)), ("ulysses", "bamba_12h", (1, 2, 3, 4)), ("ulysses", "bamba", (1, 2, 4)),
-    ("halo", "lfm2", (1, 2, 3, 4)),
+    ("halo", "lfm2", (1, 2, 3, 4)), ("ulysses", "kimi_linear_12h", (1, 2, 3, 4)),
 )
 MLA_HEADS = 12
 """DeepSeek-V3's KV heads equal its q heads; 12 divide by 2, 3 and 4, so Ulysses runs at every P."""
@@ -142,6 +142,7 @@ MIXER_LAYERS = {  # family: its first layer's mixer
     "bamba": lambda model: model.model.layers[0].mamba,
     "bamba_12h": lambda model: model.model.layers[0].mamba,
     "lfm2": lambda model: model.model.layers[0].conv,
+    "kimi_linear_12h": lambda model: model.model.layers[0].self_attn,
 }
 
 
@@ -155,6 +156,8 @@ def _by_hand(layer, strategy: str, topo, b: int, local: int, itemsize: int) -> t
     if hasattr(layer, "num_k_heads"):  # Gated DeltaNet: q, k, v and the gates b, a in; the output back
         keys = 2 * layer.key_dim * (1 if layer.num_k_heads % p == 0 else p // layer.num_k_heads)
         per_token = (keys + layer.value_dim + 2 * layer.num_v_heads) * itemsize + layer.value_dim * itemsize
+    elif hasattr(layer, "forget_gate"):  # Kimi Delta Attention: q, k, v and the input gate, the decay in float32 (lifted: 8 bytes); the output
+        per_token = (3 * layer.qkv_dim + layer.num_heads) * itemsize + layer.qkv_dim * 8 + layer.qkv_dim * itemsize
     else:  # Mamba2: x, B, C (each group replicated to P/groups ranks when fewer than P) and dt in; the scan's output back
         groups = layer.n_groups if layer.n_groups % p == 0 else p
         per_token = (layer.intermediate_size + 2 * groups * layer.ssm_state_size + layer.num_heads) * itemsize + layer.intermediate_size * 8
@@ -175,7 +178,7 @@ def mixer_layer(topo, name: str, strategy: str) -> dict:
     with fp64_throughout():
         torch.manual_seed(0)
         layer = MIXER_LAYERS[name](transformers.AutoModelForCausalLM.from_config(config(name)).double())
-        b, s, h = 2, 16 * topo.sp_size, layer.out_proj.out_features
+        b, s, h = 2, 16 * topo.sp_size, getattr(layer, "o_proj", getattr(layer, "out_proj", None)).out_features
         x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
         w = torch.randn(b, s, h, dtype=torch.float64)
         bounds = [0, 5, 5 + s // 2, s]
@@ -219,7 +222,7 @@ def mixer_low_precision(topo, name: str, strategy: str) -> dict:
     torch.manual_seed(0)
     layer = MIXER_LAYERS[name](transformers.AutoModelForCausalLM.from_config(config(name))).bfloat16()
     exact = copy.deepcopy(layer).double()
-    b, s, h = 2, 48, layer.out_proj.out_features
+    b, s, h = 2, 48, getattr(layer, "o_proj", getattr(layer, "out_proj", None)).out_features
     x = torch.randn(b, s, h).bfloat16().double()
     w = torch.randn(b, s, h).bfloat16().double()
     with fp64_throughout():
@@ -341,6 +344,25 @@ class _ConvAttention(_OwnAttention):
         return self.o_proj(out.reshape(*hidden_states.shape[:-1], -1)), None
 
 
+class _SoftmaxCore(_OwnAttention):
+    """Own-code softmax attention under a name that does not say attention."""
+
+
+class _HybridAttentionLayer(nn.Module):
+    """A decoder layer named for attention that holds a short convolution (a mixer strategy takes it)
+    beside own-code softmax attention in a child not named for attention: the check must look
+    inside the layer rather than take its attention for the mixer's."""
+
+    def __init__(self, llama_layer):
+        super().__init__()
+        self.token_conv = _CausalConv(32, 4)
+        self.core = _SoftmaxCore(llama_layer.self_attn)
+
+    def forward(self, hidden_states, position_embeddings=None, **kwargs):
+        hidden_states = hidden_states + self.token_conv(hidden_states)
+        return hidden_states + self.core(hidden_states, position_embeddings)[0]
+
+
 def conv_attention(topo) -> dict:
     """A Llama whose layer 1 attention holds a convolution (the allgather mixer runs it whole, its
     attention call plain causal GQA attention over the gathered sequence): exact against one process."""
@@ -371,6 +393,9 @@ def planted(topo) -> dict:
     model = llama()  # layer 2 gets a short causal convolution over the sequence
     model.model.layers[2].token_shift = nn.Conv1d(32, 32, kernel_size=4, groups=32, padding=3)
     out["short convolution"] = raised(lambda: usp.apply_sequence_parallel(model, topo, backend="ring"))
+    model = llama()  # layer 1: an attention-named decoder layer holding a mixer beside own-code attention
+    model.model.layers[1] = _HybridAttentionLayer(model.model.layers[1])
+    out["attention layer holding a mixer"] = raised(lambda: usp.apply_sequence_parallel(model, topo, backend="ring"))
     model = llama()  # the config says layer 1 is not attention, whatever its modules look like
     model.config.layer_types = ["full_attention", "mamba", "full_attention"]
     out["layer type"] = raised(lambda: usp.apply_sequence_parallel(model, topo, backend="ring"))

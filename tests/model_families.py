@@ -62,13 +62,31 @@ FAMILIES = {
     # 12 Mamba2 heads in 12 groups: ulysses splits both at P = 2, 3 and 4
     "bamba_12h": ("BambaConfig", dict(_ATTN, attn_layer_indices=[1], mamba_n_heads=12, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=12,
                                       mamba_d_conv=4, mamba_expand=3)),
+    # Zamba2: Mamba2 layers and hybrid layers (a shared attention block beside a Mamba2 decoder layer)
+    "zamba2": ("Zamba2Config", dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
+                                    intermediate_size=48, mamba_d_state=8, mamba_headdim=8, mamba_ngroups=1, n_mamba_heads=8, mamba_expand=2,
+                                    layers_block_type=["mamba", "hybrid", "mamba"], num_mem_blocks=1, max_position_embeddings=256,
+                                    use_cache=False)),
+    # Kimi Linear: Kimi Delta Attention (per-channel decay) beside multi-head latent attention
+    "kimi_linear": ("KimiLinearConfig", dict(_ATTN, num_key_value_heads=4, layer_types=["linear_attention", "full_attention"],
+                                             mlp_layer_types=["dense", "sparse"], moe_intermediate_size=16, num_local_experts=4,
+                                             num_experts_per_tok=2, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=4, qk_nope_head_dim=8,
+                                             v_head_dim=6, linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4, pad_token_id=0,
+                                             bos_token_id=1, eos_token_id=2)),
+    # MiniMax: lightning attention (a linear attention with a fixed per-head decay, in blocks of 8 here) beside softmax attention
+    "minimax": ("MiniMaxConfig", dict(_ATTN, head_dim=8, layer_types=["linear_attention", "full_attention"], block_size=8,
+                                      num_local_experts=4, num_experts_per_tok=2)),
 }
+FAMILIES["kimi_linear_12h"] = (FAMILIES["kimi_linear"][0], dict(FAMILIES["kimi_linear"][1], linear_num_heads=12))
+"""12 Kimi Delta Attention heads: ulysses splits them at P = 2, 3 and 4."""
 EXACT = ("llama", "gpt2", "gpt_neox", "starcoder2", "mixtral", "gemma3", "deepseek_v3", "opt", "bert-decoder", "whisper", "biogpt")
-HYBRID = ("qwen3_next", "qwen3_5", "lfm2", "bamba", "rwkv", "mamba2")
-"""Exact under SP through a mixer strategy for their Gated DeltaNet, short-convolution, Mamba2 and RWKV layers."""
-MIXER_HEADS = {"qwen3_next": (4, 2), "qwen3_next_12kh": (24, 12), "qwen3_5": (4, 2), "bamba": (4, 1), "bamba_12h": (12, 12), "mamba2": (4, 1)}
+HYBRID = ("qwen3_next", "qwen3_5", "lfm2", "bamba", "rwkv", "mamba2", "zamba2", "kimi_linear", "minimax")
+"""Exact under SP through a mixer strategy for their Gated DeltaNet, short-convolution, Mamba2, RWKV, Kimi Delta Attention and
+lightning attention layers."""
+MIXER_HEADS = {"qwen3_next": (4, 2), "qwen3_next_12kh": (24, 12), "qwen3_5": (4, 2), "bamba": (4, 1), "bamba_12h": (12, 12), "mamba2": (4, 1),
+               "zamba2": (8, 1), "kimi_linear": (4, 4), "kimi_linear_12h": (12, 12)}
 """Families with a Ulysses adapter for their mixer: its (heads, head groups): value and key heads
-for Gated DeltaNet, heads and B/C groups for Mamba2."""
+for Gated DeltaNet, heads and B/C groups for Mamba2, heads twice for Kimi Delta Attention (no shared inputs)."""
 HALO_MIXER = ("lfm2",)
 """Families whose mixer is a short convolution the halo strategy runs."""
 

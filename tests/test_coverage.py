@@ -69,8 +69,9 @@ def test_uncovered_families_are_refused_by_name(ranks, world):
 @pytest.mark.parametrize("name", HYBRID)
 @pytest.mark.quick(world=2, lay="zigzag")
 def test_hybrid_family_is_exact(ranks, world, lay, name):
-    """Gated DeltaNet (Qwen3-Next, Qwen3.5), short convolutions (LFM2), Mamba2 (Bamba, Mamba2) and
-    RWKV under the strategy auto takes, with the float32 their own code casts to lifted to float64
+    """Gated DeltaNet (Qwen3-Next, Qwen3.5), short convolutions (LFM2), Mamba2 (Bamba, Mamba2, Zamba2's
+    Mamba2 layers and the Mamba2 decoder inside its hybrid layers), Kimi Delta Attention (Kimi Linear)
+    and RWKV under the strategy auto takes, with the float32 their own code casts to lifted to float64
     (test-only), so the comparison is at fp64's rounding: loss and every gradient, unpacked and packed."""
     for r in values(ranks(world), f"hybrids{'-contiguous' if lay == 'contiguous' else ''}/{name}"):
         _assert_exact(r, name, HYBRID_TOL)
@@ -145,8 +146,8 @@ def test_mixer_bf16_error_does_not_grow_with_ranks(ranks, world, strategy, name,
     and input gradient at P ranks within 1.3x that at P=1 (the strategies compute each token as one
     process does), and within bf16's epsilon (observed 0.0051-0.0062 at P = 1, 2 and 4, Gated DeltaNet the
     highest: its own code rounds to bf16 inside). The layers go through their adapters:
-    integrations/gated_deltanet.py (Qwen3-Next), integrations/mamba2.py (Bamba) and
-    integrations/short_conv.py (LFM2)."""
+    integrations/gated_deltanet.py (Qwen3-Next), integrations/mamba2.py (Bamba),
+    integrations/kimi_delta.py (Kimi Linear) and integrations/short_conv.py (LFM2)."""
     one = values(ranks(1), f"mixers-bf16/{strategy}/{name}")[0]
     for r in values(ranks(world), f"mixers-bf16/{strategy}/{name}"):
         for what in ("out", "dx"):
@@ -212,6 +213,7 @@ def test_planted_uncovered_layers_raise_on_every_rank(ranks, world):
         for form in ("other implementation", "other implementation, compiled"):
             assert "LlamaAttention (layer 1, model.layers.1.self_attn) ran without calling the 'ulysses_sp' attention" in r[form], r
         assert "LlamaConfig (layer 1, config.layer_types[1]): config.layer_types marks this layer 'mamba'" in r["layer type"], r
+        assert "_HybridAttentionLayer (layer 1, model.layers.1): computes attention in its own code" in r["attention layer holding a mixer"], r
         assert "needs the global position_ids" in r["no position_ids"], r
         assert r["hooks after remove"] == 0
 

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from .dropout import rank_dropout
 from .eager_ops import EagerCall, compiled_tiled_mlp
 
 __all__ = [
@@ -277,7 +278,11 @@ def _own_forward(layer):
 def _checkpointed_forward(layer, mode: str, store: OffloadStore | None):
     @functools.wraps(type(layer).forward)
     def forward(*args, **kwargs):
-        original = _own_forward(layer)
+        own = _own_forward(layer)
+
+        def original(*a, **k):  # what the checkpoint recomputes too: dropout per SP rank there as in the forward
+            with rank_dropout(layer):
+                return own(*a, **k)
         if not (layer.training and torch.is_grad_enabled()):
             return original(*args, **kwargs)
         if not args:

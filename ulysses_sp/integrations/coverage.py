@@ -38,6 +38,10 @@ RECURRENT_PARAMETERS = {
     "time_decay": "a recurrent time decay (RWKV)",
     "recurrent_param": "a linear recurrence (RG-LRU)",
 }
+RECURRENT_BUFFERS = {
+    "slope_rate": "a linear-attention decay (MiniMax's lightning attention)",
+}
+"""Buffers that only a recurrence over the sequence reads: a decay fixed at construction, not learned."""
 TOKEN_SHIFT_PARAMETERS = ("time_mix", "time_maa")
 """Parameter-name prefixes of RWKV's token shift, which mixes each token with the one before it."""
 _ROUTED = ("ALL_ATTENTION_FUNCTIONS",)
@@ -83,6 +87,19 @@ def _mixer_path(path: str) -> str:
     return ".".join(parts[:-1])
 
 
+def _common_module(paths: list[str]) -> str:
+    """The innermost module holding every one of ``paths``: the mixer itself where the layer's
+    child only wraps it (Zamba2's hybrid layer: ``mamba_decoder.mamba``), so that its strategy
+    (an adapter for the mixer's class) is found."""
+    split = [p.split(".") for p in paths]
+    common = []
+    for parts in zip(*split):
+        if len(set(parts)) > 1:
+            break
+        common.append(parts[0])
+    return ".".join(common)
+
+
 @functools.lru_cache(maxsize=None)
 def _forward_source(cls) -> str:
     """Once per class: a model repeats one attention class in every layer."""
@@ -122,9 +139,9 @@ _ALIBI_THROUGH_MASK = ("takes ALiBi position biases through its attention mask (
                        "attention does not apply, so its scores would lack them")
 
 
-def _nested(a: str, b: str) -> bool:
-    """Whether one of the two module paths holds the other."""
-    return a == b or a.startswith(b + ".") or b.startswith(a + ".")
+def _within(a: str, b: str) -> bool:
+    """Whether module path ``a`` is ``b`` or inside it."""
+    return a == b or a.startswith(b + ".")
 
 
 def _forward_takes(module, name: str) -> bool:
@@ -159,7 +176,7 @@ def find_uncovered(model) -> list[Finding]:
     config = getattr(model, "config", None)
     modules, reasons = dict(model.named_modules()), {}
     for path, module in modules.items():
-        reason = None
+        reason, reason_is_parameter = None, False
         if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
             reason = f"a convolution over the sequence (kernel {module.kernel_size[0]}) at {path}"
         elif isinstance(module, nn.RNNBase):
@@ -168,20 +185,26 @@ def find_uncovered(model) -> list[Finding]:
             reason = f"a shift along the sequence ({type(module).__name__}) at {path}"
         else:
             params = [name for name in RECURRENT_PARAMETERS if name in module._parameters]
+            params += [name for name in RECURRENT_BUFFERS if name in module._buffers]
             shifts = [name for name in module._parameters if name.startswith(TOKEN_SHIFT_PARAMETERS)]
+            reason_is_parameter = True
             if params:
-                reason = f"{RECURRENT_PARAMETERS[params[0]]} ({path}.{params[0]})"
+                reason = f"{RECURRENT_PARAMETERS.get(params[0]) or RECURRENT_BUFFERS[params[0]]} ({path}.{params[0]})"
             elif shifts:
                 reason = f"a token shift (RWKV's time mix: {path}.{shifts[0]})"
         if reason is None:
             continue
-        owner = _mixer_path(path)
-        reasons.setdefault(owner, []).append(reason)
+        source = path if reason_is_parameter else path.rpartition(".")[0]  # the module whose forward mixes
+        reasons.setdefault(_mixer_path(path), []).append((source, reason))
+    reasons = {max(key, _common_module([source for source, _ in why]), key=len): [r for _, r in why] for key, why in reasons.items()}
     found: dict[str, Finding] = {}
     for path, module in attention_modules(model, innermost=True):
-        if MIXER in module.__dict__ or any(_nested(path, owner) for owner in reasons):
-            continue  # linear attention (Gated DeltaNet, KDA): its recurrence or convolution is the mixer found below
-        if not any(word in _forward_source(type(module)) for word in _ROUTED):
+        if MIXER in module.__dict__ or any(_within(path, owner) for owner in reasons):
+            continue  # linear attention (Gated DeltaNet, KDA), or inside a mixer: the mixer found below, run whole
+        held = [owner for owner in reasons if _within(owner, path)]  # a layer holding a mixer beside other code: what else
+        # it holds must route its attention, as any attention module must
+        sources = [_forward_source(type(m)) for n, m in module.named_modules(prefix=path) if not any(_within(n, o) for o in held)]
+        if not any(word in source for source in sources for word in _ROUTED):
             found[path] = Finding(path, type(module).__name__, _layer_of(path, module), _own_attention_reason(module, config), "attention")
         elif _alibi(config):
             found[path] = Finding(path, type(module).__name__, _layer_of(path, module), _ALIBI_THROUGH_MASK, "attention")
@@ -299,8 +322,8 @@ def install_guards(model, sp_size: int) -> None:
     handles = [model.register_forward_pre_hook(_before_model(sp_size, calls), with_kwargs=True)]
     mixed = [path for path, m in model.named_modules() if MIXER in m.__dict__]
     for path, module in attention_modules(model):
-        if any(_nested(path, m) for m in mixed):  # linear attention under a mixer strategy, or a layer holding one
-            continue
+        if any(_within(path, m) for m in mixed):  # linear attention under a mixer strategy, or inside one: run whole
+            continue  # (a layer holding a mixer beside its attention is checked: its attention must call ours)
         module.__dict__[_CALLS] = calls  # one counter shared by the model's attention modules
         handles.append(module.register_forward_pre_hook(_before_attention))
         handles.append(module.register_forward_hook(_after_attention(path)))

@@ -19,6 +19,7 @@ from transformers.masking_utils import AttentionMaskInterface
 
 from .. import kernels
 from ..attention import SequenceParallelAttention
+from ..dropout import install_rank_dropout, remove_rank_dropout
 from ..profile import Profile
 from ..topology import Topology
 from .. import tiling
@@ -212,6 +213,7 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     model.config.use_cache = False
     coverage.install_guards(model, topo.sp_size)
+    install_rank_dropout(model, topo)
     return model
 
 
@@ -243,6 +245,7 @@ def remove_sequence_parallel(model):
     for layer in _attention_layers(model):
         layer.__dict__.pop(_STATE, None)
     coverage.remove_guards(model)
+    remove_rank_dropout(model)
     mixers.remove_mixers(model)
     tiling.untile_mlp(model)
     tiling.uncheckpoint_layers(model)
