@@ -153,15 +153,16 @@ def mla_checks() -> None:
 
 def hybrid_checks(topo=None, rank: int = 0) -> None:
     """Hybrid models under each mixer strategy on the GPU: verify_sequence_parallel on shrunk
-    Qwen3-Next (Gated DeltaNet) and Bamba (Mamba2) under ulysses and allgather, LFM2 (short
-    convolutions) under halo and allgather, in fp64, with whatever kernels the machine has (fla,
+    Qwen3-Next (Gated DeltaNet), Bamba (Mamba2) and Kimi Linear (Kimi Delta Attention) under ulysses and
+    allgather, LFM2 (short convolutions) under halo and allgather, MiniMax (lightning attention) under allgather, in fp64, with whatever kernels the machine has (fla,
     mamba_ssm and causal-conv1d when installed, which transformers picks for the functions the
     adapters call; else transformers' torch code); on NCCL ranks, over the whole group (rank 0 prints)."""
     import transformers
 
     topo = topo or usp.init_sequence_parallel(1)
     models = {"Qwen3NextConfig": ({}, ("ulysses", "allgather")), "BambaConfig": ({}, ("ulysses", "allgather")),
-              "Lfm2Config": ({"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}, ("halo", "allgather"))}
+              "Lfm2Config": ({"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}, ("halo", "allgather")),
+              "KimiLinearConfig": ({}, ("ulysses", "allgather")), "MiniMaxConfig": ({}, ("allgather",))}
     for cls, (overrides, strategies) in models.items():
         for mixer in strategies:
             def ran(report, mixer=mixer):
@@ -214,6 +215,31 @@ def _llama_bf16():
     ids = torch.randint(0, 32000, (1, 8192))
     batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in usp.shard_batch({"input_ids": ids, "labels": ids.clone()}, topo).items()}
     return topo, ref, batch
+
+
+def dropout_checks() -> None:
+    """Dropout per SP rank on the GPU's generator: ranks 0 and 1 draw different masks, a replay from the
+    same CPU and CUDA states draws the same one (what a checkpoint's recomputation does), and the
+    CUDA generator is left as it was."""
+    import torch.nn.functional as F
+
+    from ulysses_sp.dropout import RankDropout
+
+    @check("dropout per SP rank on the CUDA generator")
+    def _():
+        x = torch.ones(1 << 20, device="cuda")
+        cpu, cuda = torch.get_rng_state(), torch.cuda.get_rng_state()
+        masks = []
+        for rank in (0, 1, 0):
+            torch.set_rng_state(cpu)
+            with RankDropout(rank):
+                masks.append(F.dropout(x, 0.5) != 0)
+        assert torch.equal(torch.cuda.get_rng_state(), cuda), "the CUDA generator moved"
+        assert torch.equal(masks[0], masks[2]), "a replay drew another mask"
+        assert not torch.equal(masks[0], masks[1]), "ranks 0 and 1 drew the same mask"
+        kept = masks[0].float().mean().item()
+        assert abs(kept - 0.5) < 0.01, kept
+        return f"kept {kept:.4f}"
 
 
 def memory_checks() -> None:
@@ -444,6 +470,7 @@ def main() -> int:
     vlm_checks()
     stream_checks()
     memory_checks()
+    dropout_checks()
     compile_checks()
     efficiency_checks()
     dist.destroy_process_group()
