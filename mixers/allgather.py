@@ -14,6 +14,16 @@ from ulysses_sp import layout
 from ulysses_sp.data import gather_sequence, shard_sequence
 from ulysses_sp.spec import MixerEstimate
 
+FINAL_STATE: set[str] = set()
+"""Mixer classes whose forward returns its output and its final state (a recurrence's), which its
+callers discard in training: :func:`register_final_state`, called by ``ulysses_sp.integrations``."""
+
+
+def register_final_state(names) -> None:
+    """Let the mixer classes named ``names`` return ``(output, final state)`` under allgather."""
+    FINAL_STATE.update(names)
+
+
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """The global packed row's boundaries: each document runs alone here, so the mixer gets none."""
 
@@ -64,7 +74,7 @@ class AllGatherMixer:
             raise ValueError(f"the allgather mixer found no [batch {batch}, sequence {seq_local}, ...] input to gather")
         if cu_seqlens is None:
             out = forward(*args, **kwargs)
-            _check_output(out, seq_local * self.topo.sp_size)
+            _check_output(out, module)
         else:
             full = seq_local * self.topo.sp_size
             bounds = layout.document_bounds(cu_seqlens, full)
@@ -74,6 +84,7 @@ class AllGatherMixer:
                     return t[:, a:b]
                 outs.append(forward(*(self._map(x, cut, batch, full, "argument") for x in args),
                                     **{k: self._map(v, cut, batch, full, k) for k, v in kwargs.items()}))
+                _check_output(outs[-1], module)
             out = _concat(outs)
         return _local_rows(out, self.topo, batch, seq_local * self.topo.sp_size, cu_seqlens)
 
@@ -83,27 +94,18 @@ def _first(out):
 
 
 def _concat(outs: list):
-    for out in outs:
-        _check_output(out)
-    shapes = {tuple(None if r is None else tuple(r.shape) for r in o[1:]) for o in outs if isinstance(o, (tuple, list))}
-    if len(shapes) > 1:
-        raise ValueError(f"the allgather mixer's extra outputs change shape with the document's length (a per-token output it cannot "
-                         f"gather): {sorted(shapes, key=str)}")
     cat = torch.cat([_first(o) for o in outs], dim=1)
     return (cat,) + tuple(outs[-1][1:]) if isinstance(outs[0], (tuple, list)) else cat  # the last document's final state
 
 
-def _check_output(out, seq: int | None = None) -> None:
-    """A tensor, or a tuple of one and extras that are None or tensors that do not run along the
-    sequence (a recurrence's final state, as MiniMax's lightning attention returns: passed on as the
-    whole run gives it, of the row or of its last document); a per-token extra is refused: one
-    with the sequence's length among its dimensions (``seq``), or whose shape changes with the document."""
+def _check_output(out, module) -> None:
+    """A tensor, or a tuple of one and Nones; or, for a class registered with :func:`register_final_state`,
+    a tuple of one tensor and its final state (passed on as the whole run gives it, of the row or of its
+    last document)."""
     rest = out[1:] if isinstance(out, (tuple, list)) else ()
-    bad = [r for r in rest if r is not None and not (isinstance(r, torch.Tensor) and (seq is None or seq not in r.shape[1:]))]
-    if not isinstance(_first(out), torch.Tensor) or bad:
-        raise ValueError(f"the allgather mixer handles a mixer returning a tensor, or a tuple of one tensor and extras that do not run "
-                         f"along the sequence (a final state), got {type(out).__name__}"
-                         + (f" with extras {[tuple(r.shape) if isinstance(r, torch.Tensor) else type(r).__name__ for r in bad]}" if bad else ""))
+    if not isinstance(_first(out), torch.Tensor) or (any(r is not None for r in rest) and type(module).__name__ not in FINAL_STATE):
+        raise ValueError(f"the allgather mixer handles a mixer returning a tensor (or a tuple of one tensor and Nones, or and its final "
+                         f"state for a class registered with register_final_state), got {type(out).__name__} from {type(module).__name__}")
 
 
 def _local_rows(out, topo, batch: int, seq_full: int, cu_seqlens):
