@@ -2,7 +2,7 @@
 exact (``verify_sequence_parallel``'s worst relative error over the loss and every gradient, fp64,
 unpacked and packed, and the parameter where it is) or refused (the coverage check's findings).
 
-    python benchmarks/support_table.py --ranks 2,3,4
+    python benchmarks/support_table.py --ranks 2,3,4 [--families zamba2,minimax]
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ def _short(reason: str) -> str:
     return "; ".join(k.split(" (")[0].split(" at ")[0] for k in kinds)
 
 
-def _rank(rank: int, world: int, backend: str) -> dict:
+def _rank(rank: int, world: int, backend: str, names: list) -> dict:
     import transformers
 
     import ulysses_sp as usp
@@ -31,7 +31,7 @@ def _rank(rank: int, world: int, backend: str) -> dict:
 
     topo = usp.init_sequence_parallel(world, timeout=120)
     out = {}
-    for name in FAMILIES:
+    for name in names or FAMILIES:
         model = transformers.AutoModelForCausalLM.from_config(config(name))
         install_mixers(model, topo)  # what apply_sequence_parallel does first
         findings = find_uncovered(model)
@@ -57,9 +57,11 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ranks", default="2,3")
     p.add_argument("--backend", default="auto")
+    p.add_argument("--families", default="", help="comma-separated names of tests/model_families.py (default: all)")
     a = p.parse_args()
     worlds = [int(w) for w in a.ranks.split(",")]
-    results = {w: run_ranks(_rank, w, a.backend, timeout=1200)[0] for w in worlds}
+    names = [n for n in a.families.split(",") if n]
+    results = {w: run_ranks(_rank, w, a.backend, names, timeout=1200)[0] for w in worlds}
     families = list(results[worlds[0]])
     print("| family | " + " | ".join(f"P={w}" for w in worlds) + " |")
     print("|---|" + "---|" * len(worlds))
