@@ -119,7 +119,6 @@ def test_environment_csv_and_plot(bench):
     assert (out / "b.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.quick
 def test_entries_run_in_rotating_rounds(ranks):
     """Run i of every entry of a cell ran in round i, so that a ratio taken round by round
     (grid_table.py) pairs calls made one after the other, whatever the machine's drift."""

@@ -17,7 +17,6 @@ def bar_rank(rank, world):
     return rank
 
 
-@pytest.mark.quick
 def test_ranks_leave_nothing_for_the_resource_tracker():
     """Ranks leave with os._exit once their result is saved; the semaphores they made must
     be released first, or the parent warns of leaked ones at shutdown (sp-bench did)."""

@@ -42,6 +42,7 @@ def bound(r: dict) -> tuple[int, int]:
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.quick
 def test_transient_memory_within_the_documented_bound(at_128k, backend):
     r = at_128k[backend]
     assert r["kernel"] == "torch", "the meta device takes the torch kernel's CUDA path"
@@ -50,7 +51,6 @@ def test_transient_memory_within_the_documented_bound(at_128k, backend):
     assert 0 < r["backward_peak_bytes"] <= bwd, r
 
 
-@pytest.mark.quick
 def test_no_quadratic_term(at_128k):
     """At 256k tokens every figure is at most twice the 128k one (a S_q x S_k term would be 4x)."""
     at_256k = _measure(262144)
