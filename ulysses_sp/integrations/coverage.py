@@ -176,26 +176,24 @@ def find_uncovered(model) -> list[Finding]:
     config = getattr(model, "config", None)
     modules, reasons = dict(model.named_modules()), {}
     for path, module in modules.items():
-        reason, reason_is_parameter = None, False
+        reason, source = None, path.rpartition(".")[0]  # source: the module whose forward mixes (a layer's parent)
         if isinstance(module, nn.Conv1d) and module.kernel_size[0] > 1:
             reason = f"a convolution over the sequence (kernel {module.kernel_size[0]}) at {path}"
         elif isinstance(module, nn.RNNBase):
             reason = f"a recurrent network ({type(module).__name__}) at {path}"
         elif isinstance(module, nn.ZeroPad2d):
             reason = f"a shift along the sequence ({type(module).__name__}) at {path}"
-        else:
+        else:  # a parameter or buffer: its module mixes
+            source = path
             params = [name for name in RECURRENT_PARAMETERS if name in module._parameters]
             params += [name for name in RECURRENT_BUFFERS if name in module._buffers]
             shifts = [name for name in module._parameters if name.startswith(TOKEN_SHIFT_PARAMETERS)]
-            reason_is_parameter = True
             if params:
                 reason = f"{RECURRENT_PARAMETERS.get(params[0]) or RECURRENT_BUFFERS[params[0]]} ({path}.{params[0]})"
             elif shifts:
                 reason = f"a token shift (RWKV's time mix: {path}.{shifts[0]})"
-        if reason is None:
-            continue
-        source = path if reason_is_parameter else path.rpartition(".")[0]  # the module whose forward mixes
-        reasons.setdefault(_mixer_path(path), []).append((source, reason))
+        if reason is not None:
+            reasons.setdefault(_mixer_path(path), []).append((source, reason))
     reasons = {max(key, _common_module([source for source, _ in why]), key=len): [r for _, r in why] for key, why in reasons.items()}
     found: dict[str, Finding] = {}
     for path, module in attention_modules(model, innermost=True):
