@@ -87,17 +87,34 @@ def _mixer_path(path: str) -> str:
     return ".".join(parts[:-1])
 
 
-def _common_module(paths: list[str]) -> str:
-    """The innermost module holding every one of ``paths``: the mixer itself where the layer's
-    child only wraps it (Zamba2's hybrid layer: ``mamba_decoder.mamba``), so that its strategy
-    (an adapter for the mixer's class) is found."""
-    split = [p.split(".") for p in paths]
+def _owner(key: str, sources: list[str], modules: dict) -> str:
+    """The module a mixer finding names: the layer's child ``key`` (run whole by the allgather
+    strategy), or, where that child only wraps a mixer with an adapter or a reach registered (Zamba2's
+    hybrid layer: ``mamba_decoder.mamba``), that mixer, the innermost module holding every source."""
+    from ..mixers.halo import REACH
+    from ..mixers.ulysses import ADAPTERS
+    from . import mixers  # noqa: F401 - registers the adapters
+
     common = []
-    for parts in zip(*split):
+    for parts in zip(*[p.split(".") for p in sources]):
         if len(set(parts)) > 1:
             break
         common.append(parts[0])
-    return ".".join(common)
+    inner = ".".join(common)
+    adapted = len(inner) > len(key) and type(modules.get(inner)).__name__ in set(ADAPTERS) | set(REACH)
+    return inner if adapted else key
+
+
+_COMPUTES = ("softmax", "scaled_dot_product_attention", "flash_attn")
+"""What in a forward's source computes softmax attention (the module's own, or routed)."""
+
+
+def _attention_in(module, path: str, held: list[str]) -> tuple[bool, bool]:
+    """Whether the forward of ``module`` or anything it holds outside the mixers ``held`` routes
+    attention through the attention interface, and whether any computes attention at all."""
+    sources = [_forward_source(type(m)) for n, m in module.named_modules(prefix=path) if not any(_within(n, o) for o in held)]
+    routed = any(word in source for source in sources for word in _ROUTED)
+    return routed, routed or any(word in source for source in sources for word in _COMPUTES)
 
 
 @functools.lru_cache(maxsize=None)
@@ -194,15 +211,16 @@ def find_uncovered(model) -> list[Finding]:
                 reason = f"a token shift (RWKV's time mix: {path}.{shifts[0]})"
         if reason is not None:
             reasons.setdefault(_mixer_path(path), []).append((source, reason))
-    reasons = {max(key, _common_module([source for source, _ in why]), key=len): [r for _, r in why] for key, why in reasons.items()}
+    reasons = {_owner(key, [source for source, _ in why], modules): [r for _, r in why] for key, why in reasons.items()}
     found: dict[str, Finding] = {}
     for path, module in attention_modules(model, innermost=True):
         if MIXER in module.__dict__ or any(_within(path, owner) for owner in reasons):
             continue  # linear attention (Gated DeltaNet, KDA), or inside a mixer: the mixer found below, run whole
-        held = [owner for owner in reasons if _within(owner, path)]  # a layer holding a mixer beside other code: what else
-        # it holds must route its attention, as any attention module must
-        sources = [_forward_source(type(m)) for n, m in module.named_modules(prefix=path) if not any(_within(n, o) for o in held)]
-        if not any(word in source for source in sources for word in _ROUTED):
+        held = [owner for owner in reasons if _within(owner, path)]  # a layer holding a mixer: what else it holds
+        routed, computes = _attention_in(module, path, held)
+        if held and not computes:
+            continue  # a layer around its mixer (OLMo-hybrid's linear-attention decoder layer): no attention of its own
+        if not routed:
             found[path] = Finding(path, type(module).__name__, _layer_of(path, module), _own_attention_reason(module, config), "attention")
         elif _alibi(config):
             found[path] = Finding(path, type(module).__name__, _layer_of(path, module), _ALIBI_THROUGH_MASK, "attention")
@@ -321,7 +339,10 @@ def install_guards(model, sp_size: int) -> None:
     mixed = [path for path, m in model.named_modules() if MIXER in m.__dict__]
     for path, module in attention_modules(model):
         if any(_within(path, m) for m in mixed):  # linear attention under a mixer strategy, or inside one: run whole
-            continue  # (a layer holding a mixer beside its attention is checked: its attention must call ours)
+            continue
+        held = [m for m in mixed if _within(m, path)]
+        if held and not _attention_in(module, path, held)[0]:
+            continue  # a layer around its mixer with no routed attention of its own: nothing of ours to call
         module.__dict__[_CALLS] = calls  # one counter shared by the model's attention modules
         handles.append(module.register_forward_pre_hook(_before_attention))
         handles.append(module.register_forward_hook(_after_attention(path)))

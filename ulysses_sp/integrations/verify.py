@@ -191,6 +191,10 @@ def _shrink_widths(config):
         put("qk_head_dim", small.qk_nope_head_dim + small.qk_rope_head_dim)
         put("head_dim", small.qk_rope_head_dim)
     _shrink_mamba(small, put)
+    try:  # what the config derives from the widths (Zamba2's attention_hidden_size, 2 x hidden), derived again
+        small.__post_init__()
+    except (AttributeError, TypeError, ValueError, KeyError):  # a config without one, or one that cannot run twice: as set
+        pass
     for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
         token = getattr(small, name, None)
         if isinstance(token, int) and token >= small.vocab_size:
