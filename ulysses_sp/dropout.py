@@ -86,8 +86,8 @@ def _has_dropout(model) -> bool:
 
 
 def rank_dropout(module) -> contextlib.AbstractContextManager:
-    """The mode for a call of ``module`` (a switched model or one of its decoder layers) while its
-    model trains with some dropout and no mode is entered yet; else a context that does nothing."""
+    """The mode for a call of ``module`` (a switched model, or one of its layers being recomputed)
+    while the model trains with some dropout and no mode is entered yet; else a context that does nothing."""
     state = module.__dict__.get(_STATE)
     if state is None or not state["shared"]["active"] or any(isinstance(m, RankDropout) for m in _get_current_function_mode_stack()):
         return contextlib.nullcontext()
@@ -108,20 +108,22 @@ def _recomputing_under_the_mode(module, checkpoint):
     return run
 
 
-def _enter(module, args):
-    state = module.__dict__[_STATE]
-    if state["shared"]["model"] is module:  # decided once per model call: the layers' calls (and recomputations) follow it
-        state["shared"]["active"] = module.training and _has_dropout(module)
-    checkpoint = module.__dict__.get("_gradient_checkpointing_func")  # set whenever gradient_checkpointing_enable() runs
-    if checkpoint is not None and _WRAPPED not in getattr(checkpoint, "__dict__", {}):
-        module._gradient_checkpointing_func = _recomputing_under_the_mode(module, checkpoint)
-    mode = rank_dropout(module)
+def _enter(model, args):
+    state = model.__dict__[_STATE]
+    state["shared"]["active"] = model.training and _has_dropout(model)  # once per call: the layers' recomputations follow it
+    mode = rank_dropout(model)
     mode.__enter__()
     state["entered"].append(mode)
 
 
-def _exit(module, args, output):
-    module.__dict__[_STATE]["entered"].pop().__exit__(None, None, None)
+def _exit(model, args, output):
+    model.__dict__[_STATE]["entered"].pop().__exit__(None, None, None)
+
+
+def _wrap_checkpointing(layer, args):
+    checkpoint = layer.__dict__.get("_gradient_checkpointing_func")  # set whenever gradient_checkpointing_enable() runs
+    if checkpoint is not None and _WRAPPED not in getattr(checkpoint, "__dict__", {}):
+        layer._gradient_checkpointing_func = _recomputing_under_the_mode(layer, checkpoint)
 
 
 def _layers(model) -> list:
@@ -142,10 +144,11 @@ def install_rank_dropout(model, topo) -> None:
     remove_rank_dropout(model)
     if topo.sp_size == 1:
         return
-    shared = {"rank": topo.sp_rank, "active": False, "model": model, "modules": [model, *_layers(model)]}
-    for module in shared["modules"]:
-        module.__dict__[_STATE] = {"shared": shared, "entered": [], "handles": [
-            module.register_forward_pre_hook(_enter), module.register_forward_hook(_exit, always_call=True)]}
+    shared = {"rank": topo.sp_rank, "active": False, "modules": [model, *_layers(model)]}
+    model.__dict__[_STATE] = {"shared": shared, "entered": [], "handles": [
+        model.register_forward_pre_hook(_enter), model.register_forward_hook(_exit, always_call=True)]}
+    for layer in shared["modules"][1:]:
+        layer.__dict__[_STATE] = {"shared": shared, "handles": [layer.register_forward_pre_hook(_wrap_checkpointing)]}
 
 
 def remove_rank_dropout(model) -> None:
