@@ -11,7 +11,8 @@ and soft-capping: flash-attn's and ``_flash_attention_forward``'s window_size, t
 memory-efficient op with a per-tile mask, softcap in flash-attn's backward) at bf16
 tolerances, and each backend's path through them on one rank with NCCL; and torch.compile
 on CUDA: Inductor's Triton code around the SP attention op in compiled layers (one GPU) and
-every backend compiled with NCCL (``--ranks``).
+every backend compiled with NCCL (``--ranks``); the memory model's predicted peak against the
+CUDA allocator's at the longest length it predicts for a 1B-class model.
 """
 
 from __future__ import annotations
@@ -264,6 +265,60 @@ def memory_checks() -> None:
         return f"worst gradient error {max(errs):.1e}; {moved / 2**20:.1f} MiB offloaded to host"
 
 
+LLAMA_1B = dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=32,
+                num_key_value_heads=8, head_dim=64, tie_word_embeddings=True, rope_theta=500000.0, max_position_embeddings=131072)
+"""Llama-3.2-1B's shape."""
+STEP_MEMORY_CAP = float(os.environ.get("GPU_CHECK_STEP_MEMORY_GIB", "16"))
+"""The budget the memory model's longest sequence is sought under (GiB): the step at that length must run in seconds."""
+
+
+def step_memory_checks() -> None:
+    """The memory model (ulysses_sp.step_memory) against torch.cuda.max_memory_allocated: a
+    Llama-3.2-1B-shaped model in bf16 with AdamW, every switch on (checkpoints really offloaded to
+    pinned host memory), at the longest length the model says fits STEP_MEMORY_CAP GiB; the
+    prediction comes from a process of its own (the meta device, the fake process group)."""
+    import json
+    import subprocess
+
+    import transformers
+
+    code = ("import json, torch; from ulysses_sp import step_memory as sm; "
+            f"n, b = sm.max_seq_len({LLAMA_1B!r}, int({STEP_MEMORY_CAP} * 2**30), None, sm.World(1), sm.Engine('none'), sm.Switches(), torch.bfloat16); "
+            "print(json.dumps({'seq': n, **b.as_dict()}))")
+
+    @check(f"memory model: predicted peak within 10% of max_memory_allocated (Llama-1B shape, bf16, longest under {STEP_MEMORY_CAP:g} GiB)")
+    def _():
+        done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr[-2000:]
+        predicted = json.loads(done.stdout.strip().splitlines()[-1])
+        topo = usp.init_sequence_parallel(1)
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+        base = torch.cuda.memory_allocated()
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**LLAMA_1B), attn_implementation="sdpa")
+        model = model.to("cuda", torch.bfloat16).train()
+        usp.apply_sequence_parallel(model, topo, backend="ulysses", tiled_mlp=True, checkpoint="offload", tiled_norms=True)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5, foreach=True)
+        ids = torch.randint(0, LLAMA_1B["vocab_size"], (1, predicted["seq"]))
+        batch = {k: v.cuda() if isinstance(v, torch.Tensor) else v for k, v in usp.shard_batch({"input_ids": ids, "labels": ids.clone()}, topo).items()}
+        t0 = time.perf_counter()
+        for step in range(2):
+            if step:
+                torch.cuda.synchronize()
+                torch.cuda.reset_peak_memory_stats()
+            usp.causal_lm_loss(model, batch, topo).backward()
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        torch.cuda.synchronize()
+        measured = torch.cuda.max_memory_allocated() - base
+        err = abs(measured - predicted["peak"]) / measured
+        del model, optimizer, batch
+        torch.cuda.empty_cache()
+        assert err < 0.10, f"predicted {predicted['peak'] / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB at {predicted['seq']} tokens"
+        return (f"{predicted['seq']} tokens: predicted {predicted['peak'] / 2**30:.2f} GiB, measured {measured / 2**30:.2f} GiB ({err:.1%}); "
+                f"two steps {time.perf_counter() - t0:.0f} s")
+
+
 def compile_checks() -> None:
     """Decoder layers under torch.compile on one GPU, bf16 (Inductor's Triton code around the SP
     attention op, layer checkpointing around the compiled layer): the eager gradients."""
@@ -470,6 +525,7 @@ def main() -> int:
     vlm_checks()
     stream_checks()
     memory_checks()
+    step_memory_checks()
     dropout_checks()
     compile_checks()
     efficiency_checks()

@@ -113,7 +113,7 @@ def calibrate(nproc, out, repeat, seq, backend_seq):
 @click.option("--layers", type=int, default=1, show_default=True)
 @click.option("--window", type=int, default=None, help="sliding window of every layer (without --model-config)")
 @click.option("--seq", "seq", default="128k", show_default=True, help="global tokens per sequence: 4096, 8k, 1m")
-@click.option("--sp-size", type=int, required=True, help="ranks sharing one sequence")
+@click.option("--sp-size", type=int, default=None, help="ranks sharing one sequence (with --max-seq-len, default: every GPU)")
 @click.option("--ulysses-degree", type=int, default=None, help="the topology's Ulysses degree (default: sp size); auto weighs every degree")
 @click.option("--gpus-per-node", type=int, default=8, show_default=True, help="groups wider than this cross nodes")
 @click.option("--batch", type=int, default=1, show_default=True)
@@ -126,10 +126,39 @@ def calibrate(nproc, out, repeat, seq, backend_seq):
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False), help="from sp-bench calibrate (default: built-in NVLink GPU figures)")
 @click.option("--images", type=click.IntRange(min=1), default=None, help="images per sequence: plan an image-text model's vision tower too")
 @click.option("--image-size", default=None, metavar="HxW", help="pixels per image (default: 448x448 for Qwen's families, else the model's own)")
+@click.option("--max-seq-len", "max_seq", is_flag=True,
+              help="instead: the longest sequence one training step fits in (needs --model-config; ulysses_sp.step_memory)")
+@click.option("--nodes", type=click.IntRange(min=1), default=1, show_default=True, help="with --max-seq-len")
+@click.option("--gpu-memory", default="80GB", show_default=True, help="with --max-seq-len: device memory per GPU (GB = 1e9 bytes, GiB = 2^30)")
+@click.option("--host-memory", default="1.5TB", show_default=True, help="with --max-seq-len: host memory per node ('none': no limit)")
+@click.option("--engine", type=click.Choice(["none", "zero0", "zero1", "zero2", "zero3", "fsdp2"]), default="zero3", show_default=True,
+              help="with --max-seq-len: what holds parameters, gradients and optimizer states")
+@click.option("--offload-optimizer/--no-offload-optimizer", default=True, show_default=True, help="with --max-seq-len (ZeRO-1/2/3)")
+@click.option("--checkpoint", type=click.Choice(["none", "layers", "offload"]), default="offload", show_default=True, help="with --max-seq-len")
+@click.option("--tiled-loss/--no-tiled-loss", default=True, show_default=True, help="with --max-seq-len")
+@click.option("--tiled-mlp/--no-tiled-mlp", default=True, show_default=True, help="with --max-seq-len")
+@click.option("--tiled-norms/--no-tiled-norms", default=True, show_default=True, help="with --max-seq-len")
+@click.option("--head-groups", type=click.IntRange(min=1), default=1, show_default=True, help="with --max-seq-len: Ulysses over this many head groups")
+@click.option("--gains", is_flag=True, help="with --max-seq-len: also the longest sequence with each switch off in turn (one search each)")
+@click.option("--json", "json_path", type=click.Path(dir_okay=False), help="with --max-seq-len: write the answer and its breakdown")
 def plan(model_config, heads, kv_heads, head_dim, layers, window, seq, sp_size, ulysses_degree, gpus_per_node, batch, dtype, causal, layout, docs,
-         docs_seed, profile_path, images, image_size):
-    """Show, per layer, the backend auto would choose and every alternative's estimate or reason."""
+         docs_seed, profile_path, images, image_size, max_seq, nodes, gpu_memory, host_memory, engine, offload_optimizer, checkpoint, tiled_loss,
+         tiled_mlp, tiled_norms, head_groups, gains, json_path):
+    """Show, per layer, the backend auto would choose and every alternative's estimate or reason;
+    with --max-seq-len, the longest sequence a training step fits in, and what holds the memory."""
     import torch
+
+    if max_seq:
+        from .memory import plan_max_seq_len
+
+        if not model_config:
+            raise click.UsageError("--max-seq-len needs --model-config (a config.json)")
+        plan_max_seq_len(model_config, gpus_per_node=gpus_per_node, nodes=nodes, sp_size=sp_size, gpu_memory=gpu_memory, host_memory=host_memory,
+                         engine=engine, offload_optimizer=offload_optimizer, checkpoint=checkpoint, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp,
+                         tiled_norms=tiled_norms, head_groups=head_groups, dtype=dtype, profile_path=profile_path, gains=gains, json_path=json_path)
+        return
+    if sp_size is None:
+        raise click.UsageError("give --sp-size")
 
     from ulysses_sp.profile import NVLINK_PROFILE, load_profile
 

@@ -1059,3 +1059,4 @@ from . import compile_cases  # noqa: E402,F401
 from . import vlm_cases  # noqa: E402,F401
 from . import rl_cases  # noqa: E402,F401
 from . import dropout_cases  # noqa: E402,F401
+from . import step_memory_cases  # noqa: E402,F401

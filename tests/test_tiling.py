@@ -156,6 +156,25 @@ def test_hf_tiled_checkpointed_equals_plain(ranks, name):
             assert r["offload"] is None
 
 
+@pytest.mark.parametrize("world", [2, 4])
+def test_hf_tiled_norms_equal_plain(ranks, world):
+    """The decoder layers' norms and the final one over tiles too, with the MLP: exact against the
+    same SP model untiled, every norm call tiled (the final norm runs once per tile), restored after."""
+    pytest.importorskip("transformers")
+    from .conftest import values
+
+    from .tiling_cases import NORM_CASES
+
+    local = {2: 24, 4: 12}[world]  # 45 tokens padded to a multiple of 2P
+    for r in values(ranks(world), "tiling/hf/norms"):
+        assert sorted(r) == sorted(NORM_CASES)
+        for name, got in r.items():
+            assert got["loss_rel"] < TOL and got["grad_rel"] < TOL, (name, got["worst_param"], got["grad_rel"])
+            assert got["restored"], name
+            # the final norm is outside the checkpointed layers: once per tile in the forward and once per tile in the backward
+            assert len(got["norm_calls"]) == 2 * tiling.tile_count(local, 5), (name, len(got["norm_calls"]))
+
+
 def test_deepspeed_zero_tiled_checkpointed_equals_plain(ranks):
     """SP=2 x DP=2: ZeRO-2 with per-layer checkpointing, ZeRO-3 with offload, ZeRO-3 with DP groups of different lengths."""
     pytest.importorskip("deepspeed")
@@ -192,3 +211,45 @@ def test_offload_cuda_path_under_fake_tensors():
         weight = torch.nn.Parameter(torch.empty(4, 4, device="cuda"))
         assert store.unpack(store.pack(weight)) is weight
     assert store.stats() == {"packed": 2, "packed_bytes": 2 * 16 * 8 * 2 + 16 * 4, "unpacked": 2, "offloaded_bytes": 2 * 16 * 8 * 2}
+
+
+@pytest.mark.parametrize("family,found", [
+    ("llama", ["input_layernorm", "post_attention_layernorm"] * 2 + ["norm"]),
+    ("gemma2", ["input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm"] * 2 + ["norm"]),
+])
+def test_norms_found_in_and_beside_the_layers(family, found):
+    """What ``tiled_norms`` tiles: every norm of the decoder layers (sandwich norms too) and the final one, not the attention's own."""
+    pytest.importorskip("transformers")
+    from .hf_cases import tiny_model
+
+    model = tiny_model(family)
+    assert sorted(name for _, name in tiling.norms(model)) == sorted(found)
+    tiling.tile_norms(model, 3)
+    x = torch.randn(1, 10, 32, requires_grad=True)
+    layer_norm = model.model.layers[0].input_layernorm  # the stand-in; the module itself stays in _modules
+    assert isinstance(layer_norm, tiling.TiledMLP) and model.model.layers[0]._modules["input_layernorm"] is layer_norm.module
+    y = layer_norm(x)
+    y.square().sum().backward()
+    grad_x, grad_w = x.grad.clone(), layer_norm.module.weight.grad.clone()
+    x.grad = None
+    layer_norm.module.weight.grad = None
+    layer_norm.module(x).square().sum().backward()
+    assert torch.allclose(y, layer_norm.module(x)) and torch.allclose(grad_x, x.grad, atol=1e-6) and torch.allclose(grad_w, layer_norm.module.weight.grad, atol=1e-5)
+    tiling.untile_mlp(model)
+    assert not any(isinstance(v, tiling.TiledMLP) for m in model.modules() for v in m.__dict__.values())
+
+
+def test_tiled_norms_bad_option_and_no_norm_raise():
+    pytest.importorskip("transformers")
+    from ulysses_sp.integrations.transformers import apply_sequence_parallel
+
+    from .hf_cases import tiny_model
+
+    model = tiny_model("llama")
+    with pytest.raises(ValueError, match="tiled_norms must be True or False"):
+        apply_sequence_parallel(model, topo=None, tiled_norms=1)
+    for layer in model.model.layers:
+        layer.input_layernorm = layer.post_attention_layernorm = torch.nn.Identity()
+    model.model.norm = torch.nn.Identity()
+    with pytest.raises(ValueError, match="tiled_norms: LlamaForCausalLM has no norm"):
+        apply_sequence_parallel(model, topo=None, tiled_norms=True)

@@ -241,10 +241,10 @@ def test_zero3_trains_like_zero2(sp2_losses, run_job):
 
 @pytest.mark.parametrize("engine", [{"zero_stage": 2}, {"zero_stage": 3}, {"engine": "fsdp2"}], ids=["zero2", "zero3", "fsdp2"])
 def test_memory_stack_trains_like_without(sp2_losses, engine, run_job):
-    """Tiled loss, tiled MLP and per-layer checkpointing (offload: nothing to move on CPU,
+    """Tiled loss, tiled MLP and norms and per-layer checkpointing (offload: nothing to move on CPU,
     the hooks still run) through DeepSpeed, and under FSDP2, give the same loss curve (ZeRO-3 and
     FSDP2 also equal ZeRO-2)."""
-    tiled = run_job(2, tiled_loss=True, tiled_mlp=True, checkpoint="offload", **engine)
+    tiled = run_job(2, tiled_loss=True, tiled_mlp=True, tiled_norms=True, checkpoint="offload", **engine)
     for step, (a, b) in enumerate(zip(tiled[0], sp2_losses[0])):
         assert abs(a - b) < 1e-4, f"step {step + 1}: {a} with the memory stack ({engine}), {b} without"
 
@@ -274,13 +274,13 @@ def test_memory_options_follow_the_length():
 
     model = LlamaConfig(vocab_size=128256, intermediate_size=1024)
     short, why = memory_options(TrainConfig(sp_size=2, seq_len=2048), model, 2, on_gpu=False)
-    assert short == {"tiled_loss": True, "tiled_mlp": False, "checkpoint": "none"}, why  # 1024 x 128256 >= 2^26
+    assert short == {"tiled_loss": True, "tiled_mlp": False, "tiled_norms": False, "checkpoint": "none"}, why  # 1024 x 128256 >= 2^26
     long_, _ = memory_options(TrainConfig(sp_size=2, seq_len=1 << 17), model, 2, on_gpu=True)
-    assert long_ == {"tiled_loss": True, "tiled_mlp": True, "checkpoint": "offload"}
+    assert long_ == {"tiled_loss": True, "tiled_mlp": True, "tiled_norms": True, "checkpoint": "offload"}  # 65536 x 4096 >= 2^26
     forced, why = memory_options(TrainConfig(sp_size=2, seq_len=1 << 17, tiled_mlp=False, checkpoint="layers"), model, 2, on_gpu=True)
     assert (forced["tiled_mlp"], forced["checkpoint"], why["checkpoint"]) == (False, "layers", "flag")
-    cfg = parse_args(["--tiled-loss", "--no-tiled-mlp", "--checkpoint", "offload"])
-    assert (cfg.tiled_loss, cfg.tiled_mlp, cfg.checkpoint) == (True, False, "offload")
+    cfg = parse_args(["--tiled-loss", "--no-tiled-mlp", "--tiled-norms", "--checkpoint", "offload"])
+    assert (cfg.tiled_loss, cfg.tiled_mlp, cfg.tiled_norms, cfg.checkpoint) == (True, False, True, "offload")
     assert parse_args([]).tiled_loss is None and parse_args([]).checkpoint == "auto"
 
 

@@ -23,6 +23,10 @@ TILE = 5
 TILING_CASES = {f"{b}/{mode}": dict(backend=b, checkpoint=mode) for b in ("ulysses", "allgather", "ring", "hybrid") for mode in ("layers", "offload")}
 TILING_CASES["ulysses/offload/packed"] = dict(backend="ulysses", checkpoint="offload", packed=True)
 TILING_CASES["ring/layers/packed"] = dict(backend="ring", checkpoint="layers", packed=True)
+NORM_CASES = {"ulysses/offload/norms": dict(backend="ulysses", checkpoint="offload", tiled_norms=True),
+              "ring/layers/norms/packed": dict(backend="ring", checkpoint="layers", tiled_norms=True, packed=True),
+              "allgather/none/norms": dict(backend="allgather", checkpoint="none", tiled_norms=True)}
+"""The norms tiled too (``tiled_norms``), at P=2 and P=4."""
 
 
 def _rel(a, b) -> float:
@@ -42,14 +46,16 @@ def _step(model, topo, data, **options):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}, counts, stats
 
 
-def tiling_parity(topo, backend: str, checkpoint: str, packed=False) -> dict:
+def tiling_parity(topo, backend: str, checkpoint: str, packed=False, tiled_norms=False) -> dict:
     from .hf_cases import batch, tiny_model
 
     base = tiny_model("llama")
     tiled = copy.deepcopy(base)
     data = batch(packed)
     ref_loss, ref_grads, _, _ = _step(base, topo, data, backend=backend)
-    loss, grads, counts, stats = _step(tiled, topo, data, backend=backend, tiled_mlp=TILE, checkpoint=checkpoint)
+    norm_calls = []  # tiles of the final norm per forward: its module runs once per tile
+    tiled.model.norm.register_forward_hook(lambda *_: norm_calls.append(1))
+    loss, grads, counts, stats = _step(tiled, topo, data, backend=backend, tiled_mlp=TILE, checkpoint=checkpoint, tiled_norms=tiled_norms)
     worst, grad_rel = None, 0.0
     for name, g in grads.items():
         if _rel(g, ref_grads[name]) >= grad_rel:
@@ -60,7 +66,9 @@ def tiling_parity(topo, backend: str, checkpoint: str, packed=False) -> dict:
         "loss_rel": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
         "grad_rel": grad_rel, "worst_param": worst,
         "counts": counts, "counts_all_ranks": all_counts, "offload": stats,
-        "restored": all("mlp" not in layer.__dict__ and "forward" not in layer.__dict__ for layer in tiling.decoder_layers(tiled)),
+        "restored": all("mlp" not in layer.__dict__ and "forward" not in layer.__dict__ for layer in tiling.decoder_layers(tiled))
+        and not any(isinstance(v, tiling.TiledMLP) for m in tiled.modules() for v in m.__dict__.values()),
+        "norm_calls": norm_calls,
         "attn_restored": tiled.config._attn_implementation == base.config._attn_implementation,
     }
 
@@ -69,14 +77,21 @@ def _case(env, name):
     return tiling_parity(_topo_for(env, Parity(), "zigzag"), **TILING_CASES[name])
 
 
+def _norm_cases(env):
+    return {name: tiling_parity(_topo_for(env, Parity(), "zigzag"), **options) for name, options in NORM_CASES.items()}
+
+
 if importlib.util.find_spec("transformers") is not None:
     for _name in TILING_CASES:
         case(f"tiling/hf/{_name}", (2,))(lambda env, n=_name: _case(env, n))
+    case("tiling/hf/norms", (2, 4))(_norm_cases)
 
 
 # --------------------------------------------------------------------------- DeepSpeed
 
 DS_RUNS = [(2, "layers", False), (3, "offload", False), (3, "layers", True)]
+NORMS_IN = "3/offload"
+"""The run whose tiled side tiles the norms too (ZeRO-3 gathers their parameters per tile)."""
 """(ZeRO stage, checkpoint, uneven) at SP=2 x DP=2: uneven gives DP rank 1 30 tokens instead of 40 (16 local after
 padding, 6 tiles of 3 by its own count, against 7 for 20 local tokens); ZeRO-3 makes every rank run the world's maximum, 7."""
 
@@ -123,8 +138,10 @@ def ds_tiling(topo) -> dict:
     out = {}
     for stage, mode, uneven in DS_RUNS:
         ref_loss, ref_grads, ref_params, _, _ = _ds_step(topo, tiny_model("llama"), stage, uneven)
-        loss, grads, params, counts, stats = _ds_step(topo, tiny_model("llama"), stage, uneven, tiled_mlp=3, checkpoint=mode)
-        out[f"{stage}/{mode}" + ("/uneven" if uneven else "")] = {
+        name = f"{stage}/{mode}" + ("/uneven" if uneven else "")
+        loss, grads, params, counts, stats = _ds_step(topo, tiny_model("llama"), stage, uneven, tiled_mlp=3, checkpoint=mode,
+                                                      tiled_norms=name == NORMS_IN)
+        out[name] = {
             "loss_rel": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
             "grad_rel": max(_rel(g, r) for g, r in zip(grads, ref_grads)),
             "param_rel": max(_rel(p, r) for p, r in zip(params, ref_params)),

@@ -30,13 +30,14 @@ __version__ = "0.1.0"
 
 
 def apply_sequence_parallel(model, topo, backend: str = "auto", profile=None, kernel: str = "auto", tiled_mlp=False, checkpoint: str = "none",
-                            mixer: str = "auto"):
+                            mixer: str = "auto", tiled_norms: bool = False):
     """Switch a Hugging Face transformers model to sequence-parallel attention and token mixers
-    (needs the ``hf`` extra), optionally with tiled MLPs and per-layer checkpointing; see
+    (needs the ``hf`` extra), optionally with tiled MLPs and norms and per-layer checkpointing; see
     :mod:`ulysses_sp.integrations.transformers`."""
     from .integrations.transformers import apply_sequence_parallel as apply
 
-    return apply(model, topo, backend=backend, profile=profile, kernel=kernel, tiled_mlp=tiled_mlp, checkpoint=checkpoint, mixer=mixer)
+    return apply(model, topo, backend=backend, profile=profile, kernel=kernel, tiled_mlp=tiled_mlp, checkpoint=checkpoint, mixer=mixer,
+                 tiled_norms=tiled_norms)
 
 
 def verify_sequence_parallel(model_or_config, topo, **options):

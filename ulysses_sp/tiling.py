@@ -71,6 +71,8 @@ __all__ = [
     "offload_store",
     "tile_count",
     "tile_mlp",
+    "tile_norms",
+    "norms",
     "untile_mlp",
     "uncheckpoint_layers",
     "validate_options",
@@ -226,10 +228,41 @@ def tile_mlp(model, tile_tokens: int, sp_size: int = 1) -> list:
     return out
 
 
+def norms(model) -> list[tuple[torch.nn.Module, str]]:
+    """(owner, name) of the normalisations a token passes through outside attention: the decoder
+    layers' own (``input_layernorm``, ``post_attention_layernorm``, sandwich norms) and the final
+    one beside the layers; modules named ``*Norm`` with at most a per-channel weight and bias."""
+    layers = decoder_layers(model)
+    owners = list(layers) + [m for m in model.modules() if any(isinstance(c, torch.nn.ModuleList) and any(x in layers for x in c)
+                                                              for c in m.children())]
+    found = []
+    for owner in owners:
+        for name, child in owner._modules.items():
+            kind = type(child).__name__
+            if child is None or not kind.endswith("Norm") or any(x in kind for x in ("Batch", "Group", "Instance")):
+                continue
+            if all(p.dim() == 1 for p in child.parameters(recurse=False)) and not list(child.children()):
+                found.append((owner, name))
+    return found
+
+
+def tile_norms(model, tile_tokens: int, sp_size: int = 1) -> list:
+    """Run every norm :func:`norms` finds over tiles of tokens as :func:`tile_mlp` runs the MLP: the
+    norm's float32 intermediates then live for one tile, and only its input is saved for the backward."""
+    world = dist.group.WORLD if dist.is_initialized() else None
+    agree = dist.is_initialized() and dist.get_world_size() > sp_size
+    out = []
+    for owner, name in norms(model):
+        owner.__dict__[name] = TiledMLP(owner._modules[name], tile_tokens, world, agree)
+        out.append(owner.__dict__[name])
+    return out
+
+
 def untile_mlp(model) -> None:
-    for layer in decoder_layers(model):
-        if isinstance(layer.__dict__.get("mlp"), TiledMLP):
-            del layer.__dict__["mlp"]
+    """Undo :func:`tile_mlp` and :func:`tile_norms`."""
+    for m in model.modules():
+        for name in [k for k, v in m.__dict__.items() if isinstance(v, TiledMLP)]:
+            del m.__dict__[name]
     model.__dict__.pop(_TILED, None)
 
 

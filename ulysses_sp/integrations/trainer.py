@@ -96,6 +96,7 @@ class SequenceParallelTrainingArguments(TrainingArguments):
     sp_profile: str | None = field(default=None, metadata={"help": "A profile JSON from sp-bench calibrate, for auto."})
     tiled_loss: bool = field(default=False, metadata={"help": "LM head + loss over tiles of tokens: no [tokens, vocab] logits in training."})
     tiled_mlp: bool = field(default=False, metadata={"help": "Each decoder MLP over tiles of tokens, recomputed in the backward."})
+    tiled_norms: bool = field(default=False, metadata={"help": "The decoder layers' norms and the final one over tiles of tokens, recomputed in the backward."})
     sp_checkpoint: str = field(
         default="none",
         metadata={"help": "Per-layer activation checkpointing: none, layers, or offload (checkpoints in pinned host memory)."},
@@ -311,7 +312,7 @@ class SequenceParallelTrainer(Trainer):
         a = self._sp_args
         return apply_sequence_parallel(
             self._sp_model, self.topo, backend=backend_names(a.sp_backend), kernel=a.sp_kernel,
-            tiled_mlp=a.tiled_mlp, checkpoint=a.sp_checkpoint, mixer=a.sp_mixer,
+            tiled_mlp=a.tiled_mlp, checkpoint=a.sp_checkpoint, mixer=a.sp_mixer, tiled_norms=a.tiled_norms,
         )
 
     def remove_sequence_parallel(self):

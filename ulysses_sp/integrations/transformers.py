@@ -148,7 +148,7 @@ def _backend_per_layer(backend, layers) -> dict[int, str]:
 
 
 def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Profile | None = None, kernel: str = "auto",
-                            tiled_mlp: bool | int = False, checkpoint: str = "none", mixer: str = "auto"):
+                            tiled_mlp: bool | int = False, checkpoint: str = "none", mixer: str = "auto", tiled_norms: bool = False):
     """Switch a loaded transformers model to sequence-parallel attention; returns the model.
 
     ``backend`` is one name for every layer (``"auto"`` decides per layer and
@@ -176,11 +176,13 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     each decoder layer's ``mlp`` over sequence tiles, recomputing each tile in the backward;
     ``checkpoint``: ``"none"``, ``"layers"`` (recompute each decoder layer in the backward) or
     ``"offload"`` (also keep each checkpointed layer input in pinned host memory on CUDA; the
-    counters are in ``ulysses_sp.tiling.offload_store(model)``). See :mod:`ulysses_sp.tiling`.
+    counters are in ``ulysses_sp.tiling.offload_store(model)``); ``tiled_norms``: the decoder layers'
+    norms and the final one run over tiles too (at the MLP's tile size), so that their float32
+    intermediates never exist for the whole shard. See :mod:`ulysses_sp.tiling`.
     """
     decoder = multimodal.decoder_to_switch(model)
     if decoder is not None:
-        apply_sequence_parallel(decoder, topo, backend, profile, kernel, tiled_mlp, checkpoint, mixer)
+        apply_sequence_parallel(decoder, topo, backend, profile, kernel, tiled_mlp, checkpoint, mixer, tiled_norms)
         multimodal.split_at_decoder(model, decoder, topo)
         return model
     mixers.install_mixers(model, topo, mixer)
@@ -192,6 +194,10 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
                              "first or pass checkpoint='none'")
         if tile_tokens is not None and not any("mlp" in layer._modules for layer in tiling.decoder_layers(model)):
             raise ValueError(f"tiled_mlp: {type(model).__name__} has no decoder layer with an `mlp` module to tile")
+        if not isinstance(tiled_norms, bool):
+            raise ValueError(f"tiled_norms must be True or False, got {tiled_norms!r}")
+        if tiled_norms and not tiling.norms(model):
+            raise ValueError(f"tiled_norms: {type(model).__name__} has no norm (a module named *Norm) in or beside its decoder layers")
         layers = _attention_layers(model)
         if not layers and not mixers.mixer_layers(model):
             raise ValueError(f"{type(model).__name__} has no attention layers with a layer_idx and no token mixer; ulysses_sp cannot switch it")
@@ -209,6 +215,8 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     tiling.uncheckpoint_layers(model)
     if tile_tokens is not None:
         tiling.tile_mlp(model, tile_tokens, sp_size=topo.sp_size)
+    if tiled_norms:
+        tiling.tile_norms(model, tile_tokens or 0, sp_size=topo.sp_size)
     tiling.checkpoint_layers(model, checkpoint)
     model.set_attn_implementation(ATTN_IMPLEMENTATION)
     model.config.use_cache = False

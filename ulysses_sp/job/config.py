@@ -104,6 +104,8 @@ class TrainConfig:
     tiled_loss: bool | None = None
     """The LM head and the loss over tiles of tokens; None: :func:`memory_options` decides."""
     tiled_mlp: bool | None = None
+    tiled_norms: bool | None = None
+    """The layers' and the final norm over tiles (their fp32 intermediates one tile at a time); None: by length."""
     checkpoint: str = "auto"
     """``none``, ``layers``, ``offload`` or ``auto`` (decided by length); --gradient-checkpointing is ``layers``."""
     compile: bool = False
@@ -122,7 +124,8 @@ def memory_options(cfg: TrainConfig, model_config, sp_size: int, on_gpu: bool) -
     fp32); checkpoint every layer from L = 8k, offloaded to host memory on GPUs from L = 32k."""
     local = cfg.seq_len // sp_size
     chosen, why = {}, {}
-    for name, width in (("tiled_loss", model_config.vocab_size), ("tiled_mlp", model_config.intermediate_size)):
+    for name, width in (("tiled_loss", model_config.vocab_size), ("tiled_mlp", model_config.intermediate_size),
+                        ("tiled_norms", model_config.hidden_size)):
         given = getattr(cfg, name)
         chosen[name] = given if given is not None else local * width >= MEMORY_TILE_ELEMENTS
         why[name] = "flag" if given is not None else f"{local} local tokens x {width} {'>=' if chosen[name] else '<'} 2^26"
@@ -211,6 +214,8 @@ def parse_args(argv=None) -> TrainConfig:
                    help="LM head + loss over tiles of tokens (default: on when local tokens x vocab >= 2^26)")
     g.add_argument("--tiled-mlp", action=argparse.BooleanOptionalAction, default=None,
                    help="each MLP over tiles of tokens, recomputed in backward (default: on when local tokens x intermediate >= 2^26)")
+    g.add_argument("--tiled-norms", action=argparse.BooleanOptionalAction, default=None,
+                   help="the layers' norms and the final one over tiles of tokens (default: on when local tokens x hidden >= 2^26)")
     g.add_argument("--compile", action="store_true", help="torch.compile each decoder layer (the SP attention one op in its graph; "
                    "hybrid models' mixers run eagerly between graphs); not with ZeRO-3")
     g.add_argument("--checkpoint", choices=("auto", "none", "layers", "offload"), default="auto",
@@ -251,7 +256,7 @@ def parse_args(argv=None) -> TrainConfig:
         io_timeout=a.io_timeout,
         from_scratch=a.from_scratch,
         peak_tflops=a.peak_tflops, ulysses_degree=a.ulysses_degree, verify=a.verify, profile=a.profile, dtype=a.dtype, sp_kernel=a.sp_kernel, sp_mixer=a.sp_mixer, layout=a.layout,
-        tiled_loss=a.tiled_loss, tiled_mlp=a.tiled_mlp, checkpoint="layers" if a.gradient_checkpointing else a.checkpoint, compile=a.compile,
+        tiled_loss=a.tiled_loss, tiled_mlp=a.tiled_mlp, tiled_norms=a.tiled_norms, checkpoint="layers" if a.gradient_checkpointing else a.checkpoint, compile=a.compile,
     )
 
 

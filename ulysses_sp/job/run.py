@@ -215,7 +215,7 @@ class Job:
                 if self.rank0:
                     print(f"verify: {self.verify_report}", flush=True)
             model = apply_sequence_parallel(model, topo, backend=backend, kernel=cfg.sp_kernel, tiled_mlp=self.memory["tiled_mlp"],
-                                            checkpoint=self.memory["checkpoint"], mixer=cfg.sp_mixer)
+                                            checkpoint=self.memory["checkpoint"], mixer=cfg.sp_mixer, tiled_norms=self.memory["tiled_norms"])
         except (ValueError, SequenceParallelMismatch) as e:  # the same on every rank: uncovered layers, or SP not exact
             raise JobError(str(e)) from None
         model.train()

@@ -19,13 +19,28 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_leaves
 
 __all__ = ["PeakMemory", "peak_until", "measure", "main"]
 
 
+def _tensors(value):
+    """The tensors in an op's (nested tuple, list, dict) arguments or outputs: a dispatch mode's
+    hot path, where torch's general pytree costs more than the meta kernels."""
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
+
+
 class PeakMemory(TorchDispatchMode):
-    """Live and peak bytes of the storages allocated while the mode is active."""
+    """Live and peak bytes of the storages allocated while the mode is active.
+
+    An op's output that shares an input's storage (a view, an in-place op) allocated nothing: a
+    storage made before the mode (a parameter, a tensor passed in) is never counted through it."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -36,17 +51,20 @@ class PeakMemory(TorchDispatchMode):
         self._seen.discard(key)
         self.live -= nbytes
 
+    def _call(self, func, args, kwargs):
+        return func(*args, **kwargs)
+
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        for t in tree_leaves(out):
-            if isinstance(t, torch.Tensor):
-                storage = t.untyped_storage()
-                key = id(storage)
-                if key not in self._seen:
-                    self._seen.add(key)
-                    self.live += storage.nbytes()
-                    self.peak = max(self.peak, self.live)
-                    weakref.finalize(storage, self._free, key, storage.nbytes())
+        out = self._call(func, args, kwargs or {})
+        inputs = {id(t.untyped_storage()) for t in _tensors((args, kwargs))}
+        for t in _tensors(out):
+            storage = t.untyped_storage()
+            key = id(storage)
+            if key not in self._seen and key not in inputs:
+                self._seen.add(key)
+                self.live += storage.nbytes()
+                self.peak = max(self.peak, self.live)
+                weakref.finalize(storage, self._free, key, storage.nbytes())
         return out
 
 

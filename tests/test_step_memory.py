@@ -1,0 +1,91 @@
+"""The memory model of a training step (``ulysses_sp.step_memory``, ``sp-bench plan --max-seq-len``):
+its prediction against the peak measured on real tensors, its extrapolation over depth, its search."""
+
+import json
+import os
+
+import click
+import pytest
+
+from .conftest import values, warm_python
+from .step_memory_cases import SEQ, WORLDS, switch_sets
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+@pytest.fixture(scope="module")
+def predicted(tmp_path_factory):
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("step_memory") / "predicted.json"
+    log = out.with_suffix(".log")
+    proc = warm_python([os.path.join(ROOT, "tests", "step_memory_cases.py"), str(out)], env=dict(os.environ), cwd=ROOT, log=str(log))
+    proc.join(600)
+    assert proc.exitcode == 0, log.read_text()[-4000:]
+    return json.loads(out.read_text())
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_prediction_within_10_percent_of_measured_peak(ranks, predicted, world):
+    """Every switch set, every rank: the predicted peak (engine states by formula, the step on the
+    meta device) within 10% of the peak PeakMemory counts over a real second step on CPU; offloaded
+    checkpoints: the bytes the store took, exactly (``step_memory_cases.measured``: how they leave)."""
+    for rank, got in enumerate(values(ranks(world), "step_memory/measured")):
+        assert sorted(got) == sorted(switch_sets(world))
+        for name, m in got.items():
+            p = predicted[f"{world}/{name}"]
+            host_per_rank = p["host_checkpoints"] // world
+            assert m["offloaded_bytes"] == host_per_rank, (name, m, p)
+            assert abs(m["peak"] - p["peak"]) <= 0.10 * m["peak"], (world, rank, name, m["peak"], p)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_one_and_two_layers_extrapolate_to_the_whole_depth(predicted, world):
+    for keep in (False, True):
+        got = predicted[f"{world}/depth/{keep}"]
+        assert got["whole"] == got["extrapolated"], got
+
+
+def test_switches_order_the_peak(predicted):
+    """Each switch lowers the step's peak at this shape: the loss's logits, the MLP's and norms' intermediates, the layers' activations."""
+    peaks = [predicted[f"2/{name}"]["peak"] for name in ("plain", "loss", "loss+mlp+norms", "all+layers")]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4, peaks
+    for world in WORLDS:
+        assert predicted[f"{world}/all+offload"]["host_checkpoints"] == world * 4 * (SEQ // world) * 128 * 4  # 4 layers' fp32 inputs per rank
+
+
+def test_max_seq_len_cli_answers_at_the_limit(predicted):
+    cli = predicted["cli"]
+    assert cli["exit_code"] == 0, cli["output"]
+    answer = cli["answer"]
+    cap = 24 * 2**20
+    assert answer["max_seq_len"] > 0 and answer["breakdown"]["peak"] <= cap < cli["beyond_peak"], cli
+    assert "longest sequence:" in cli["output"] and "limited by GPU memory" in cli["output"], cli["output"]
+
+
+@pytest.mark.quick
+def test_sizes_and_bad_options():
+    from click.testing import CliRunner
+
+    from ulysses_sp.cli.main import main
+    from ulysses_sp.cli.memory import parse_bytes
+
+    assert parse_bytes("80GB") == 80 * 10**9 and parse_bytes("80GiB") == 80 * 2**30 and parse_bytes("1.5TB") == 15 * 10**11
+    assert parse_bytes("none") is None
+    with pytest.raises(click.BadParameter, match="not a size"):
+        parse_bytes("80 gigs")
+    result = CliRunner().invoke(main, ["plan", "--max-seq-len"])
+    assert result.exit_code == 2 and "--max-seq-len needs --model-config" in result.output
+    result = CliRunner().invoke(main, ["plan", "--heads", "8"])
+    assert result.exit_code == 2 and "give --sp-size" in result.output
+
+
+@pytest.mark.quick
+def test_bad_world_and_engine():
+    from ulysses_sp.step_memory import Engine, World
+
+    with pytest.raises(ValueError, match="sp size 3 must divide the 8 ranks"):
+        World(8, 1, 3)
+    with pytest.raises(ValueError, match="engine must be one of"):
+        Engine("zero4")
+    with pytest.raises(ValueError, match="optimizer offload is DeepSpeed's"):
+        Engine("fsdp2", offload_optimizer=True)
