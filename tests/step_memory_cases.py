@@ -24,6 +24,11 @@ SWITCHES = {
     "all+layers+g2": dict(tiled_loss=True, tiled_mlp=TILE, checkpoint="layers", tiled_norms=True, head_groups=2),
 }
 WORLDS = (2, 4)
+DS_SWITCHES = dict(tiled_loss=True, tiled_mlp=False, checkpoint="layers", tiled_norms=False)
+"""Few module calls: ZeRO-3 gathers parameters per call, and each call is slow under PeakMemory."""
+DS_ZERO = {"reduce_bucket_size": 100_000, "stage3_max_live_parameters": 200_000, "stage3_prefetch_bucket_size": 50_000}
+"""DeepSpeed's buckets at this model's scale (its defaults would allocate 1 GB), as the model is told."""
+DS_RUNS = {"zero3": False, "zero3+offload": True}
 AT_4 = ("plain", "all+offload", "all+layers+g2")
 """The switch sets measured at P=4 too (every one at P=2)."""
 
@@ -74,9 +79,48 @@ def measured(topo, switches: dict) -> dict:
     return {"peak": memory.peak, "offloaded_bytes": offloaded[0]}
 
 
+def measured_deepspeed(topo, offload: bool) -> dict:
+    """As :func:`measured` through a DeepSpeed ZeRO-3 engine in bf16 (torch's AdamW on its fp32
+    partition, optionally offloaded: on CPU that host memory is counted with the rest)."""
+    import os
+    import tempfile
+
+    import deepspeed
+    import transformers
+
+    import ulysses_sp as usp
+    from ulysses_sp.integrations.deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
+    from ulysses_sp.testing.memory import PeakMemory
+
+    use_cpu_accelerator_if_needed()
+    os.environ.setdefault("TORCH_EXTENSIONS_DIR", os.path.join(tempfile.gettempdir(), "usp-torch-extensions"))
+    zero = {"stage": 3, **DS_ZERO, **({"offload_optimizer": {"device": "cpu"}} if offload else {})}
+    # torch's AdamW, not DeepSpeed's: its CPU ops would be compiled first (minutes on a fresh machine)
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1, "zero_optimization": zero, "steps_per_print": 10**9,
+              "bf16": {"enabled": True}, "zero_allow_untested_optimizer": True, "zero_force_ds_cpu_optimizer": False}
+    torch.manual_seed(0)
+    with PeakMemory() as memory:
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**CONFIG), attn_implementation="sdpa").train()
+        sw = DS_SWITCHES
+        usp.apply_sequence_parallel(model, topo, backend="ulysses", tiled_mlp=sw["tiled_mlp"], checkpoint=sw["checkpoint"], tiled_norms=sw["tiled_norms"])
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, config=config, mpu=SequenceParallelMPU(topo))
+        ids = torch.randint(0, CONFIG["vocab_size"], (1, SEQ))
+        batch = usp.shard_batch({"input_ids": ids, "labels": ids.clone()}, topo)
+        for step in range(2):
+            if step:
+                memory.peak = memory.live
+            loss = usp.causal_lm_loss(engine, batch, topo)
+            engine.backward(loss * gradient_scale(engine, topo))
+            engine.step()
+            del loss
+        engine.destroy()
+    return {"peak": memory.peak}
+
+
 def predict() -> dict:
-    """Every switch set's :class:`Breakdown` at P = 2 and 4 (one fake process group each), and the
-    extrapolation from 1 and 2 layers against the whole depth."""
+    """Every switch set's :class:`Breakdown` at P = 2 and 4 (one fake process group each), ZeRO-3's
+    at P=2, the extrapolation from 1 and 2 layers against the whole depth (P=2), and the CLI."""
     import torch.distributed as dist
 
     from ulysses_sp import step_memory as sm
@@ -88,11 +132,14 @@ def predict() -> dict:
         for name, switches in switch_sets(world).items():
             b = sm.estimate(CONFIG, SEQ, sm.World(gpus_per_node=world), sm.Engine("none"), sm.Switches(**switches), dtype=torch.float32)
             out[f"{world}/{name}"] = b.as_dict()
-        config = sm._load_config(CONFIG)
-        for keep in (False, True):
-            sw = sm.Switches(**SWITCHES["all+offload"])
-            out[f"{world}/depth/{keep}"] = {"whole": sm._step(config, None, SEQ, world, sw, torch.float32, keep),
-                                            "extrapolated": sm._step_extrapolated(config, SEQ, world, sw, torch.float32, keep)}
+    dist.destroy_process_group()  # P=4's fake group: ZeRO-3 and the rest at P=2 on a fresh one
+    for name, offload in DS_RUNS.items():
+        engine = sm.Engine("zero3", offload, reduce_bucket=DS_ZERO["reduce_bucket_size"], max_live_parameters=DS_ZERO["stage3_max_live_parameters"])
+        out[f"2/{name}"] = sm.estimate(CONFIG, SEQ, sm.World(gpus_per_node=2), engine, sm.Switches(**DS_SWITCHES), dtype=torch.bfloat16).as_dict()
+    config, sw = sm._load_config(CONFIG), sm.Switches(**SWITCHES["all+offload"])
+    for keep in (False, True):
+        out[f"2/depth/{keep}"] = {"whole": sm._step(config, None, SEQ, 2, sw, torch.float32, keep),
+                                  "extrapolated": sm._step_extrapolated(config, SEQ, 2, sw, torch.float32, keep)}
     dist.destroy_process_group()
     out["cli"] = _cli()
     return out
@@ -135,3 +182,6 @@ else:
     if importlib.util.find_spec("transformers") is not None:
         case("step_memory/measured", WORLDS)(
             lambda env: {name: measured(_topo_for(env, Parity(), "zigzag"), s) for name, s in switch_sets(env.world).items()})
+    if importlib.util.find_spec("transformers") is not None and importlib.util.find_spec("deepspeed") is not None:
+        case("step_memory/deepspeed", (2,))(
+            lambda env: {name: measured_deepspeed(_topo_for(env, Parity(), "zigzag"), offload) for name, offload in DS_RUNS.items()})
