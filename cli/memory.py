@@ -82,6 +82,8 @@ def plan_max_seq_len(model_config: str, *, gpus_per_node: int, nodes: int, sp_si
     from ulysses_sp.profile import NVLINK_PROFILE, load_profile
 
     device, host = parse_bytes(gpu_memory), parse_bytes(host_memory)
+    if device is None:
+        raise click.UsageError("--gpu-memory needs a size (80GB, 80GiB)")
     try:
         world = World(gpus_per_node, nodes, sp_size)
         eng = Engine(engine, offload_optimizer and engine not in ("none", "zero0", "fsdp2"))
@@ -101,7 +103,7 @@ def plan_max_seq_len(model_config: str, *, gpus_per_node: int, nodes: int, sp_si
 
     def search(sw):
         try:
-            return max_seq_len(model_config, device, host, world, eng, sw, torch_dtype, progress=progress)
+            return max_seq_len(model_config, device, host, world, eng, sw, torch_dtype, progress=progress, states=states)
         except ValueError as e:
             raise click.UsageError(str(e)) from None
 

@@ -90,6 +90,8 @@ def test_sizes_and_bad_options():
         parse_bytes("80 gigs")
     result = CliRunner().invoke(main, ["plan", "--max-seq-len"])
     assert result.exit_code == 2 and "--max-seq-len needs --model-config" in result.output
+    result = CliRunner().invoke(main, ["plan", "--max-seq-len", "--model-config", __file__, "--gpu-memory", "none"])
+    assert result.exit_code == 2 and "--gpu-memory needs a size" in result.output
     result = CliRunner().invoke(main, ["plan", "--heads", "8"])
     assert result.exit_code == 2 and "give --sp-size" in result.output
 

@@ -412,10 +412,10 @@ def estimate(config, seq_len: int, world: World = World(), engine: Engine = Engi
 
 def max_seq_len(config, device_bytes: int, host_bytes: int | None = None, world: World = World(), engine: Engine = Engine(),
                 switches: Switches = Switches(), dtype=torch.bfloat16, resolution: int = 0, limit: int = 1 << 28,
-                progress=None) -> tuple[int, Breakdown | None]:
+                progress=None, states: dict | None = None) -> tuple[int, Breakdown | None]:
     """The longest sequence whose step fits ``device_bytes`` per rank (and ``host_bytes`` per node,
     when given), within ``resolution`` tokens (default: 1/128 of the answer), with its breakdown
-    (0 and None when not even ``2 x sp`` tokens fit); ``progress(seq, breakdown)`` after each try.
+    (0 and None when not even ``2 x sp`` tokens fit); ``progress(seq, breakdown)`` after each try; ``states``: :func:`model_states`, when known.
 
     Memory grows with the length as a convex, piecewise linear function (the largest of the
     step's moments, each linear in the tokens): the search tries 64k and 128k tokens per rank,
@@ -423,7 +423,7 @@ def max_seq_len(config, device_bytes: int, host_bytes: int | None = None, world:
     fit and not to fit; it stops when those are ``resolution`` apart, or when the line predicted the
     last try exactly and puts the limit less than ``resolution`` beyond it."""
     config = _load_config(config)
-    states = model_states(config, world, engine, dtype)
+    states = states or model_states(config, world, engine, dtype)
     unit = 2 * world.sp
 
     def excess(seq: int) -> tuple[float, Breakdown]:
