@@ -2,6 +2,7 @@ from pathlib import Path
 
 from setuptools import setup
 
+DOCS = ["mkdocs>=1.6", "mkdocs-material>=9.5", "mkdocstrings[python]>=0.26", "mkdocs-click>=0.8"]
 EXTRAS = {
     "deepspeed": ["deepspeed>=0.14"],
     # transformers; datasets reads the job's JSON-lines, Parquet and text files; accelerate is what transformers.Trainer needs
@@ -17,11 +18,13 @@ EXTRAS = {
     # as sp-bench peers on the CPU fake of flash-attn
     "dev": ["pytest>=7", "pytest-timeout>=2", "hypothesis>=6", "transformers>=4.56", "datasets>=2.14", "accelerate>=1.0", "peft>=0.10",
             "deepspeed>=0.17", "rich>=13", "tqdm>=4.60",
-            "matplotlib>=3.7", "ring-flash-attn>=0.1.8", "yunchang>=0.6.4", "trl>=1.16"],
+            "matplotlib>=3.7", "ring-flash-attn>=0.1.8", "yunchang>=0.6.4", "trl>=1.16", *DOCS],
+    # the docs site (mkdocs.yml): `mkdocs serve`; the tests build it with --strict
+    "docs": DOCS,
     # flash-attn builds only against CUDA; kept apart from `all`.
     "cuda": ["flash-attn>=2.5", "ring-flash-attn>=0.1"],
 }
-EXTRAS["all"] = sorted({req for name in ("deepspeed", "hf", "peft", "trl", "bench", "dev") for req in EXTRAS[name]})
+EXTRAS["all"] = sorted({req for name in ("deepspeed", "hf", "peft", "trl", "bench", "docs", "dev") for req in EXTRAS[name]})
 
 setup(
     name="ulysses-sp",

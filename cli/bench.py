@@ -18,7 +18,7 @@ call; on CPU the process's peak resident set (``VmHWM``, reset through
 ``/proc/self/clear_refs``) above its resident set before the call. For that the
 ranks need glibc's mmap threshold at 128 KiB, so that a freed tensor leaves the
 resident set; every large tensor is then fresh pages, whose faults slowed the calls
-by up to 41% at 4k (benchmarks/README.md). So ``sp-bench run`` times its spawned CPU ranks
+by up to 41% at 4k (benchmarks/results/efficiency-probe-P2-*.json against efficiency-P2-*.json). So ``sp-bench run`` times its spawned CPU ranks
 with ``memory=False`` and measures memory in a second group of ranks started with
 that setting, one call per entry and cell (after one warmup). ``summarise`` takes a
 rank's ``"peak"`` where such a pass left one, else the peaks of its runs.

@@ -47,7 +47,7 @@ def test_the_ring_and_all_gather_shares_reproduce_ring_flash_attn():
 
 def test_the_cpu_profiles_have_no_efficiency_terms():
     """Their estimates are those they were calibrated with (the regret grids rescored with this
-    code pick the same backends in every cell: benchmarks/README.md)."""
+    code pick the same backends in every cell: docs/benchmarks.md)."""
     topo = Topology.for_planning(4)
     for profile in (CPU_GLOO_PROFILE, CPU_GLOO_PROFILE_P4):
         assert not profile.kernel_efficiency and not profile.kernel_half_rate_tokens and not profile.comm_exposed
@@ -64,7 +64,7 @@ def test_an_exposed_share_adds_that_part_of_an_overlapped_transfer():
 
 
 K = 1024
-# Justifications (benchmarks/README.md, "auto on GPUs", has the table with margins):
+# Justifications (docs/benchmarks.md, "auto's picks on GPUs", has the table):
 # [node] Inside one NVLink node Ulysses wherever the heads split: Ulysses ~15% faster than ring on
 #   8xA100 (EasyContext issue 37); ring 29-32% below no context parallelism, Ulysses within 8%
 #   (prime-rl PR 2418, 8xH200, 64k); the zigzag ring at 90.2% of the local kernel (ring-flash-attn).

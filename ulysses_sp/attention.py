@@ -189,16 +189,25 @@ def _same_head_dim(q, k, v, softmax_scale):
 
 
 class SequenceParallelAttention(nn.Module):
-    """Attention over a sequence split across the SP group of ``topo``.
+    """Attention over a sequence split across the SP group of ``topo``, for one layer.
 
-    ``forward(q, k, v)`` takes this rank's shards ``[B, S/P, H, D]`` in
-    ``topo.layout`` (as cut by ``shard_sequence``) and returns this rank's
-    output shard, the shape of ``q``. ``backend`` is a registered name or
-    ``"auto"``; with ``auto`` the choice is made once per call shape and cached.
-    ``kernel`` is the local attention kernel (``ulysses_sp.kernels``): ``auto``,
-    ``flash_attn``, ``torch`` or ``math``. ``forward(..., window=W)`` is a causal sliding
-    window in Hugging Face's convention (query i sees keys i - W < j <= i) and
-    ``softcap=c`` caps the scaled scores at ``c * tanh(s / c)`` (Gemma 2).
+    Each call takes this rank's shards ``[B, S/P, H, D]`` of q, k and v in ``topo.layout`` (as cut
+    by `shard_sequence`) and returns this rank's output shard. Every input mistake raises
+    ``ValueError`` on every rank of the group before any collective that could hang. With
+    ``backend="auto"`` the cheapest feasible backend is chosen once per call shape and cached in
+    the layer.
+
+    Args:
+        topo: The topology from `init_sequence_parallel`.
+        backend: ``auto``, or a registered backend name (`list_backends`: ``ulysses``,
+            ``allgather``, ``ring``, ``hybrid``, ``halo``, ``hybrid-u{U}``, ``ulysses-g{G}``...).
+        layer_idx: The layer's index, for logs only.
+        profile: What ``auto`` estimates with (default: the topology's, else the built-in one).
+        kernel: The local attention kernel (`ulysses_sp.kernels`): ``auto``, ``flash_attn``,
+            ``torch`` or ``math``.
+
+    Raises:
+        ValueError: An unknown backend or kernel name.
     """
 
     def __init__(self, topo: Topology, backend: str = "auto", layer_idx: int | None = None, profile: Profile | None = None, kernel: str = "auto"):
@@ -211,8 +220,33 @@ class SequenceParallelAttention(nn.Module):
         self._chosen: dict[AttnSpec, object] = {}
         self._eager = EagerCall(self._forward)  # what a compiled graph calls (ulysses_sp.eager_ops)
 
-    def forward(self, q, k, v, *, causal: bool = True, softmax_scale: float | None = None, cu_seqlens=None, window: int | None = None,
-                softcap: float | None = None) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, softmax_scale: float | None = None,
+                cu_seqlens: torch.Tensor | list[int] | None = None, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+        """Attention of this rank's query shard over the whole sequence's keys and values.
+
+        Args:
+            q: This rank's queries, ``[B, S/P, Hq, D]``.
+            k: This rank's keys, ``[B, S/P, Hkv, D]``; ``Hq`` must be a multiple of ``Hkv`` (MHA,
+                GQA or MQA).
+            v: This rank's values, ``[B, S/P, Hkv, Dv]``; a ``Dv`` other than ``D`` (multi-head
+                latent attention) is zero-padded and cut back.
+            causal: Causal mask (query i sees keys j <= i, in global positions).
+            softmax_scale: Scale of the scores (default: ``1 / sqrt(D)``).
+            cu_seqlens: Global document boundaries ``[0, ..., S]`` of a packed sequence (a tensor
+                or a list; `shard_batch` returns them): no token attends across documents.
+            window: Causal sliding window, Hugging Face's convention: query i sees keys
+                ``i - window < j <= i``.
+            softcap: Caps the scaled scores at ``softcap * tanh(s / softcap)`` (Gemma 2).
+
+        Returns:
+            This rank's output shard, ``[B, S/P, Hq, Dv]``.
+
+        Raises:
+            TypeError: Inputs that are not floating-point tensors of one dtype.
+            ValueError: Shards of the wrong shape, device or length for the layout, ranks of
+                the group that disagree on shapes or options, a backend that cannot run the
+                call, or invalid ``cu_seqlens``, ``softmax_scale``, ``window`` or ``softcap``.
+        """
         options = dict(causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, softcap=softcap)
         if torch.compiler.is_compiling():
             return compiled_attention(self._eager, q, k, v, **options)
@@ -237,10 +271,36 @@ class SequenceParallelAttention(nn.Module):
 
 
 def sp_attention(
-    q, k, v, topo: Topology, *, backend: str = "auto", causal: bool = True, softmax_scale=None, cu_seqlens=None, profile: Profile | None = None,
-    kernel: str = "auto", window: int | None = None, softcap: float | None = None,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: Topology, *, backend: str = "auto", causal: bool = True,
+    softmax_scale: float | None = None, cu_seqlens: torch.Tensor | list[int] | None = None, profile: Profile | None = None,
+    kernel: str = "auto", window: int | None = None,
+    softcap: float | None = None,
 ) -> torch.Tensor:
-    """Functional form of :class:`SequenceParallelAttention` (no per-layer cache)."""
+    """Functional form of `SequenceParallelAttention`, without its per-layer cache of ``auto``'s choice.
+
+    Args:
+        q: This rank's queries, ``[B, S/P, Hq, D]``, in ``topo.layout``.
+        k: This rank's keys, ``[B, S/P, Hkv, D]``; ``Hq`` must be a multiple of ``Hkv``.
+        v: This rank's values, ``[B, S/P, Hkv, Dv]``.
+        topo: The topology from `init_sequence_parallel`.
+        backend: ``auto`` or a registered backend name.
+        causal: Causal mask, in global positions.
+        softmax_scale: Scale of the scores (default: ``1 / sqrt(D)``).
+        cu_seqlens: Global document boundaries ``[0, ..., S]`` of a packed sequence.
+        profile: What ``auto`` estimates with (default: the topology's, else the built-in one);
+            not under torch.compile.
+        kernel: The local attention kernel: ``auto``, ``flash_attn``, ``torch`` or ``math``.
+        window: Causal sliding window: query i sees keys ``i - window < j <= i``.
+        softcap: Caps the scaled scores at ``softcap * tanh(s / softcap)``.
+
+    Returns:
+        This rank's output shard, ``[B, S/P, Hq, Dv]``.
+
+    Raises:
+        TypeError: Inputs that are not floating-point tensors of one dtype.
+        ValueError: As `SequenceParallelAttention.forward`, an unknown backend or kernel, or
+            ``profile`` given under torch.compile.
+    """
     if torch.compiler.is_compiling():  # one op of the graph, which calls this again outside it
         if profile is not None:
             raise ValueError("sp_attention(profile=...) cannot be compiled: give the profile to init_sequence_parallel, "

@@ -15,7 +15,7 @@ queries or no keys), pairs that see nothing are skipped, and no mask tensor is b
 Unmasked calls that together cover a larger rectangle of *local* rows are then merged
 (:func:`_coalesce`): a rank's two zigzag chunks are not adjacent globally but are locally,
 so every zigzag ring step after the first is one kernel call, not two, as in torch's
-head-tail ring (``benchmarks/block_calls.py`` times both plans); and the first, a rank's
+head-tail ring (both plans timed: ``benchmarks/results/block-calls-P4-bf16.json``); and the first, a rank's
 own block (two diagonals and the block between them), is one causal call
 (:func:`_merge_diagonals`).
 Plans are pure functions of the layout, the window and the packing, computed once per call

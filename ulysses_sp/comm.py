@@ -60,14 +60,23 @@ class OpBytes:
 
 
 class CommCounter:
-    """Counts this rank's communication while open::
+    """Counts the bytes this rank sends and receives through ulysses-sp's collectives while open.
 
+    Counts are logical payload bytes: what leaves this rank for another rank, whatever algorithm
+    the process-group backend uses underneath. Counters nest; each open one sees every call. A
+    backward pass is counted by the counters open while ``backward()`` runs.
+
+    Example:
+        ```python
         with CommCounter() as c:
             out = attn(q, k, v)
         c.bytes_sent, c.bytes_recv, c.by_op["all_to_all"].sent
+        ```
 
-    Counters nest; each open one sees every call. Backward passes are counted
-    by the counter open while ``backward()`` runs.
+    Attributes:
+        by_op: Per kind of collective (``all_to_all``, ``all_gather``, ``reduce_scatter``,
+            ``all_reduce``, ``send_recv``, ``all_to_all_rows``): bytes ``sent``, ``recv`` and
+            ``calls``.
     """
 
     def __init__(self) -> None:
@@ -75,13 +84,22 @@ class CommCounter:
 
     @property
     def bytes_sent(self) -> int:
+        """Bytes sent, all collectives together."""
         return sum(o.sent for o in self.by_op.values())
 
     @property
     def bytes_recv(self) -> int:
+        """Bytes received, all collectives together."""
         return sum(o.recv for o in self.by_op.values())
 
     def record(self, op: str, sent: int, recv: int) -> None:
+        """Add one call of collective ``op`` (what `ulysses_sp.comm` does for every open counter).
+
+        Args:
+            op: The kind of collective.
+            sent: Bytes this rank sent.
+            recv: Bytes this rank received.
+        """
         entry = self.by_op.setdefault(op, OpBytes())
         entry.sent += sent
         entry.recv += recv

@@ -38,24 +38,47 @@ _OTHER_INPUTS = re.compile(r"^pixel_|^image_|^video_")
 """Batch keys of images and videos: ``pixel_values``, ``pixel_attention_mask``, ``image_grid_thw``, ``pixel_values_videos``, ..."""
 
 
-def shard_sequence(x: torch.Tensor, topo: Topology, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, topo: Topology, dim: int = 1, cu_seqlens: torch.Tensor | list[int] | None = None) -> torch.Tensor:
     """This rank's shard of the full tensor ``x`` along ``dim``, in ``topo.layout``.
 
-    Local slicing, no communication; differentiable. The length along ``dim``
-    must divide by ``sp_size`` (``2 * sp_size`` for zigzag and balanced): pad with
-    ``pad_to_multiple`` first. The ``balanced`` layout places tokens by document:
-    pass the global ``cu_seqlens`` (``shard_batch`` returns them).
+    Local slicing, no communication; differentiable.
+
+    Args:
+        x: The whole tensor, the same on every rank of the SP group.
+        topo: The topology from `init_sequence_parallel`.
+        dim: The sequence dimension.
+        cu_seqlens: Global document boundaries ``[0, ..., S]``; needed by the ``balanced``
+            layout, which places tokens by document (`shard_batch` returns them).
+
+    Returns:
+        The tokens this rank holds, ``x.shape[dim] / sp_size`` of them along ``dim``.
+
+    Raises:
+        ValueError: A length along ``dim`` that does not divide by ``sp_size`` (``2 * sp_size``
+            for ``zigzag`` and ``balanced``: pad with `pad_to_multiple` first), or ``balanced``
+            without ``cu_seqlens``.
     """
     return _layout.shard(x, topo.layout, topo.sp_size, topo.sp_rank, dim, cu_seqlens)
 
 
-def gather_sequence(x_local: torch.Tensor, topo: Topology, dim: int = 1, cu_seqlens=None) -> torch.Tensor:
-    """Inverse of :func:`shard_sequence`: the full tensor in global token order, on every rank
-    (``balanced``: pass the ``cu_seqlens`` it was sharded with).
+def gather_sequence(x_local: torch.Tensor, topo: Topology, dim: int = 1, cu_seqlens: torch.Tensor | list[int] | None = None) -> torch.Tensor:
+    """Inverse of `shard_sequence`: the full tensor in global token order, on every rank.
 
-    Differentiable; the backward sums the gradients of every rank's use of the
-    result and returns this rank's shard of the sum (a reduce-scatter), i.e. the
-    gradient of the sum of the ranks' losses.
+    Differentiable; the backward sums the gradients of every rank's use of the result and
+    returns this rank's shard of the sum (a reduce-scatter), i.e. the gradient of the sum of the
+    ranks' losses.
+
+    Args:
+        x_local: This rank's shard.
+        topo: The topology from `init_sequence_parallel`.
+        dim: The sequence dimension.
+        cu_seqlens: The global document boundaries the tensor was sharded with (``balanced``).
+
+    Returns:
+        The whole tensor, ``sp_size`` times longer along ``dim``.
+
+    Raises:
+        ValueError: A shard length the layout cannot hold, or ``balanced`` without ``cu_seqlens``.
     """
     dim = dim % x_local.dim()
     seq_len = x_local.shape[dim] * topo.sp_size
@@ -68,11 +91,19 @@ def gather_sequence(x_local: torch.Tensor, topo: Topology, dim: int = 1, cu_seql
 
 
 def cu_seqlens_from_position_ids(position_ids: torch.Tensor) -> torch.Tensor:
-    """Document boundaries ``[0, ..., S]`` (int32) of a packed sequence whose position
-    ids restart at 0 at each document (the Hugging Face convention).
+    """Document boundaries of a packed sequence whose position ids restart at 0 at each document.
 
-    ``position_ids`` is ``[S]`` or ``[B, S]``; every row of a batch must be packed
-    the same way, since one ``cu_seqlens`` serves the whole batch.
+    The Hugging Face convention for packed rows (``DataCollatorWithFlattening``).
+
+    Args:
+        position_ids: ``[S]`` or ``[B, S]``; every row of a batch must be packed the same way,
+            since one ``cu_seqlens`` serves the whole batch.
+
+    Returns:
+        ``[0, ..., S]`` (int32): where each document starts, then the length.
+
+    Raises:
+        ValueError: Rows packed differently, or positions that do not start at 0.
     """
     pos = position_ids
     if pos.dim() == 2:
@@ -99,24 +130,31 @@ def _check_right_padding(attention_mask: torch.Tensor) -> None:
 def shard_batch(batch: dict, topo: Topology, *, pad_token_id: int = 0) -> dict:
     """This rank's part of a causal-LM batch, in ``topo.layout``.
 
-    ``batch`` holds ``input_ids`` ``[B, S]`` and optionally ``labels``,
-    ``position_ids`` (restarting at 0 at each document for packed input) and
-    ``attention_mask`` (1 for tokens, 0 for right padding). Returns the local
-    ``input_ids`` and ``position_ids`` (global positions, so rotary embeddings are
-    right on every rank), ``attention_mask`` if given, ``shift_labels`` if labels
-    are given (labels shifted by one **before** sharding, so the last token of
-    each shard keeps its target; padding, the last token and, in packed input, the
-    last token of each document get -100), and
-    ``cu_seqlens`` (global, the same on every rank) when the input is packed, and
-    always under the ``balanced`` layout, whose placement they carry (pass them to
-    :func:`gather_sequence`). A batch with images or videos (``pixel_values``,
-    ``image_grid_thw``, ...) also gets ``multimodal``: what :func:`model_inputs` hands an
-    image-text model whole (see :mod:`ulysses_sp.integrations.multimodal`).
+    Labels are shifted by one **before** sharding, so the last token of each shard keeps its
+    target; padding, the last token and, in packed input, the last token of each document get
+    -100. The sequence is padded at the end to what the layout needs (ids with
+    ``pad_token_id``, labels with -100, mask with 0; packed input gets the padding as one more
+    document). A rank may end up with padding only: `sp_cross_entropy` handles it.
 
-    The sequence is padded at the end to what the layout needs (ids with
-    ``pad_token_id``, labels with -100, mask with 0; packed input gets the
-    padding as one more document). A rank may end up with padding only: the
-    loss (:func:`sp_cross_entropy`) handles it.
+    Args:
+        batch: ``input_ids`` ``[B, S]`` and optionally ``labels``, ``position_ids`` (restarting
+            at 0 at each document for packed input) and ``attention_mask`` (1 for tokens, 0 for
+            right padding). Images and videos (``pixel_values``, ``image_grid_thw``, ...) pass
+            through whole.
+        topo: The topology from `init_sequence_parallel`.
+        pad_token_id: The id the sequence is padded with.
+
+    Returns:
+        The local ``input_ids`` and ``position_ids`` (global positions, so rotary embeddings are
+            right on every rank); ``attention_mask`` if given; ``shift_labels`` if labels are
+            given; ``cu_seqlens`` (global, the same on every rank) for packed input and always
+            under ``balanced``, whose placement they carry (pass them to `gather_sequence`); and,
+            for a batch with images or videos, ``multimodal``: what `model_inputs` hands an
+            image-text model whole (`ulysses_sp.integrations.multimodal`).
+
+    Raises:
+        ValueError: ``input_ids`` that is not 2-D, or an ``attention_mask`` with padding before
+            real tokens (pad on the right), or rows of a packed batch packed differently.
     """
     input_ids = batch["input_ids"]
     if input_ids.dim() != 2:
@@ -173,25 +211,34 @@ def _multimodal_inputs(batch: dict, input_ids: torch.Tensor, pad) -> dict:
 
 
 def sp_cross_entropy(
-    logits_local: torch.Tensor, shift_labels_local: torch.Tensor, topo: Topology, *, ignore_index: int = IGNORE_INDEX, count_group=None
+    logits_local: torch.Tensor, shift_labels_local: torch.Tensor, topo: Topology, *, ignore_index: int = IGNORE_INDEX,
+    count_group: torch.distributed.ProcessGroup | None = None,
 ) -> torch.Tensor:
     """Token-weighted mean cross-entropy over the whole SP group.
 
-    The value, the same on every rank of the group, is the sum of every rank's
-    token losses divided by the group's number of valid targets: exactly the
-    loss of the unsharded sequence. Its gradient reaches only this rank's
-    logits and equals the unsharded loss's gradient for them, so summing
-    parameter gradients over the SP group gives the one-process gradient. One
-    all-reduce of two numbers. A rank with no valid target (padding only)
-    contributes zero; a group with none returns 0.
+    The value, the same on every rank of the group, is the sum of every rank's token losses
+    divided by the group's number of valid targets: exactly the loss of the unsharded sequence.
+    Its gradient reaches only this rank's logits and equals the unsharded loss's gradient for
+    them, so summing parameter gradients over the SP group gives the one-process gradient. One
+    all-reduce of two numbers. A rank with no valid target contributes zero; a group with none
+    returns 0.
 
-    With data parallelism on top, averaging the SP-group sums over the DP
-    groups gives the mean of the DP groups' losses (each group weighted
-    equally, not by its token count). ``count_group`` (default: the SP group)
-    widens the normalisation: with ``torch.distributed.group.WORLD`` the value
-    is the token-weighted mean of the whole global batch and the exact
-    gradient is the plain sum over every rank (what the DeepSpeed integration
-    uses, with ``gradient_scale`` undoing the engine's averaging).
+    With data parallelism on top, averaging the SP groups' results over the DP groups gives the
+    mean of their losses (each group weighted equally, not by its token count); with
+    ``count_group=torch.distributed.group.WORLD`` the value is the token-weighted mean of the
+    whole global batch and the exact gradient is the plain sum over every rank (what the
+    DeepSpeed integration uses, with ``gradient_scale`` undoing the engine's averaging).
+
+    Args:
+        logits_local: This rank's logits, ``[..., V]``.
+        shift_labels_local: This rank's ``shift_labels`` from `shard_batch`, ``logits_local.shape[:-1]``.
+        topo: The topology from `init_sequence_parallel`.
+        ignore_index: The label of tokens without a target.
+        count_group: The group whose valid targets
+            normalise the loss (default: the SP group).
+
+    Returns:
+        The loss, a scalar in float32 (float64 for float64 logits).
     """
     acc = accumulator_dtype(logits_local.dtype)
     summed = F.cross_entropy(
@@ -211,11 +258,17 @@ def group_mean(summed: torch.Tensor, count: torch.Tensor, group, *, total_count:
 
 
 def model_inputs(local_batch: dict) -> dict:
-    """The keyword arguments of a Hugging Face model switched with ``apply_sequence_parallel``
-    for a :func:`shard_batch` result: ids, global position ids and, for packed input, the
-    document boundaries as ``cu_seq_lens_q``. For a batch with images or videos: the whole
-    token ids and the images (the model splits the sequence at its text decoder, where it
-    numbers the positions) and the boundaries."""
+    """The keyword arguments of a model switched by `apply_sequence_parallel`, for a `shard_batch` result.
+
+    Args:
+        local_batch: What `shard_batch` returned.
+
+    Returns:
+        ``input_ids`` and global ``position_ids`` and, for packed input, the document boundaries
+            as ``cu_seq_lens_q``. For a batch with images or videos: the whole token ids and the
+            images (the model splits the sequence at its text decoder, where it numbers the
+            positions) and the boundaries.
+    """
     if "multimodal" in local_batch:
         inputs = dict(local_batch["multimodal"])
     else:
@@ -225,10 +278,20 @@ def model_inputs(local_batch: dict) -> dict:
     return inputs
 
 
-def target_counts(local_batches, group, device) -> torch.Tensor:
-    """Valid targets of each :func:`shard_batch` result, summed over ``group`` (float64, one
-    all-reduce): with WORLD, each micro-batch's count over the global batch, the weights of an
-    exact token-weighted loss over accumulation steps and DP groups."""
+def target_counts(local_batches: list[dict], group: torch.distributed.ProcessGroup | None, device: torch.device | str) -> torch.Tensor:
+    """Valid targets of each `shard_batch` result, summed over ``group``, in one all-reduce.
+
+    With ``group=torch.distributed.group.WORLD``: each micro-batch's count over the global batch,
+    the weights of an exact token-weighted loss over accumulation steps and DP groups.
+
+    Args:
+        local_batches: `shard_batch` results, each with ``shift_labels``.
+        group: The ranks to sum over (None: the world).
+        device: Where the counts are reduced (the process group backend's device).
+
+    Returns:
+        One count per batch, float64, the same on every rank of ``group``.
+    """
     counts = torch.stack([(b["shift_labels"] != IGNORE_INDEX).sum() for b in local_batches]).to(device=device, dtype=torch.float64)
     return comm.all_reduce_sum(counts, group)
 
@@ -236,14 +299,18 @@ def target_counts(local_batches, group, device) -> torch.Tensor:
 class SequenceParallelSampler(DistributedSampler):
     """A ``DistributedSampler`` over data-parallel groups rather than ranks.
 
-    Every rank of one SP group gets the same indices (they share each sample's
-    sequence); different DP groups get disjoint ones. ``set_epoch``,
-    ``shuffle``, ``seed`` and ``drop_last`` behave as in ``DistributedSampler``:
-    with ``drop_last=False`` an uneven dataset is padded by repeating indices so
-    every DP group gets the same number of samples; with ``True`` the tail is
-    dropped. Needs no process group of its own: the topology says where this
-    rank stands.
+    Every rank of one SP group gets the same indices (they share each sample's sequence);
+    different DP groups get disjoint ones. ``set_epoch`` behaves as in ``DistributedSampler``.
+    Needs no process group of its own: the topology says where this rank stands.
+
+    Args:
+        dataset: A map-style dataset (with ``__len__``).
+        topo: The topology from `init_sequence_parallel`.
+        shuffle: Shuffle the indices, differently each epoch (``set_epoch``).
+        seed: The seed of the shuffle, the same on every rank.
+        drop_last: Drop the tail that does not split evenly over the DP groups; with False the
+            dataset is padded by repeating indices so every DP group gets as many samples.
     """
 
-    def __init__(self, dataset, topo: Topology, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False):
+    def __init__(self, dataset: torch.utils.data.Dataset, topo: Topology, *, shuffle: bool = True, seed: int = 0, drop_last: bool = False):
         super().__init__(dataset, num_replicas=topo.dp_size, rank=topo.dp_rank, shuffle=shuffle, seed=seed, drop_last=drop_last)

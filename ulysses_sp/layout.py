@@ -197,7 +197,18 @@ def shard(x: torch.Tensor, layout: str, sp_size: int, rank: int, dim: int = 1, c
 def pad_to_multiple(x: torch.Tensor, multiple: int, dim: int = 1, value: float = 0) -> torch.Tensor:
     """Pad ``x`` at the end of ``dim`` with ``value`` up to a multiple of ``multiple``.
 
-    For labels pass ``value=-100`` so padded positions are ignored by the loss.
+    Args:
+        x: The tensor to pad.
+        multiple: The length along ``dim`` must become a multiple of this (``sp_size``, or
+            ``2 * sp_size`` for the ``zigzag`` and ``balanced`` layouts).
+        dim: The sequence dimension.
+        value: The padding value; for labels pass -100 so the loss ignores padded positions.
+
+    Returns:
+        ``x`` itself when already a multiple, else a padded copy.
+
+    Raises:
+        ValueError: ``multiple`` is not positive.
     """
     if multiple <= 0:
         raise ValueError(f"multiple must be positive, got {multiple}")

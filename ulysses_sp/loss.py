@@ -141,23 +141,39 @@ def sp_linear_cross_entropy(
     *,
     bias: torch.Tensor | None = None,
     chunk_tokens: int | None = None,
-    count_group=None,
+    count_group: torch.distributed.ProcessGroup | None = None,
     ignore_index: int = IGNORE_INDEX,
 ) -> torch.Tensor:
-    """``sp_cross_entropy(hidden_local @ weight.T + bias, shift_labels_local, topo)`` without
-    the logits tensor: value and gradients (``hidden_local``, ``weight``, ``bias``) the same.
+    """`sp_cross_entropy` of ``hidden_local @ weight.T + bias`` without the ``[tokens, vocab]`` logits.
 
-    ``hidden_local`` ``[..., H]`` (this rank's tokens, e.g. ``[B, S_local, H]``), ``weight``
-    ``[V, H]`` (an ``nn.Linear`` LM head's, possibly tied to the input embeddings), ``bias``
-    ``[V]`` or None, ``shift_labels_local`` ``hidden_local.shape[:-1]`` (from
-    :func:`ulysses_sp.shard_batch`; ``ignore_index`` marks no target). The value, the same on
-    every rank of the group, is the group's loss sum over its number of valid targets (0 for
-    a group with none); the gradient reaches only this rank's tokens, so summing parameter
-    gradients over the group gives the one-process gradient. ``count_group`` widens the
-    normalisation as in :func:`ulysses_sp.sp_cross_entropy` (``WORLD`` for DeepSpeed).
-    ``chunk_tokens`` tokens per tile (default :func:`default_chunk_tokens`: 256 MiB of fp32
-    logits). Two all-reduces of one number each: the valid-target count before the tiles,
-    the loss sum after. Accumulates in fp32 (fp64 for fp64 inputs).
+    Value and gradients (``hidden_local``, ``weight``, ``bias``) are those of
+    ``sp_cross_entropy(hidden_local @ weight.T + bias, shift_labels_local, topo)``: the same on
+    every rank of the group, the gradient reaching only this rank's tokens. The LM head and the
+    loss run over tiles of ``chunk_tokens`` tokens, all three matmuls in the forward, so at most
+    one tile of logits exists at a time. Two all-reduces of one number each; accumulates in
+    float32 (float64 for float64 inputs).
+
+    Args:
+        hidden_local: This rank's last hidden states, ``[..., H]`` (e.g. ``[B, S/P, H]``).
+        weight: The LM head's weight, ``[V, H]``, the dtype of ``hidden_local`` (possibly tied
+            to the input embeddings).
+        shift_labels_local: This rank's ``shift_labels`` from `shard_batch`,
+            ``hidden_local.shape[:-1]``.
+        topo: The topology from `init_sequence_parallel`.
+        bias: The LM head's bias, ``[V]``, or None.
+        chunk_tokens: Tokens per tile (default: a tile of 2**26 float32 logits, 256 MiB).
+        count_group: The group whose valid targets normalise the loss (default: the SP group;
+            ``torch.distributed.group.WORLD`` for DeepSpeed, as in `sp_cross_entropy`).
+        ignore_index: The label of tokens without a target.
+
+    Returns:
+        The group's loss sum over its number of valid targets (0 for a group with none).
+
+    Raises:
+        ValueError: Shapes or dtypes that do not match (including a DeepSpeed ZeRO-3 weight
+            partitioned outside its module's forward: use `causal_lm_loss`), labels that are
+            not integer class indices or are outside ``[0, V)``, or a ``chunk_tokens`` that is
+            not a positive int.
     """
     if weight.dim() != 2:
         hint = ""
@@ -259,17 +275,33 @@ def _fsdp2_root(model) -> bool:
     return isinstance(model, FSDPModule)
 
 
-def causal_lm_loss(model, local_batch: dict, topo: Topology, *, chunk_tokens: int | None = None, count_group=None) -> torch.Tensor:
-    """The loss of a Hugging Face causal LM on this rank's ``local_batch`` (from
-    :func:`ulysses_sp.shard_batch`) without materialising its logits:
-    ``sp_cross_entropy(model(**batch).logits, shift_labels, topo)`` in value and gradients.
+def causal_lm_loss(model: torch.nn.Module, local_batch: dict, topo: Topology, *, chunk_tokens: int | None = None,
+                   count_group: torch.distributed.ProcessGroup | None = None) -> torch.Tensor:
+    """The loss of a Hugging Face causal LM on this rank's batch, without materialising its logits.
 
-    ``model`` is switched with :func:`ulysses_sp.apply_sequence_parallel`; it may be a
-    DeepSpeed engine (or another wrapper with ``.module``), whose call then runs the whole
-    forward (see the module docstring for ZeRO-3). The base model gets ``input_ids``,
-    ``position_ids`` and, for packed input, ``cu_seq_lens_q``; the head is
-    ``model.get_output_embeddings()`` (weight ``[V, H]``, optional bias). Models that
-    change their logits after the head are refused (``ValueError`` naming the setting).
+    In value and gradients ``sp_cross_entropy(model(**model_inputs(local_batch)).logits,
+    local_batch["shift_labels"], topo)``: the base model runs up to its last hidden state, then
+    `sp_linear_cross_entropy` runs as the forward of the LM head module
+    (``model.get_output_embeddings()``), so hooks on the head (DeepSpeed ZeRO-3's gather and
+    release of its weight) see it. A DeepSpeed engine, or any wrapper with ``.module``, runs the
+    whole forward through its own call; so does a model sharded with FSDP2.
+
+    Args:
+        model: A causal LM switched by `apply_sequence_parallel`, or a DeepSpeed engine (or
+            another wrapper with ``.module``) around one.
+        local_batch: This rank's batch from `shard_batch`, with ``shift_labels``.
+        topo: The topology from `init_sequence_parallel`.
+        chunk_tokens: Tokens per tile of logits (default: 256 MiB of float32 logits).
+        count_group: The group whose valid targets normalise the loss (default: the SP group).
+
+    Returns:
+        The loss, the same on every rank of the group.
+
+    Raises:
+        ValueError: A model that transforms its logits after the LM head (Gemma 2's
+            ``final_logit_softcapping``, Cohere's ``logit_scale``, ...: use `sp_cross_entropy`
+            on the logits), one without a linear output embedding or a base model, or a batch
+            without ``shift_labels``.
     """
     wrapper = None
     if not hasattr(model, "get_output_embeddings") and isinstance(getattr(model, "module", None), torch.nn.Module):

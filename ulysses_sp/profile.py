@@ -24,64 +24,87 @@ COLLECTIVES = ("all_to_all", "all_gather", "reduce_scatter", "p2p")
 
 @dataclass(frozen=True)
 class LinkCost:
+    """The cost model of one kind of transfer: a fixed latency per call plus bytes over a bandwidth.
+
+    Attributes:
+        latency: Seconds of fixed cost per call.
+        bandwidth: Bytes per second one rank sends.
+    """
+
     latency: float
-    """Seconds of fixed cost per call."""
     bandwidth: float
-    """Bytes per second one rank sends."""
 
     def seconds(self, bytes_sent: float, calls: int = 1) -> float:
+        """Seconds for ``calls`` calls that send ``bytes_sent`` bytes in all.
+
+        Args:
+            bytes_sent: Bytes this rank sends, all calls together.
+            calls: Number of calls, each paying the latency.
+
+        Returns:
+            ``calls * latency + bytes_sent / bandwidth``.
+        """
         return calls * self.latency + bytes_sent / self.bandwidth
 
 
 @dataclass(frozen=True)
 class Profile:
+    """Machine figures that ``auto`` and ``sp-bench plan`` estimate backend costs from.
+
+    Built in: `NVLINK_PROFILE`, `CPU_GLOO_PROFILE` and `CPU_GLOO_PROFILE_P4`
+    (`default_profile` picks one); ``sp-bench calibrate`` measures one for the machine and rank
+    count at hand and writes JSON that `load_profile` reads back. Pass it to
+    `init_sequence_parallel` (``profile=``) to make ``auto`` use it.
+
+    Attributes:
+        name: What the figures are of.
+        collectives: Inside a node, per collective (``all_to_all``, ``all_gather``,
+            ``reduce_scatter``, ``p2p``).
+        inter_node: Any collective whose group spans nodes.
+        attention_fwd_flops: Forward attention FLOP/s of the local kernel by dtype name
+            (``float32``, ``bfloat16``...); FLOPs counted as 4 * B * Sq * Sk * H * D, halved under
+            a causal mask.
+        attention_bwd_flops: The backward's rate against the same FLOP count (so backward
+            seconds = FLOPs / this).
+        overlap: Whether communication posted before a computation runs while it runs.
+        memory_budget_bytes: Backends whose estimated peak exceeds this are not chosen by
+            ``auto`` (None: what the CUDA device reports free; no limit on CPU).
+        backend_overhead: Per backend, seconds per byte of a rank's q and output shards that it
+            took beyond its estimate on calibration's reference shapes, less the smallest such
+            figure of any backend: what the model misses (copies, block merges, ranks waiting at
+            every ring step on oversubscribed cores). Added to the estimate, so it grows linearly
+            with the shards. 0 when absent.
+        backend_overhead_kv: The same per byte of a rank's k and v shards (calibration times an
+            MHA and an MQA shape and solves for both). None: ``backend_overhead`` counts every
+            shard byte.
+        kernel_efficiency: Per backend family (``ulysses``, ``allgather``, ``ring``, ``hybrid``,
+            ``halo``; ``hybrid-u{U}`` and ``ulysses-g{G}`` read their family's), the share of the
+            local kernel's rate its attention reaches on long blocks. 1 when absent.
+        kernel_half_rate_tokens: A kernel call over n query tokens runs at n / (n + this) of the
+            kernel's rate on long ones (small blocks leave the GPU's units idle). 0: every length
+            at the full rate.
+        comm_exposed: Per collective, the share of a transfer posted alongside computation that
+            stays exposed all the same (NCCL's kernels take SMs from the attention; gloo's
+            threads take the cores). 0 when absent.
+        ulysses_head_groups: Head groups the Ulysses backend pipelines its all-to-alls over; 1:
+            one fused all-to-all each way.
+        measured: What calibration measured (sizes, raw timings), for the record.
+    """
+
     name: str
     collectives: dict[str, LinkCost]
-    """Inside a node, per collective of ``COLLECTIVES``."""
     inter_node: LinkCost
-    """Any collective whose group spans nodes."""
     attention_fwd_flops: dict[str, float]
-    """Forward attention FLOP/s of the local kernel by dtype name (``float32``, ``bfloat16``...);
-    FLOPs counted as 4 * B * Sq * Sk * H * D, halved under a causal mask."""
     attention_bwd_flops: dict[str, float]
-    """The backward's rate against the same FLOP count (so backward seconds = FLOPs / this)."""
     overlap: bool = True
-    """Whether communication posted before a computation runs while it runs."""
     memory_budget_bytes: int | None = None
-    """Backends whose estimated peak exceeds this are not chosen by ``auto``."""
     backend_overhead: dict[str, float] = field(default_factory=dict)
-    """Per backend, seconds per byte of a rank's q and output shards that it took beyond
-    its estimate on calibration's reference shapes, less the smallest such figure of any
-    backend: what the model misses (copies, block merges, ranks waiting at every ring step
-    on oversubscribed cores). It is added to the estimate, so it grows linearly with the
-    shards, as those costs do, while the kernel's time grows with the square of the
-    sequence. 0 when absent."""
     backend_overhead_kv: dict[str, float] | None = None
-    """The same per byte of a rank's k and v shards. Calibration times an MHA and an MQA
-    shape and solves for both figures, so that costs growing with the q heads (merges of
-    the all-gather's GQA blocks) are told from those growing with K/V. None (a profile
-    measured at one shape): ``backend_overhead``'s figures count every shard byte."""
     kernel_efficiency: dict[str, float] = field(default_factory=dict)
-    """Per backend family (``ulysses``, ``allgather``, ``ring``, ``hybrid``, ``halo``; a
-    ``hybrid-u{U}`` or ``ulysses-g{G}`` reads its family's), the share of the local kernel's rate
-    its attention reaches on long blocks: what its extra kernel calls, block merges and
-    interleaved transfers cost that the link and kernel figures miss. 1 when absent."""
     kernel_half_rate_tokens: float = 0.0
-    """A kernel call over n query tokens runs at n / (n + this) of the kernel's rate on long
-    ones (small blocks leave the GPU's units idle); each backend's estimate passes the query
-    block of its calls (Ulysses: the sequence; all-gather, halo: a layout chunk; ring, hybrid:
-    a run of adjacent chunks a rank, or its Ulysses group, holds: ``AttnSpec.query_run_tokens``).
-    0: every length at the full rate."""
     comm_exposed: dict[str, float] = field(default_factory=dict)
-    """Per collective of ``COLLECTIVES``, the share of a transfer posted alongside computation
-    that stays exposed all the same (NCCL's kernels take SMs from the attention; gloo's threads
-    take the cores): with ``overlap``, such a transfer costs max(compute, hidden part) + exposed
-    part. 0 when absent."""
     ulysses_head_groups: int = 1
-    """Head groups the Ulysses backend pipelines its all-to-alls over (one group's transfer
-    in flight while another's attention computes); 1: one fused all-to-all each way."""
     measured: dict = field(default_factory=dict, compare=False)
-    """What calibration measured (sizes, raw timings), for the record."""
 
     def link(self, collective: str, spans_nodes: bool) -> LinkCost:
         return self.inter_node if spans_nodes else self.collectives[collective]
@@ -117,14 +140,32 @@ class Profile:
         return self.backend_overhead.get(backend, 0.0) * q_bytes + per_kv.get(backend, 0.0) * kv_bytes
 
     def to_json(self) -> str:
+        """The profile as JSON, what `save` writes and `load_profile` reads."""
         return json.dumps(dataclasses.asdict(self), indent=2, sort_keys=True)
 
     def save(self, path: str) -> None:
+        """Write the profile as JSON.
+
+        Args:
+            path: The file to write.
+        """
         with open(path, "w") as f:
             f.write(self.to_json() + "\n")
 
     @classmethod
     def from_dict(cls, data: dict) -> "Profile":
+        """The profile whose fields ``data`` holds (the parsed JSON of `to_json`).
+
+        Args:
+            data: Every field by name; ``collectives`` and ``inter_node`` as dicts of ``latency``
+                and ``bandwidth``.
+
+        Returns:
+            The profile.
+
+        Raises:
+            ValueError: A collective missing, or a field this version does not know.
+        """
         data = dict(data)
         data["collectives"] = {k: LinkCost(**v) for k, v in data["collectives"].items()}
         data["inter_node"] = LinkCost(**data["inter_node"])
@@ -138,7 +179,18 @@ class Profile:
 
 
 def load_profile(path: str) -> Profile:
-    """A profile written by ``sp-bench calibrate`` (or by :meth:`Profile.save`)."""
+    """Read a profile written by ``sp-bench calibrate`` (or by `Profile.save`).
+
+    Args:
+        path: The JSON file.
+
+    Returns:
+        The profile.
+
+    Raises:
+        ValueError: A profile with a collective missing or a field this version does not know
+            (measure it again with this version's ``sp-bench calibrate``).
+    """
     with open(path) as f:
         return Profile.from_dict(json.load(f))
 
@@ -159,15 +211,16 @@ CPU_GLOO_PROFILE = Profile(
     backend_overhead_kv={"ulysses": 0.07e-9, "allgather": 0.0, "ring": 1.55e-9},
     ulysses_head_groups=1,
 )
-"""gloo on one CPU machine, one thread per rank: per figure, the median of four runs of ``sp-bench
-calibrate --nproc 2`` (three at repeat 9, one at 5) on the 2-core development machine
-(benchmarks/results/cpu-gloo-profile-P2-gqa*.json), rounded; float64 and float16 rates are
-guesses. The overheads were fitted at H8/KV8 and H16/KV1: the all-gather's falls on q bytes
-(merging 16 q heads' blocks on one KV head), so auto no longer takes it for the cheapest
-at one KV head. No hybrid runs on 2 or 3 ranks, so none is measured. Head groups: three runs
-picked 2 (1-14% faster than 1), one picked 1 (5%), and the paired benchmark saw no consistent
-direction, so pipelining stays off here (it holds more memory in the backward;
-docs/architecture.md)."""
+"""Built-in profile of gloo on one CPU machine, 2 ranks of one thread each.
+
+Each figure is the median of four runs of ``sp-bench calibrate --nproc 2`` on a 2-core machine
+(``benchmarks/results/cpu-gloo-profile-P2-gqa*.json``), rounded; the float64 and float16 rates
+are guesses. The overheads were fitted at 8/8 and 16/1 query/KV heads: the all-gather's falls on
+the query bytes (it merges 16 query heads' blocks on one KV head), so ``auto`` does not take it
+for the cheapest at one KV head. No hybrid runs on 2 or 3 ranks, so none is measured. Head
+groups stay at 1: the runs and a paired benchmark showed no consistent gain from pipelining,
+which holds more memory in the backward.
+"""
 
 CPU_GLOO_PROFILE_P4 = Profile(
     name="cpu-gloo 4 ranks (built in)",
@@ -185,14 +238,15 @@ CPU_GLOO_PROFILE_P4 = Profile(
     backend_overhead_kv={"ulysses": 0.0, "allgather": 2.2e-9, "ring": 9.44e-9, "hybrid-u2": 7.61e-9},
     ulysses_head_groups=1,
 )
-"""gloo on one CPU machine, 4 ranks of one thread on 2 cores: per figure, the median of four
-runs of ``sp-bench calibrate --nproc 4 --repeat 9`` (benchmarks/results/cpu-gloo-profile-P4-gqa*.json),
-rounded; float64 and float16 rates are the 2-rank guesses scaled like float32. Every rank
-computes at about half the 2-rank rate, and the ring's overhead per shard byte is 3-6x the
-2-rank figure (it merges P - 1 blocks a pass, and a rank waits at every step for one that is
-not running). Head groups: these four runs had 4 groups 3-7% faster than 1, four later ones
-1-11% slower (benchmarks/results/cpu-gloo-profile-P4-paired-run*.json); pipelining stays off,
-as on 2 ranks (docs/architecture.md)."""
+"""Built-in profile of gloo on one CPU machine, 4 ranks of one thread on 2 cores.
+
+Each figure is the median of four runs of ``sp-bench calibrate --nproc 4 --repeat 9``
+(``benchmarks/results/cpu-gloo-profile-P4-gqa*.json``), rounded; the float64 and float16 rates
+are the 2-rank guesses scaled like float32. Every rank computes at about half the 2-rank rate,
+and the ring's overhead per shard byte is 3-6x the 2-rank figure (it merges P - 1 blocks a pass,
+and a rank waits at every step for one that is not running). Head groups stay at 1: paired runs
+(``benchmarks/results/cpu-gloo-profile-P4-paired-run*.json``) went either way.
+"""
 
 NVLINK_PROFILE = Profile(
     name="nvlink-gpu (built in)",
@@ -204,47 +258,45 @@ NVLINK_PROFILE = Profile(
     kernel_half_rate_tokens=530.0,
     kernel_efficiency={"ulysses": 1.0, "ring": 0.957, "hybrid": 0.957, "allgather": 0.733},
 )
-"""H100/H200 with NVLink inside a node and 400 Gb/s InfiniBand across nodes. Links: NVLink 4
-carries 900 GB/s per GPU both ways together (NVIDIA's H100 and H200 datasheets), of which
-NCCL's collectives reach a bus bandwidth of about 350 GB/s in nccl-tests on 8-GPU nodes;
-NDR InfiniBand is 400 Gb/s = 50 GB/s per GPU on the wire, about 45 GB/s achieved. Kernel
-rates are flash-attn 2's published H100 figures, rounded down. None of it was measured by
-this project (no GPU yet): ``sp-bench calibrate`` on the machine replaces it. No memory
-budget: ``auto`` takes what the device reports free.
+"""Built-in profile of H100/H200 GPUs: NVLink inside a node, 400 Gb/s InfiniBand across nodes.
 
-Efficiency terms (``tests/test_gpu_profile.py`` checks the model reproduces each source):
+Taken from published figures, not measured by this project: ``sp-bench calibrate`` on the
+machine replaces it. No memory budget: ``auto`` takes what the device reports free.
 
-- ``kernel_half_rate_tokens`` 530: the least-squares fit of n / (n + n0) to flash-attn 2's
-  H100 SXM5 forward+backward rates, causal, head dim 128: 163, 221, 265, 294, 308, 328
-  TFLOP/s at 512 to 16k tokens (flash-attention repository, assets/flash2_h100_fwd_bwd_benchmark.png;
-  within 1% RMS; the A100 curve fits 480).
-- ``ring`` 0.957: ring-flash-attn's README, 8xH800, batch API, forward+backward, Llama-3-8B
-  heads (32/8 x 128), 8k tokens per GPU: the zigzag ring reaches 90.2% of eight local 8k
-  flash-attn calls (17.4 against 154.7 / 8 iterations/s). The share is what gives 90.2% at
-  those shapes, its calls running 4k-token chunks against the reference's 8k.
-- ``allgather`` 0.733: the same README's varlen table (8xH800, forward+backward): the
-  Llama 3 all-gather reaches 58.1% where the zigzag ring reaches 75.9%, on the same
-  documents; the all-gather's share is the ring's times 58.1 / 75.9.
-- ``hybrid`` 0.957: its ring part is the ring's code; the Ulysses part runs no extra kernel.
-- ``ulysses`` 1.0: one call of the local kernel over the whole sequence; its all-to-alls
-  are counted by the links, exposed.
-- No share for ``halo`` (no published figure), nor ``comm_exposed`` (no published figure
-  isolates it; ``sp-bench calibrate`` measures it).
+- Links: NVLink 4 carries 900 GB/s per GPU both ways together (NVIDIA's H100 and H200
+  datasheets), of which NCCL's collectives reach a bus bandwidth of about 350 GB/s in nccl-tests
+  on 8-GPU nodes; NDR InfiniBand is 50 GB/s per GPU on the wire, about 45 GB/s achieved.
+- Kernel rates: flash-attn 2's published H100 figures, rounded down.
+- ``kernel_half_rate_tokens`` 530: the least-squares fit of n / (n + n0) to flash-attn 2's H100
+  SXM5 forward+backward rates, causal, head dim 128, at 512 to 16k tokens (163 to 328 TFLOP/s;
+  within 1% RMS).
+- ``kernel_efficiency``: ``ring`` 0.957 from ring-flash-attn's README (8xH800, Llama-3-8B heads,
+  8k tokens per GPU: the zigzag ring reaches 90.2% of eight local flash-attn calls); ``allgather``
+  0.733 (the same README's varlen table: 58.1% where the ring reaches 75.9%); ``hybrid`` 0.957
+  (its ring part is the ring's code); ``ulysses`` 1.0 (one local kernel call over the whole
+  sequence). No figure for ``halo`` or ``comm_exposed`` (none published).
 
-The direction these give (Ulysses ahead of the ring inside a node by 5-10%, the all-gather
-behind both, the hybrid with Ulysses inside a node ahead across nodes) is the one the
-end-to-end comparisons report: Ulysses about 15% faster than ring on 8xA100 (EasyContext
-issue 37); ring 29-32% below no context parallelism, Ulysses within 8%, on 8xH200 at 64k
-(prime-rl PR 2418); Ulysses 52.2%, all-gather 52.9%, ring 28.5% MFU on TPU v5p (maxtext PR
-4687); on 2 nodes of 8xA800 at 64k, pure ring 196.9 TFLOP/s per GPU, Ulysses 8 x ring 2
-220.3, Ulysses 4 x ring 4 222.2 (USP, arXiv 2405.07719, table 6 of the May 2024 report)."""
+``tests/test_gpu_profile.py`` checks that the model reproduces each source. The direction these
+give (Ulysses ahead of the ring inside a node by 5-10%, the all-gather behind both, the hybrid
+with Ulysses inside a node ahead across nodes) is the one published end-to-end comparisons
+report (EasyContext issue 37, prime-rl PR 2418, maxtext PR 4687, USP arXiv 2405.07719).
+"""
 
 
 def default_profile(device_type: str, sp_size: int = 2) -> Profile:
-    """The built-in profile for ``device_type``; on CPU the one measured at the largest rank
-    count up to ``sp_size`` (2 below 2): a backend's overhead per shard byte changes with the
-    rank count (the ring merges P - 1 blocks, 4 ranks share 2 cores), so a profile serves
-    best at the count it was measured at."""
+    """The built-in profile for a device type and SP size.
+
+    A backend's overhead per shard byte changes with the rank count (the ring merges P - 1
+    blocks; 4 ranks share 2 cores), so on CPU the profile measured at the largest rank count up
+    to ``sp_size`` serves best.
+
+    Args:
+        device_type: ``cuda`` or ``cpu``.
+        sp_size: Ranks per SP group.
+
+    Returns:
+        `NVLINK_PROFILE` on CUDA; on CPU `CPU_GLOO_PROFILE_P4` from 4 ranks, else `CPU_GLOO_PROFILE`.
+    """
     if device_type == "cuda":
         return NVLINK_PROFILE
     return CPU_GLOO_PROFILE_P4 if sp_size >= 4 else CPU_GLOO_PROFILE

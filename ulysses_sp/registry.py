@@ -64,7 +64,24 @@ def _hybrid(ulysses_degree: int) -> HybridBackend:
 
 
 def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
-    """Make ``backend`` selectable by its ``name`` (and by ``auto``)."""
+    """Make ``backend`` selectable by its ``name``, and a candidate of ``auto``.
+
+    A backend is any object with a ``name`` and the methods of the ``Backend`` protocol
+    (`ulysses_sp.registry.Backend`): ``check(spec, topo)`` (None, or why it cannot run),
+    ``estimate(spec, topo, profile)`` (an `Estimate`) and ``forward(q, k, v, spec, topo)``.
+
+    Args:
+        backend: The backend to register.
+        replace: Replace a backend registered under the same name.
+
+    Returns:
+        ``backend`` itself.
+
+    Raises:
+        TypeError: ``backend`` lacks ``name``, ``check``, ``estimate`` or ``forward``.
+        ValueError: The name ``auto``, a name reserved for a built-in family (``hybrid-u{U}``,
+            ``ulysses-g{G}``), or one already registered without ``replace=True``.
+    """
     if not isinstance(backend, Backend):
         raise TypeError(f"a backend needs name, check, estimate and forward; got {backend!r}")
     if backend.name == "auto":
@@ -78,12 +95,27 @@ def register_backend(backend: Backend, *, replace: bool = False) -> Backend:
 
 
 def list_backends() -> list[str]:
+    """The names of the registered backends, the built-in ones first, in registration order.
+
+    Returns:
+        The names (without ``auto`` and the parametrised ``hybrid-u{U}`` and ``ulysses-g{G}``).
+    """
     return list(_BACKENDS)
 
 
 def get_backend(name: str) -> Backend:
-    """The registered backend ``name``, the hybrid at Ulysses degree U for ``hybrid-u{U}``, or
-    Ulysses over G head groups for ``ulysses-g{G}``."""
+    """The backend registered as ``name``, or a member of a built-in family.
+
+    Args:
+        name: A registered name, ``hybrid-u{U}`` (the hybrid at Ulysses degree U) or
+            ``ulysses-g{G}`` (Ulysses pipelined over G head groups).
+
+    Returns:
+        The backend.
+
+    Raises:
+        ValueError: An unknown name (the message lists the known ones).
+    """
     if name in _BACKENDS:
         return _BACKENDS[name]
     member = _family_member(name) if isinstance(name, str) else None

@@ -18,13 +18,30 @@ __all__ = ["AttnSpec", "Estimate", "MixerEstimate"]
 
 @dataclass(frozen=True)
 class AttnSpec:
-    """One attention call, identical on every rank of the SP group."""
+    """One attention call, identical on every rank of the SP group: what a backend is asked to run.
+
+    Attributes:
+        batch: Sequences in the batch.
+        seq_len: Global sequence length (all ranks together).
+        local_seq_len: Tokens this rank holds: ``seq_len / sp_size``.
+        q_heads: Query heads.
+        kv_heads: Key and value heads (a divisor of ``q_heads``).
+        head_dim: Dimension of a head.
+        dtype: The inputs' dtype.
+        causal: Whether the mask is causal.
+        softmax_scale: Scale of the scores.
+        layout: The token layout of the shards (``contiguous``, ``zigzag``, ``balanced``).
+        cu_seqlens: Global document boundaries of a packed sequence ``(0, ..., seq_len)``, or None.
+        kernel: The local attention kernel that computes it (never ``auto``: resolved already).
+        window: Sliding window, Hugging Face's convention: query i sees key j iff
+            ``i - window < j <= i`` (causal only); None: every earlier key.
+        softcap: Logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``;
+            0: none.
+    """
 
     batch: int
     seq_len: int
-    """Global sequence length (all ranks together)."""
     local_seq_len: int
-    """Tokens this rank holds: ``seq_len / sp_size``."""
     q_heads: int
     kv_heads: int
     head_dim: int
@@ -33,14 +50,9 @@ class AttnSpec:
     softmax_scale: float
     layout: str
     cu_seqlens: tuple[int, ...] | None = None
-    """Global document boundaries of a packed sequence (0, ..., seq_len), or None."""
     kernel: str = "torch"
-    """The local attention kernel that computes it (``kernels.resolve_kernel``: never ``auto``)."""
     window: int | None = None
-    """Sliding window, Hugging Face's convention: query i sees key j iff i - window < j <= i
-    (causal only); None: every earlier key."""
     softcap: float = 0.0
-    """Logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``; 0: none."""
 
     def chunk_table(self, sp_size: int) -> list[list[int]]:
         """The layout's chunk table for this call (``balanced`` reads the documents)."""
@@ -120,20 +132,24 @@ class MixerEstimate:
 
 @dataclass(frozen=True)
 class Estimate:
-    """A backend's predicted cost for one layer's attention, per rank."""
+    """A backend's predicted cost for one layer's attention, per rank.
+
+    Attributes:
+        seconds: Forward plus backward, on this rank.
+        peak_bytes: Activation memory the backend holds at its peak (inputs and output included).
+        comm_bytes: Bytes this rank sends in the forward (what `CommCounter.bytes_sent` reports).
+        bwd_comm_bytes: Bytes this rank sends in the backward when q, k and v all need a gradient.
+        work_imbalance: The slowest rank's attention work over the mean
+            (`AttnSpec.work_imbalance`), by which ``seconds`` scaled the compute: above 1 where
+            the layout splits packed rows unevenly.
+        kernel_efficiency: The share of the local kernel's rate the estimate ran its attention at
+            (`Profile.efficiency`): below 1 where the profile knows the backend's calls fall
+            short of it (the built-in GPU profile).
+    """
 
     seconds: float
-    """Forward plus backward, on this rank."""
     peak_bytes: int
-    """Activation memory the backend holds at its peak (inputs and output included)."""
     comm_bytes: int
-    """Bytes this rank sends in the forward (what ``CommCounter.bytes_sent`` reports)."""
     bwd_comm_bytes: int = 0
-    """Bytes this rank sends in the backward when q, k and v all need a gradient."""
     work_imbalance: float = 1.0
-    """The slowest rank's attention work over the mean (:meth:`AttnSpec.work_imbalance`), by which
-    ``seconds`` scaled the compute: above 1 on packed rows the layout splits unevenly."""
     kernel_efficiency: float = 1.0
-    """The share of the local kernel's rate the estimate ran its attention at
-    (:meth:`Profile.efficiency`): below 1 where the profile knows the backend's calls fall
-    short of it (the built-in GPU profile)."""

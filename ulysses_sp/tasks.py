@@ -7,7 +7,7 @@ and the key again. Symbol k of the key is one of ten bytes of its own (``0x80 + 
 bytes the ASCII filler never holds: the answer's k-th symbol is found by what it is (the one
 class-k byte before it), not by where it is, which one attention head can learn. Only the
 answer's symbols are targets: the filler, trained on too, outweighs them in the gradient and
-delays retrieval past the default run (measured: ``benchmarks/README.md``).
+delays retrieval past the default run (measured: docs/benchmarks.md).
 
 Training rows pack documents (position ids restart at each), their lengths drawn log-uniformly
 between :data:`MIN_DOC` tokens and a cap that stays at :data:`MIN_DOC` for the first 20% of the

@@ -22,7 +22,7 @@ from . import comm
 from .eager_ops import EagerCall
 from .devices import local_world_size
 from . import layout as _layout
-from .profile import load_profile
+from .profile import Profile, load_profile
 
 __all__ = ["Topology", "HybridGroups", "init_sequence_parallel", "DEFAULT_TIMEOUT"]
 
@@ -46,64 +46,78 @@ class HybridGroups:
 
 @dataclass
 class Topology:
-    """Who talks to whom. Built by :func:`init_sequence_parallel`.
+    """Who talks to whom: this rank's place in the DP x SP grid and the process groups of each role.
 
-    Groups created per DP x SP topology, each with a ``new_group`` call on every rank of
-    the world (in the same order everywhere): ``dp_size`` SP groups, ``sp_size`` DP groups,
-    and, for ``ulysses_degree`` and every other divisor 1 < U < P of P = ``sp_size``,
-    ``dp_size x (P/U + U)`` Ulysses and ring sub-groups. A rank belongs to one Ulysses and one ring
-    group per degree: gloo connects each group's members eagerly (U - 1 + P/U - 1 peers per
-    rank and degree), NCCL creates a group's communicator at its first collective, so an
-    unused degree costs a Python object and no connections. With the default
-    ``ulysses_degree = P``, P = 8 adds 12 groups per SP group and 8 gloo peers per rank,
-    P = 64 adds 124 groups and 114 peers. On gloo, roles with the same ranks share one group
-    (at the default degree the Ulysses group is the SP group; one-rank groups are one).
+    Built by `init_sequence_parallel` (or, without process groups, by `Topology.for_planning`).
+    Every ``new_group`` call is made on every rank of the
+    world in the same order: ``dp_size`` SP groups, ``sp_size`` DP groups and, for
+    ``ulysses_degree`` and every other divisor 1 < U < P of P = ``sp_size``, ``dp_size x (P/U + U)``
+    Ulysses and ring sub-groups. gloo connects each group's members when it is created (U - 1 +
+    P/U - 1 peers per rank and degree: P = 8 adds 12 groups per SP group and 8 peers per rank,
+    P = 64 adds 124 groups and 114 peers); NCCL creates a communicator at a group's first
+    collective, so an unused degree costs only a Python object. On gloo, roles with the same
+    ranks share one group (at the default degree the Ulysses group is the SP group).
+
+    Attributes:
+        rank: Global rank.
+        world_size: Ranks in the default process group.
+        sp_group: The ranks that share one sequence.
+        sp_rank: This rank's index in ``sp_group``.
+        sp_size: Ranks per SP group (P).
+        dp_group: The ranks with the same ``sp_rank`` in every SP group: they see different data.
+        dp_rank: Index of this rank's SP group among the DP groups.
+        dp_size: Number of SP groups (``world_size / sp_size``).
+        ulysses_group: Sub-group of the SP group doing the head-scatter all-to-all (hybrid backend).
+        ulysses_rank: This rank's index in ``ulysses_group``.
+        ulysses_degree: Ranks per Ulysses sub-group (U).
+        ring_group: Sub-group of the SP group passing K/V around a ring (hybrid backend).
+        ring_rank: This rank's index in ``ring_group``.
+        ring_degree: Ranks per ring sub-group (``sp_size / ulysses_degree``).
+        layout: Token layout of every sharded sequence: ``contiguous``, ``zigzag`` or ``balanced``
+            (`ulysses_sp.layout`).
+        device: Where tensors must live for this process group backend.
+        timeout: Every collective on these groups fails after this long instead of hanging.
+        ranks_per_node: Ranks on one machine (0: all of them); groups larger than this cross the
+            slow links.
+        shape_check: ``once``: ranks compare each call signature the first time they see it (one
+            tiny all-gather per new shape). ``always``: compare on every call, which also catches
+            a rank falling back to a shape it has already seen while the others have not.
+        hybrid: The `HybridGroups` of every proper divisor of ``sp_size`` other than
+            ``ulysses_degree`` (read them through `hybrid_groups`).
+        verified_signatures: Call signatures already checked to agree across the SP group.
+        profile: The `Profile` that ``auto`` estimates with (None: the
+            built-in one for the device).
+        cache: What is derived once per call signature and reused by every layer: block plans
+            with their device tensors, all-gather index tensors, the last ``cu_seqlens`` read back.
+        eager_attention: What a graph compiled around `sp_attention`
+            calls (`ulysses_sp.eager_ops`); made here because torch.compile cannot make it
+            inside the graph.
     """
 
     rank: int
-    """Global rank."""
     world_size: int
     sp_group: dist.ProcessGroup
-    """The ranks that share one sequence."""
     sp_rank: int
     sp_size: int
     dp_group: dist.ProcessGroup
-    """The ranks with the same ``sp_rank`` in every SP group: they see different data."""
     dp_rank: int
     dp_size: int
     ulysses_group: dist.ProcessGroup
-    """Sub-group of the SP group doing head-scatter all-to-all (hybrid backend)."""
     ulysses_rank: int
     ulysses_degree: int
     ring_group: dist.ProcessGroup
-    """Sub-group of the SP group passing K/V around a ring (hybrid backend)."""
     ring_rank: int
     ring_degree: int
     layout: str
-    """Token layout of every sharded sequence: ``contiguous`` or ``zigzag``."""
     device: torch.device
-    """Where tensors must live for this process group backend."""
     timeout: datetime.timedelta
-    """Every collective on these groups fails after this long instead of hanging."""
     ranks_per_node: int = 0
-    """Ranks on one machine (0: all of them); groups larger than this cross the slow links."""
     shape_check: str = "once"
-    """``once``: ranks compare each call signature the first time they see it (one tiny
-    all-gather per new shape). ``always``: compare on every call, which also catches a
-    rank falling back to a shape it has already seen while the others have not."""
     hybrid: dict = field(default_factory=dict, repr=False, compare=False)
-    """The :class:`HybridGroups` of every proper divisor of ``sp_size`` other than
-    ``ulysses_degree`` (read them through :meth:`hybrid_groups`)."""
     verified_signatures: set = field(default_factory=set, repr=False, compare=False)
-    """Call signatures already checked to agree across the SP group."""
     profile: object = field(default=None, repr=False, compare=False)
-    """The ``ulysses_sp.profile.Profile`` that ``auto`` estimates with (None: the built-in one for the device)."""
     cache: dict = field(default_factory=dict, repr=False, compare=False)
-    """What is derived once per call signature and reused by every layer: block plans with
-    their device tensors, all-gather index tensors, the last ``cu_seqlens`` read back."""
     eager_attention: object = field(default=None, init=False, repr=False, compare=False)
-    """What a graph compiled around :func:`ulysses_sp.sp_attention` calls (``ulysses_sp.eager_ops``):
-    made here because torch.compile cannot make it inside the graph."""
 
     def __post_init__(self):
         self.eager_attention = EagerCall(self._sp_attention)
@@ -122,11 +136,21 @@ class Topology:
         return self.cache[key]
 
     def hybrid_groups(self, ulysses_degree: int) -> HybridGroups:
-        """The Ulysses and ring sub-groups of this rank at Ulysses degree ``ulysses_degree``:
-        the topology's own groups at ``self.ulysses_degree``, else those built at init for
-        every divisor 1 < U < ``sp_size``. ``ValueError`` for a degree that does not divide
-        ``sp_size``, or for 1 and ``sp_size`` (the ring and Ulysses backends) when they are
-        not the topology's degree."""
+        """The Ulysses and ring sub-groups of this rank at Ulysses degree ``ulysses_degree``.
+
+        The topology's own groups at ``self.ulysses_degree``, else those built at init for every
+        divisor 1 < U < ``sp_size``.
+
+        Args:
+            ulysses_degree: Ranks per Ulysses sub-group; must divide ``sp_size``.
+
+        Returns:
+            The sub-groups and this rank's place in them.
+
+        Raises:
+            ValueError: ``ulysses_degree`` does not divide ``sp_size``, or is 1 or ``sp_size`` (the
+                ring and Ulysses backends) without being the topology's degree.
+        """
         u = _check_degree("ulysses_degree", ulysses_degree, self.sp_size, "sp_size")
         if u == self.ulysses_degree:
             return HybridGroups(self.ulysses_group, self.ulysses_rank, u, self.ring_group, self.ring_rank, self.ring_degree)
@@ -138,9 +162,16 @@ class Topology:
         return self.hybrid[u]
 
     def spans_nodes(self, group: str, ulysses_degree: int | None = None) -> bool:
-        """Whether the ``sp``, ``ulysses`` or ``ring`` group crosses machines (blocks of
-        ``ranks_per_node`` consecutive ranks), the latter two at ``ulysses_degree``
-        (default: the topology's)."""
+        """Whether a group crosses machines (blocks of ``ranks_per_node`` consecutive ranks).
+
+        Args:
+            group: ``sp``, ``ulysses`` or ``ring``.
+            ulysses_degree: The degree of the ``ulysses`` and ``ring`` groups asked about
+                (default: the topology's).
+
+        Returns:
+            True when the group holds ranks of more than one machine.
+        """
         per_node = self.ranks_per_node or self.world_size
         u = self.ulysses_degree if ulysses_degree is None else ulysses_degree
         if group == "ulysses":
@@ -150,9 +181,26 @@ class Topology:
         return self.sp_size > per_node
 
     @classmethod
-    def for_planning(cls, sp_size: int, *, ulysses_degree: int | None = None, ranks_per_node: int = 0, layout: str = "zigzag", profile=None) -> "Topology":
-        """A topology without process groups, for estimating and choosing backends offline
-        (``sp-bench plan``): everything but communication works."""
+    def for_planning(cls, sp_size: int, *, ulysses_degree: int | None = None, ranks_per_node: int = 0, layout: str = "zigzag",
+                     profile: Profile | None = None) -> Topology:
+        """A topology without process groups, for estimating and choosing backends offline.
+
+        What ``sp-bench plan`` uses: everything but communication works (rank 0 of one SP group).
+
+        Args:
+            sp_size: Ranks sharing one sequence.
+            ulysses_degree: The Ulysses degree (default: ``sp_size``); must divide ``sp_size``.
+            ranks_per_node: Ranks on one machine (0: all of them).
+            layout: ``contiguous``, ``zigzag`` or ``balanced``.
+            profile: What ``auto`` estimates with (None: the built-in one).
+
+        Returns:
+            The planning topology, on the CPU.
+
+        Raises:
+            ValueError: A degree that is not a positive integer dividing ``sp_size``, or an
+                unknown layout.
+        """
         sp_size = _check_degree("sp_size", sp_size, sp_size, "sp_size")
         ulysses_degree = _check_degree("ulysses_degree", sp_size if ulysses_degree is None else ulysses_degree, sp_size, "sp_size")
         hybrid = {u: HybridGroups(None, 0, u, None, 0, sp_size // u) for u in _other_degrees(sp_size, ulysses_degree)}
@@ -232,21 +280,41 @@ SHAPE_CHECKS = ("once", "always")
 
 
 def init_sequence_parallel(
-    sp_size, *, ulysses_degree=None, layout: str = "zigzag", timeout=None, shape_check: str = "once", profile=None, ranks_per_node=None
+    sp_size: int, *, ulysses_degree: int | None = None, layout: str = "zigzag", timeout: float | datetime.timedelta | None = None,
+    shape_check: str = "once", profile: Profile | str | None = None, ranks_per_node: int | None = None,
 ) -> Topology:
     """Split the initialised default process group into DP x SP groups.
 
-    Call on every rank, after ``torch.distributed.init_process_group`` (gloo or
-    nccl), with the same arguments. ``sp_size=1`` gives a topology where every
-    SP group is a single rank and attention runs locally. ``ulysses_degree``
-    (default ``sp_size``) times the ring degree equals ``sp_size``.
+    Call on every rank, after ``torch.distributed.init_process_group`` (gloo or nccl), with the
+    same arguments. Consecutive global ranks form an SP group, so it stays inside a node when
+    ranks are numbered node by node. All arguments are checked, and compared across ranks (one
+    small all-gather), before any group is created.
 
-    Raises ``ValueError`` on every rank, before creating any group, for an
-    ``sp_size`` that is not a positive integer dividing the world size, an
-    ``ulysses_degree`` that does not divide ``sp_size``, an unknown layout, or
-    arguments that differ between ranks. ``shape_check``, ``profile`` (a
-    ``Profile`` or the path of one) and ``ranks_per_node`` (default: the
-    launcher's ``LOCAL_WORLD_SIZE`` or ``LOCAL_SIZE``) are described on :class:`Topology`.
+    Args:
+        sp_size: Ranks that share one sequence; must divide the world size. The rest of the world
+            is data parallel. 1 gives single-rank SP groups where attention runs locally.
+        ulysses_degree: Ranks per Ulysses sub-group for the hybrid backend (default: ``sp_size``);
+            must divide ``sp_size``. The ring degree is ``sp_size / ulysses_degree``.
+        layout: How a sequence's tokens are laid across the SP ranks: ``zigzag`` (default),
+            ``contiguous`` or ``balanced`` (`ulysses_sp.layout`).
+        timeout: Seconds, or a ``datetime.timedelta``, after which a collective on these groups
+            fails instead of hanging (default: 10 minutes).
+        shape_check: ``once`` or ``always``: how often the SP ranks compare each attention call's
+            shapes and options (see `Topology.shape_check`).
+        profile: A `Profile` or the path of one written by
+            ``sp-bench calibrate``, for ``auto`` (default: the built-in one for the device).
+        ranks_per_node: Ranks on one machine (default: the launcher's ``LOCAL_WORLD_SIZE`` or
+            ``LOCAL_SIZE``; 0: all of them).
+
+    Returns:
+        This rank's topology.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        ValueError: On every rank, before any group is created: an ``sp_size`` that is not a
+            positive integer dividing the world size, an ``ulysses_degree`` that does not divide
+            ``sp_size``, an unknown layout or shape check, a timeout that is not positive, or
+            arguments that differ between ranks.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise RuntimeError(

@@ -11,6 +11,8 @@ gradient is the plain **sum** over all ranks; multiplying the loss by
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -19,18 +21,22 @@ from torch import nn
 from .. import comm
 from ..topology import Topology
 
+if TYPE_CHECKING:
+    import deepspeed
+
 __all__ = ["SequenceParallelMPU", "gradient_scale", "DistributedAttention", "use_cpu_accelerator_if_needed"]
 
 
 def use_cpu_accelerator_if_needed() -> None:
-    """Without CUDA, tell DeepSpeed to use its CPU accelerator (it then falls back to gloo), and
-    not to build its shared-memory all-reduce. Call before DeepSpeed starts its communication.
+    """Without CUDA, make DeepSpeed use its CPU accelerator and skip building its shared-memory op.
 
-    The CPU accelerator's communication backend compiles that op with g++ on first use (30 s
-    alone here, 140 s beside other work; again for every new install path) in
-    ``~/.cache/torch_extensions`` under a lock file; a rank killed mid-build leaves the lock, and
-    every later DeepSpeed start on the machine waits on it forever. Only DeepSpeed's inference
-    all-reduce uses the op, so training loses nothing without it."""
+    Call before DeepSpeed starts its communication; DeepSpeed then falls back to gloo. Its CPU
+    communication backend would otherwise compile a shared-memory all-reduce with g++ on first
+    use (tens of seconds, again for every new install path) under a lock file in
+    ``~/.cache/torch_extensions`` that a rank killed mid-build leaves behind, and every later
+    DeepSpeed start on the machine then waits on it forever. Only DeepSpeed's inference
+    all-reduce uses that op, so training loses nothing. With CUDA it does nothing.
+    """
     if torch.cuda.is_available():
         return
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -40,13 +46,17 @@ def use_cpu_accelerator_if_needed() -> None:
 
 
 class SequenceParallelMPU:
-    """The model-parallel unit DeepSpeed asks for, built from a :class:`Topology`.
+    """The model-parallel unit (``mpu``) that ``deepspeed.initialize`` takes, built from a topology.
 
-    Model parallelism is 1 (each rank its own group); the sequence-parallel
-    group is the topology's; the sequence-data-parallel group and what
-    DeepSpeed calls the data-parallel group, over which ZeRO shards and
-    reduces, are every rank. Construct on every rank (it creates one
-    single-rank group per rank, collectively).
+    Model (tensor) parallelism is 1: each rank its own group. The sequence-parallel group is the
+    topology's. What DeepSpeed calls the data-parallel group, over which ZeRO shards and reduces,
+    and the sequence-data-parallel group are every rank (DP x SP): the ranks of an SP group hold
+    different tokens of the same samples. Samplers use ``topo.dp_rank`` and ``topo.dp_size``.
+    Use it with `gradient_scale` and ``sp_cross_entropy(..., count_group=WORLD)``.
+
+    Args:
+        topo: The topology from `init_sequence_parallel`. Construct on every rank: it creates one
+            single-rank group per rank, collectively.
     """
 
     def __init__(self, topo: Topology):
@@ -111,14 +121,22 @@ class SequenceParallelMPU:
         return self.topo.world_size
 
 
-def gradient_scale(engine, topo: Topology) -> float:
-    """Factor for the loss so that the gradient DeepSpeed applies is the plain sum over ranks.
+def gradient_scale(engine: deepspeed.DeepSpeedEngine, topo: Topology) -> float:
+    """The factor for the loss so that the gradient DeepSpeed applies is the plain sum over ranks.
 
-    Measured on deepspeed 0.19.8 with :class:`SequenceParallelMPU` (tests/test_deepspeed.py
-    checks it on every run): ZeRO 0, 1 and 2 (reduce-scatter on or off) and ZeRO 3
-    without reduce-scatter sum the gradient over the SP ranks and average it over the
-    DP groups, so the factor is the DP size; ZeRO 3 with reduce-scatter (its default)
-    averages over every rank, so the factor is DP x SP.
+    With ``sp_cross_entropy(..., count_group=WORLD)`` each rank's loss is its tokens' share of the
+    global batch's token-weighted mean, so the exact gradient is the sum over every rank. Measured
+    on deepspeed 0.19.8 with `SequenceParallelMPU` (``tests/test_deepspeed.py`` checks it): ZeRO 0,
+    1 and 2 (reduce-scatter on or off) and ZeRO 3 without reduce-scatter sum the gradient over the
+    SP ranks and average it over the DP groups; ZeRO 3 with reduce-scatter (its default) averages
+    over every rank.
+
+    Args:
+        engine: The engine ``deepspeed.initialize`` returned (with ``mpu=SequenceParallelMPU(topo)``).
+        topo: The topology from `init_sequence_parallel`.
+
+    Returns:
+        ``dp_size x sp_size`` for ZeRO 3 with reduce-scatter, else ``dp_size``.
     """
     if engine.zero_optimization_stage() == 3 and engine.zero_reduce_scatter():
         return float(topo.dp_size * topo.sp_size)
@@ -126,24 +144,53 @@ def gradient_scale(engine, topo: Topology) -> float:
 
 
 class DistributedAttention(nn.Module):
-    """Drop-in for ``deepspeed.sequence.layer.DistributedAttention`` running on ulysses-sp's
-    fused all-to-all: change the import, keep the call.
+    """Drop-in for ``deepspeed.sequence.layer.DistributedAttention`` on ulysses-sp's fused all-to-all.
 
-    Inputs are this rank's contiguous sequence shards, ``[s, b, h, d]`` with
-    ``batch_dim_idx=1`` or ``[b, s, h, d]`` with ``batch_dim_idx=0``;
-    ``local_attention(q, k, v, *args, **kwargs)`` sees whole sequences and
-    ``heads / P`` heads in the same layout. Heads must divide by P (KV heads may
-    instead divide P: they are replicated as little as needed).
+    Change the import, keep the call: ``attn(query, key, value, batch_dim_idx)`` takes this
+    rank's contiguous sequence shards and ``local_attention(q, k, v, *args, **kwargs)`` sees whole
+    sequences and ``heads / P`` heads, in the same layout. The query heads must divide by P; KV
+    heads may instead divide P (they are then replicated as little as needed).
+
+    Args:
+        local_attention: The attention over whole sequences, called with ``heads / P`` heads.
+        sequence_process_group: The SP group (``topo.sp_group``).
+        scatter_idx: The head dimension; only 2 (``[s, b, h, d]`` or ``[b, s, h, d]``).
+        gather_idx: Accepted for DeepSpeed's signature; the layout comes from ``batch_dim_idx``.
+        sp_stream: Accepted for DeepSpeed's signature; unused.
+        num_kv_heads: Accepted for DeepSpeed's signature; read from ``key`` instead.
+
+    Raises:
+        ValueError: A ``scatter_idx`` other than 2.
     """
 
-    def __init__(self, local_attention, sequence_process_group, scatter_idx: int = 2, gather_idx: int = 0, sp_stream=None, num_kv_heads=None):
+    def __init__(self, local_attention: Callable[..., torch.Tensor], sequence_process_group: dist.ProcessGroup, scatter_idx: int = 2,
+                 gather_idx: int = 0, sp_stream: Any = None, num_kv_heads: int | None = None):
         super().__init__()
         if scatter_idx != 2:
             raise ValueError(f"DistributedAttention scatters heads (scatter_idx=2), got scatter_idx={scatter_idx}")
         self.local_attn, self.spg = local_attention, sequence_process_group
         self.gather_idx = gather_idx
 
-    def forward(self, query, key, value, batch_dim_idx: int, rotary_pos_emb=None, *args, **kwargs):
+    def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch_dim_idx: int, rotary_pos_emb: None = None,
+                *args: Any, **kwargs: Any) -> torch.Tensor:
+        """Attention of this rank's shards over the whole sequence.
+
+        Args:
+            query: This rank's queries, ``[s, b, h, d]`` or ``[b, s, h, d]``.
+            key: This rank's keys, the same layout.
+            value: This rank's values, the same layout.
+            batch_dim_idx: 0 for ``[b, s, h, d]``, 1 for ``[s, b, h, d]``.
+            rotary_pos_emb: Not supported: apply rotary embeddings with global positions before.
+            *args: Passed on to ``local_attention``.
+            **kwargs: Passed on to ``local_attention``.
+
+        Returns:
+            This rank's output shard, in the inputs' layout.
+
+        Raises:
+            ValueError: Another ``batch_dim_idx``, ``rotary_pos_emb`` given, or heads that do not
+                split over the group.
+        """
         if batch_dim_idx not in (0, 1):
             raise ValueError(f"batch_dim_idx must be 0 ([b, s, h, d]) or 1 ([s, b, h, d]), got {batch_dim_idx}")
         if rotary_pos_emb is not None:

@@ -17,15 +17,36 @@ embeddings and the LM head around it as it does for ``model(...)``.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any
+
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
+
+    from ..topology import Topology
 
 __all__ = ["device_mesh", "apply_fsdp2"]
 
 
-def device_mesh(topo):
-    """The 2-D ``DeviceMesh`` ("dp", "sp") over the topology's own groups (rank = dp_rank x
-    sp_size + sp_rank); :func:`apply_fsdp2` shards over its flattened form, "dp_sp"."""
+def device_mesh(topo: Topology) -> DeviceMesh:
+    """The 2-D ``DeviceMesh`` ("dp", "sp") over the topology's own process groups.
+
+    Rank = ``dp_rank x sp_size + sp_rank``; `apply_fsdp2` shards over its flattened form, "dp_sp".
+
+    Args:
+        topo: The topology from `init_sequence_parallel`.
+
+    Returns:
+        The mesh, on the topology's device type.
+
+    Raises:
+        RuntimeError: ``torch.distributed`` is not initialised.
+        ValueError: A topology that does not cover the world, or one without process groups
+            (``Topology.for_planning``).
+    """
     from torch.distributed.device_mesh import DeviceMesh
 
     if not dist.is_initialized():
@@ -39,13 +60,31 @@ def device_mesh(topo):
     return DeviceMesh.from_group([topo.dp_group, topo.sp_group], topo.device.type, mesh=layout, mesh_dim_names=("dp", "sp"))
 
 
-def apply_fsdp2(model: torch.nn.Module, topo, *, mesh=None, layers=None, gradient_divide_factor: float | None = None, **fully_shard_kwargs):
-    """Shard ``model`` with FSDP2 over the DP x SP ranks: each decoder layer (``layers``, default
-    :func:`ulysses_sp.tiling.decoder_layers`) one unit, the rest (embeddings, final norm, LM head)
-    the root's. ``gradient_divide_factor`` (default: the DP size) is what the summed gradient is
-    divided by (see the module docstring). ``fully_shard_kwargs`` pass through (``mp_policy``,
-    ``reshard_after_forward``, ``offload_policy``...). Call it after
-    :func:`ulysses_sp.apply_sequence_parallel` and before building the optimizer; returns ``model``."""
+def apply_fsdp2(model: torch.nn.Module, topo: Topology, *, mesh: DeviceMesh | None = None, layers: Iterable[torch.nn.Module] | None = None,
+                gradient_divide_factor: float | None = None, **fully_shard_kwargs: Any) -> torch.nn.Module:
+    """Shard ``model`` with FSDP2 over the DP x SP ranks, with the gradient scale SP needs.
+
+    Each decoder layer is one ``fully_shard`` unit; the rest (embeddings, final norm, LM head)
+    is the root's. Call it after `apply_sequence_parallel` and before building the optimizer.
+
+    Args:
+        model: A model switched by `apply_sequence_parallel`.
+        topo: The topology from `init_sequence_parallel`.
+        mesh: The mesh to shard over (default: `device_mesh`, flattened); a 1-D mesh is used as
+            it is.
+        layers: The units to shard (default: ``ulysses_sp.tiling.decoder_layers(model)``).
+        gradient_divide_factor: What the summed gradient is divided by (default: the DP size,
+            right for ``sp_cross_entropy(..., topo)``; 1 for a loss normalised over the whole
+            global batch, ``count_group=WORLD``).
+        **fully_shard_kwargs: Passed to ``fully_shard`` (``mp_policy``,
+            ``reshard_after_forward``, ``offload_policy``...).
+
+    Returns:
+        ``model``, sharded.
+
+    Raises:
+        ValueError: A ``gradient_divide_factor`` that is not positive, or no layers to shard.
+    """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
     from ..tiling import decoder_layers

@@ -42,6 +42,7 @@ import math
 import re
 import warnings
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -69,6 +70,7 @@ from .verify import verify_sequence_parallel
 __all__ = ["SequenceParallelTrainingArguments", "SequenceParallelTrainer", "PREDICT_LOGITS"]
 
 PREDICT_LOGITS = ("gather", "argmax", "none")
+"""What ``sp_predict_logits`` takes: what ``predict`` and ``compute_metrics`` get of the logits."""
 _TARGETS = "_usp_targets"
 """Key of a sharded micro-batch holding its number of valid targets over the world."""
 _HYBRID_U = re.compile(r"hybrid-u(\d+)$")
@@ -76,8 +78,41 @@ _HYBRID_U = re.compile(r"hybrid-u(\d+)$")
 
 @dataclass
 class SequenceParallelTrainingArguments(TrainingArguments):
-    """``TrainingArguments`` with sequence parallelism; every field is a command-line flag under
-    ``HfArgumentParser``."""
+    """``transformers.TrainingArguments`` with the fields of sequence parallelism.
+
+    Every field is also a command-line flag under ``HfArgumentParser`` (``--sp_size 2``). The
+    fields are checked here, before anything else starts (`SequenceParallelTrainer` checks them
+    against the world and the model).
+
+    Attributes:
+        sp_size: Ranks that share one sequence; the rest of the world is data parallel.
+        sp_backend: The SP attention backend: ``auto``, a registered name, ``hybrid-u{U}``, or
+            comma-separated names, one per attention layer.
+        sp_kernel: The local attention kernel: ``auto``, ``flash_attn``, ``torch`` or ``math``.
+        sp_mixer: The strategy for hybrid models' other token mixers (Gated DeltaNet, Mamba2,
+            short convolutions): ``auto``, ``halo``, ``ulysses``, ``allgather``; ``none`` refuses them.
+        sp_layout: The tokens of each sequence across the SP ranks: ``zigzag``, ``contiguous``,
+            ``balanced``, or ``auto``: ``balanced`` when the training rows are packed
+            (``DataCollatorWithFlattening``, or ``position_ids`` restarting at 0), else ``zigzag``.
+        ulysses_degree: The hybrid backend's Ulysses degree (default: ``sp_size``).
+        sp_profile: A profile JSON from ``sp-bench calibrate``, for ``auto``.
+        tiled_loss: Compute the LM head and the loss over tiles of tokens (`causal_lm_loss`): no
+            ``[tokens, vocab]`` logits in training.
+        tiled_mlp: Run each decoder MLP over tiles of tokens, recomputed in the backward.
+        tiled_norms: Run the decoder layers' norms and the final one over tiles of tokens.
+        sp_checkpoint: Per-layer activation checkpointing: ``none``, ``layers``, or ``offload``
+            (checkpoints in pinned host memory).
+        sp_verify: Before training, check on a small float64 copy of the model's architecture
+            that SP gives the one-process loss and gradients (`verify_sequence_parallel`);
+            raises on a mismatch.
+        sp_predict_logits: What ``predict`` and ``compute_metrics`` get: ``gather`` (full logits,
+            batch x seq x vocab per rank), ``argmax`` (token ids only), or ``none`` (refused,
+            naming the memory it would take).
+
+    Raises:
+        ValueError: A field out of its range (the message names it), or ``sp_checkpoint`` with
+            ``gradient_checkpointing``.
+    """
 
     sp_size: int = field(default=1, metadata={"help": "Ranks that share one sequence; the rest of the world is data parallel."})
     sp_backend: str = field(
@@ -265,15 +300,36 @@ class DataParallelBatches(Sampler):
 
 
 class SequenceParallelTrainer(Trainer):
-    """``transformers.Trainer`` with sequence parallelism from :class:`SequenceParallelTrainingArguments`.
+    """``transformers.Trainer`` with every sequence split over the ranks of an SP group.
 
-    Takes a model (not ``model_init``); the model is switched to SP attention here and stays so
-    for ``train``, ``evaluate`` and ``predict``. Call :meth:`remove_sequence_parallel` to
-    ``generate`` afterwards. Inputs are causal-LM batches (``input_ids``, ``labels``, optionally
-    ``position_ids`` restarting at 0 for packed documents and a right-padding ``attention_mask``).
+    The model is switched to SP attention here (`apply_sequence_parallel`) and stays so for
+    ``train``, ``evaluate`` and ``predict``; call `remove_sequence_parallel` to ``generate``.
+    Inputs are causal-LM batches (``input_ids``, ``labels``, optionally ``position_ids``
+    restarting at 0 for packed documents and a right-padding ``attention_mask``). The train
+    sampler gives every rank of an SP group the same samples; the loss is the token-weighted
+    mean over the whole accumulation window and every DP group, and the gradient reduction
+    (DDP, FSDP2 or DeepSpeed) is scaled so the applied gradient is the one-process gradient.
+    ``eval_loss`` is the mean over every target token of the eval set.
+
+    Args:
+        model: A transformers model (or a PEFT model around one); ``model_init`` is not
+            supported, SP being applied once, here.
+        args: The training arguments with the SP fields.
+        **kwargs: ``transformers.Trainer``'s other arguments (``train_dataset``,
+            ``data_collator``, ``compute_metrics``...).
+
+    Raises:
+        ValueError: Before any collective, on every rank: arguments that are not
+            `SequenceParallelTrainingArguments`, no model, what the SP trainer cannot do
+            (``compute_loss_func``, label smoothing, accelerate's ``parallelism_config``,
+            FSDP1, a sampling strategy other than random or sequential, several GPUs in one
+            process), an ``sp_size`` that does not divide the world, a model without attention
+            layers or token mixers, or backends the model's heads do not allow.
+        SequenceParallelMismatch: With ``sp_verify``, SP does not give the one-process loss
+            and gradients.
     """
 
-    def __init__(self, model=None, args: SequenceParallelTrainingArguments | None = None, **kwargs):
+    def __init__(self, model: torch.nn.Module | None = None, args: SequenceParallelTrainingArguments | None = None, **kwargs: Any):
         if not isinstance(args, SequenceParallelTrainingArguments):
             raise ValueError("SequenceParallelTrainer needs args=SequenceParallelTrainingArguments(...)")
         if model is None:
@@ -307,16 +363,24 @@ class SequenceParallelTrainer(Trainer):
 
     # ---- the model's SP state ----
 
-    def apply_sequence_parallel(self):
-        """(Re)switch the model to SP attention with the arguments' backend, kernel and memory options."""
+    def apply_sequence_parallel(self) -> torch.nn.Module:
+        """(Re)switch the model to SP attention with the arguments' backend, kernel and memory options.
+
+        Returns:
+            The switched model.
+        """
         a = self._sp_args
         return apply_sequence_parallel(
             self._sp_model, self.topo, backend=backend_names(a.sp_backend), kernel=a.sp_kernel,
             tiled_mlp=a.tiled_mlp, checkpoint=a.sp_checkpoint, mixer=a.sp_mixer, tiled_norms=a.tiled_norms,
         )
 
-    def remove_sequence_parallel(self):
-        """Back to the model's previous attention on whole sequences (e.g. to ``generate``)."""
+    def remove_sequence_parallel(self) -> torch.nn.Module:
+        """Back to the model's previous attention on whole sequences (e.g. to ``generate``).
+
+        Returns:
+            The model, no longer switched.
+        """
         return remove_sequence_parallel(self._sp_model)
 
     def _save(self, output_dir=None, state_dict=None):

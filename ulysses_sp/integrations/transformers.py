@@ -13,7 +13,11 @@ rotary embeddings are right on every rank) and, for packed input,
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from typing import Any
+
 import torch
+from torch import nn
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
@@ -29,6 +33,10 @@ __all__ = ["ATTN_IMPLEMENTATION", "apply_sequence_parallel", "chosen_backends", 
            "switched_model"]
 
 ATTN_IMPLEMENTATION = "ulysses_sp"
+"""The ``attn_implementation`` name of SP attention in transformers' ``AttentionInterface``.
+
+A switched model's ``config._attn_implementation``; its attention function is ``sp_attention_forward``.
+"""
 _STATE = "_ulysses_sp_attention"
 _PREVIOUS = "_ulysses_sp_previous"
 
@@ -39,15 +47,38 @@ def _unsupported(module, what: str, fix: str) -> ValueError:
     return ValueError(f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')}): {what} is not supported by ulysses_sp ({under}); {fix}")
 
 
-def sp_attention_forward(module, query, key, value, attention_mask, dropout: float = 0.0, scaling=None, is_causal=None, sliding_window=None,
-                         softcap=None, **kwargs):
-    """transformers attention function: ``[B, H, S_local, D]`` in, ``([B, S_local, H, D], None)`` out.
+def sp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+                         attention_mask: torch.Tensor | None, dropout: float = 0.0, scaling: float | None = None, is_causal: bool | None = None,
+                         sliding_window: int | None = None, softcap: float | None = None, **kwargs: Any) -> tuple[torch.Tensor, None]:
+    """The attention function transformers calls for ``attn_implementation="ulysses_sp"``.
 
-    ``sliding_window`` (what Mistral, Qwen2, Gemma 2/3 and GPT-OSS pass per layer; None on full
-    layers) has the backends' convention, query i sees keys i - W < j <= i, the same as
-    ``masking_utils.sliding_window_overlay`` and flash-attn's ``window_size=(W - 1, W - 1)``; a
-    window covering the whole global sequence is full causal attention. ``softcap`` (Gemma 2's
-    ``attn_logit_softcapping``) caps the scaled scores at ``softcap * tanh(s / softcap)``.
+    Runs the module's `SequenceParallelAttention` on this rank's shards. Registered with
+    ``AttentionInterface`` on import; `apply_sequence_parallel` switches models to it.
+
+    Args:
+        module: The attention layer calling it (switched by `apply_sequence_parallel`).
+        query: ``[B, Hq, S/P, D]``.
+        key: ``[B, Hkv, S/P, D]``.
+        value: ``[B, Hkv, S/P, Dv]``.
+        attention_mask: None, or a mask that masks nothing (the backends handle causality,
+            windows and packed documents themselves).
+        dropout: Attention dropout; only 0 in training.
+        scaling: Scale of the scores (default: ``1 / sqrt(D)``).
+        is_causal: Must be causal (default: the module's ``is_causal``).
+        sliding_window: The layer's window (Mistral, Qwen2, Gemma 2/3, GPT-OSS; None on full
+            layers): query i sees keys ``i - W < j <= i``, as ``masking_utils.sliding_window_overlay``
+            and flash-attn's ``window_size=(W - 1, W - 1)``.
+        softcap: Gemma 2's ``attn_logit_softcapping``: scores capped at ``softcap * tanh(s / softcap)``.
+        **kwargs: What transformers passes besides; ``cu_seq_lens_q`` (packed documents) is used.
+
+    Returns:
+        The output ``[B, S/P, Hq, Dv]`` and None (no attention weights).
+
+    Raises:
+        RuntimeError: The module was not switched by `apply_sequence_parallel`.
+        ValueError: What SP does not support, naming the layer: attention dropout in
+            training, attention sinks, an additive bias or padding mask, a KV cache with past
+            tokens (generation), bidirectional attention, or a mask under torch.compile.
     """
     spa = module.__dict__.get(_STATE)
     whole = spa is None and coverage.MIXER in module.__dict__  # the module runs on the gathered sequence under a mixer strategy
@@ -147,38 +178,48 @@ def _backend_per_layer(backend, layers) -> dict[int, str]:
     return dict(zip(indices, names))
 
 
-def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Profile | None = None, kernel: str = "auto",
-                            tiled_mlp: bool | int = False, checkpoint: str = "none", mixer: str = "auto", tiled_norms: bool = False):
-    """Switch a loaded transformers model to sequence-parallel attention; returns the model.
+def apply_sequence_parallel(model: nn.Module, topo: Topology, backend: str | list[str] | Callable[[int], str] = "auto",
+                            profile: Profile | None = None, kernel: str = "auto", tiled_mlp: bool | int = False, checkpoint: str = "none",
+                            mixer: str = "auto", tiled_norms: bool = False) -> nn.Module:
+    """Switch a loaded Hugging Face transformers model to sequence-parallel attention and token mixers.
 
-    ``backend`` is one name for every layer (``"auto"`` decides per layer and
-    shape), a list with one name per attention layer (like Megatron's
-    ``--cp-comm-type``), or a callable ``layer_idx -> name`` (e.g. ``"halo"`` for the layers
-    whose ``config.layer_types`` entry is ``"sliding_attention"``, ``"ring"`` for the others:
-    ``halo`` runs only windowed layers). ``kernel`` names the local
-    attention kernel (``auto``, ``flash_attn``, ``torch``, ``math``). Keeps the previous
-    attention implementation for :func:`remove_sequence_parallel` and turns the
-    KV cache off (training and evaluation, not generation).
+    Every attention layer gets its own `SequenceParallelAttention` (so ``auto`` chooses per layer);
+    the previous attention implementation is kept for `remove_sequence_parallel`, and the KV cache
+    is turned off (training and evaluation, not generation). Feed the model
+    ``model_inputs(shard_batch(batch, topo))``. Of an image- or video-text model of the families
+    ``ulysses_sp.integrations.multimodal.TESTED`` names only the text decoder is switched, and the
+    sequence is split at its input. The first forward checks that every attention layer called
+    the SP attention and that global ``position_ids`` were passed. Needs the ``hf`` extra.
 
-    ``mixer`` is the strategy for hybrid models' other token mixers (Gated DeltaNet, Mamba2,
-    short convolutions: :mod:`ulysses_sp.mixers`; ``auto``, ``allgather``, or ``none``). Of an image-
-    or video-text model only the text decoder is switched, and the sequence is split at its input
-    (:mod:`ulysses_sp.integrations.multimodal`: pass it ``model_inputs(shard_batch(batch, topo))``,
-    the whole token ids and images) for the families ``multimodal.TESTED`` names; other image-text and
-    audio-text models are refused by name. A model with a token mixer that SP does not cover (attention computed in the model's own code,
-    ALiBi, a mixer with ``mixer="none"``, non-attention ``layer_types`` without a mixer module,
-    positions numbered inside the model) is refused with a ``ValueError`` naming each module
-    (:mod:`ulysses_sp.integrations.coverage`);
-    the first forward also checks that every attention layer called the SP attention and that
-    global ``position_ids`` were passed.
+    Args:
+        model: A loaded transformers model (a causal LM, or a tested image-text family).
+        topo: The topology from `init_sequence_parallel`.
+        backend: One backend name for every attention layer (``auto``: decided per layer and
+            shape), a list with one name per attention layer, or a callable ``layer_idx -> name``
+            (e.g. ``halo`` for the ``sliding_attention`` layers of ``config.layer_types`` and
+            ``ring`` for the others).
+        profile: What ``auto`` estimates with (default: the topology's, else the built-in one).
+        kernel: The local attention kernel: ``auto``, ``flash_attn``, ``torch`` or ``math``.
+        tiled_mlp: ``True`` runs each decoder layer's ``mlp`` over tiles of
+            ``max(1024, hidden_size)`` tokens, recomputing each tile in the backward; an int is
+            the tile in tokens (`ulysses_sp.tiling`).
+        checkpoint: ``none``, ``layers`` (recompute each decoder layer in the backward) or
+            ``offload`` (also keep each checkpointed layer input in pinned host memory on CUDA;
+            its counters are in ``ulysses_sp.tiling.offload_store(model)``).
+        mixer: The strategy for hybrid models' other token mixers (Gated DeltaNet, Mamba2, short
+            convolutions): ``auto``, ``halo``, ``ulysses``, ``allgather``, or ``none`` (refuse them).
+        tiled_norms: Also run the decoder layers' norms and the final one over tiles (at the
+            MLP's tile size), so their float32 intermediates never exist for the whole shard.
 
-    ``tiled_mlp``: ``True`` (tiles of ``max(1024, hidden)`` tokens) or a tile size in tokens runs
-    each decoder layer's ``mlp`` over sequence tiles, recomputing each tile in the backward;
-    ``checkpoint``: ``"none"``, ``"layers"`` (recompute each decoder layer in the backward) or
-    ``"offload"`` (also keep each checkpointed layer input in pinned host memory on CUDA; the
-    counters are in ``ulysses_sp.tiling.offload_store(model)``); ``tiled_norms``: the decoder layers'
-    norms and the final one run over tiles too (at the MLP's tile size), so that their float32
-    intermediates never exist for the whole shard. See :mod:`ulysses_sp.tiling`.
+    Returns:
+        ``model``, switched.
+
+    Raises:
+        ValueError: A model SP does not cover, naming each module (attention computed in the
+            model's own code, ALiBi, a token mixer without a strategy, positions numbered inside
+            the model, an untested image-text or an audio-text model), a per-layer backend list
+            of the wrong length, or invalid ``tiled_mlp``, ``checkpoint`` or ``tiled_norms``
+            (including ``checkpoint`` with transformers' own gradient checkpointing on).
     """
     decoder = multimodal.decoder_to_switch(model)
     if decoder is not None:
@@ -225,16 +266,31 @@ def apply_sequence_parallel(model, topo: Topology, backend="auto", profile: Prof
     return model
 
 
-def switched_model(model):
-    """The module that :func:`apply_sequence_parallel` switched (the model, or an image-text model's
-    text decoder) while it is switched; else None. Its ``config.use_cache`` is SP's (off)."""
+def switched_model(model: nn.Module) -> nn.Module | None:
+    """The module that `apply_sequence_parallel` switched, while it is switched.
+
+    Its ``config.use_cache`` is SP's (off).
+
+    Args:
+        model: The model given to `apply_sequence_parallel`.
+
+    Returns:
+        The model itself, or an image-text model's text decoder; None when not switched.
+    """
     switched = multimodal.text_decoder(model) if multimodal.is_split(model) else model
     return switched if switched is not None and _PREVIOUS in switched.__dict__ else None
 
 
-def chosen_backends(model) -> dict[int, list[str]]:
-    """The backends each attention layer has run so far (``auto`` may pick several per layer, one per shape);
-    layers whose attention has not run (an encoder's, a cross-attention's under the same index) are left out."""
+def chosen_backends(model: nn.Module) -> dict[int, list[str]]:
+    """The backends each attention layer has run so far (``auto`` may pick one per shape).
+
+    Args:
+        model: A model switched by `apply_sequence_parallel`.
+
+    Returns:
+        Layer index -> backend names, sorted. Layers whose attention has not run (an encoder's,
+            a cross-attention's under the same index) are left out.
+    """
     chosen: dict[int, set[str]] = {}
     for m in model.modules():
         if _STATE in m.__dict__ and m.__dict__[_STATE]._chosen:
@@ -242,8 +298,19 @@ def chosen_backends(model) -> dict[int, list[str]]:
     return {layer: sorted(names) for layer, names in sorted(chosen.items())}
 
 
-def remove_sequence_parallel(model):
-    """Undo :func:`apply_sequence_parallel` (e.g. to evaluate or generate on whole sequences)."""
+def remove_sequence_parallel(model: nn.Module) -> nn.Module:
+    """Undo `apply_sequence_parallel`, e.g. to evaluate or generate on whole sequences.
+
+    Restores the previous attention implementation and ``use_cache``, and removes the tiled
+    MLPs and norms, the layer checkpointing and the mixers' strategies. A model that is not
+    switched is returned as it is.
+
+    Args:
+        model: The model given to `apply_sequence_parallel`.
+
+    Returns:
+        ``model``.
+    """
     if multimodal.unsplit(model):
         remove_sequence_parallel(multimodal.text_decoder(model))
         return model

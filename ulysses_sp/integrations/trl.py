@@ -27,7 +27,9 @@ config with the SP fields of :class:`~ulysses_sp.integrations.trainer.SequencePa
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
@@ -44,6 +46,9 @@ from .trainer import SequenceParallelTrainer, SequenceParallelTrainingArguments,
 from .coverage import FUSED_HEAD as _FUSED, SHARD_CALL
 from .transformers import _PREVIOUS, ATTN_IMPLEMENTATION, apply_sequence_parallel, remove_sequence_parallel, switched_model
 
+if TYPE_CHECKING:
+    from ..topology import Topology
+
 __all__ = [
     "SequenceParallelSFTConfig", "SequenceParallelSFTTrainer", "SequenceParallelDPOConfig", "SequenceParallelDPOTrainer",
     "SequenceParallelGRPOConfig", "SequenceParallelGRPOTrainer", "sequence_parallel_fused_head",
@@ -54,18 +59,25 @@ _PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top
 
 @dataclass
 class SequenceParallelSFTConfig(SequenceParallelTrainingArguments, SFTConfig):
-    """``trl.SFTConfig`` with the SP fields (``sp_size``, ``sp_backend``, ...)."""
+    """``trl.SFTConfig`` with the SP fields of `SequenceParallelTrainingArguments` (``sp_size``, ``sp_backend``...)."""
 
 
 @dataclass
 class SequenceParallelDPOConfig(SequenceParallelTrainingArguments, DPOConfig):
-    """``trl.DPOConfig`` with the SP fields."""
+    """``trl.DPOConfig`` with the SP fields of `SequenceParallelTrainingArguments`."""
 
 
 @dataclass
 class SequenceParallelGRPOConfig(SequenceParallelTrainingArguments, GRPOConfig):
-    """``trl.GRPOConfig`` with the SP fields. The generation batch is counted over the DP groups
-    (``per_device_train_batch_size x DP x steps_per_generation``): the SP ranks of a group share it."""
+    """``trl.GRPOConfig`` with the SP fields of `SequenceParallelTrainingArguments`.
+
+    The generation batch is counted over the DP groups
+    (``per_device_train_batch_size x DP x steps_per_generation``): the SP ranks of a group share it.
+
+    Raises:
+        ValueError: A ``generation_batch_size`` that does not divide by the global batch (rows x
+            DP groups), or batches that do not hold whole groups of ``num_generations``.
+    """
 
     def __post_init__(self):
         batch_given = self.generation_batch_size is not None
@@ -127,14 +139,23 @@ def _shard_rows(input_ids, labels, attention_mask, position_ids, lead: int, topo
     return local
 
 
-def sequence_parallel_fused_head(model, topo, grad_scale=lambda: 1.0) -> None:
-    """Make TRL's fused LM head (``model(..., labels=, fused_lm_head=True)``, already added to ``model``)
-    sequence parallel while ``model`` is switched by :func:`~ulysses_sp.apply_sequence_parallel`: every
-    rank of the SP group passes the whole batch and gets every per-token field of the whole rows,
-    computed on its shard and gathered (differentiable). ``grad_scale()`` multiplies the gradient
-    that reaches this rank's tokens (what undoes the gradient reduction's averaging). A forward without
-    ``fused_lm_head`` is refused while switched (the model would take the whole rows for a shard);
-    after :func:`~ulysses_sp.remove_sequence_parallel` every call is the model's own."""
+def sequence_parallel_fused_head(model: torch.nn.Module, topo: Topology, grad_scale: Callable[[], float] = lambda: 1.0) -> None:
+    """Make TRL's fused LM head sequence parallel while ``model`` is switched by `apply_sequence_parallel`.
+
+    TRL's DPO and GRPO ask the model for per-token fields with ``model(..., labels=...,
+    fused_lm_head=True)`` (``trl.trainer.utils.add_fused_lm_head``, already added to ``model``).
+    Afterwards every rank of the SP group passes the whole batch and gets every per-token field of
+    the whole rows, computed on its shard and gathered (differentiable). A forward without
+    ``fused_lm_head`` raises ``RuntimeError`` while switched (the model would take the whole rows
+    for a shard); after `remove_sequence_parallel` every call is the model's own. Calling it again
+    only updates ``topo`` and ``grad_scale``.
+
+    Args:
+        model: The switched model, with TRL's fused head added.
+        topo: The topology from `init_sequence_parallel`.
+        grad_scale: Called at each training forward: the factor for the gradient that reaches this
+            rank's tokens (what undoes the gradient reduction's averaging).
+    """
     if _FUSED in model.__dict__:
         model.__dict__[_FUSED] = (topo, grad_scale)
         return
@@ -254,11 +275,23 @@ class _FusedHeadTrainer(SequenceParallelTrainer):
 
 
 class SequenceParallelSFTTrainer(SequenceParallelTrainer, SFTTrainer):
-    """``trl.SFTTrainer`` with every sequence split over the SP group; takes a model object and
-    :class:`SequenceParallelSFTConfig`. Packed rows (``packing=True``, ``padding_free=True``) use the
-    balanced layout under ``sp_layout="auto"``. The loss is the token-weighted NLL (``loss_type="nll"``)."""
+    """``trl.SFTTrainer`` with every sequence split over the SP group.
 
-    def __init__(self, model=None, args: SequenceParallelSFTConfig | None = None, **kwargs):
+    The loss is the token-weighted NLL (``loss_type="nll"``) of `SequenceParallelTrainer`; TRL's
+    collators decide the targets (completion-only and assistant-only loss). Packed rows
+    (``packing=True``, ``padding_free=True``) use the balanced layout under ``sp_layout="auto"``.
+
+    Args:
+        model: A model object (not a name).
+        args: The SFT config with the SP fields.
+        **kwargs: ``trl.SFTTrainer``'s other arguments.
+
+    Raises:
+        ValueError: Another ``loss_type``, another kind of arguments, or what
+            `SequenceParallelTrainer` refuses.
+    """
+
+    def __init__(self, model: torch.nn.Module | None = None, args: SequenceParallelSFTConfig | None = None, **kwargs: Any):
         if isinstance(args, SequenceParallelSFTConfig):
             if args.loss_type != "nll":
                 raise ValueError(f"SequenceParallelSFTTrainer computes the token-weighted NLL; loss_type={args.loss_type!r} is not supported")
@@ -270,16 +303,31 @@ class SequenceParallelSFTTrainer(SequenceParallelTrainer, SFTTrainer):
 
 
 class SequenceParallelDPOTrainer(_FusedHeadTrainer, DPOTrainer):
-    """``trl.DPOTrainer`` with every sequence split over the SP group; takes a model object and
-    :class:`SequenceParallelDPOConfig`. Chosen and rejected rows of a pair are in the same batch, so in
-    the same SP group. The reference model (``ref_model``, or the adapter-free model under PEFT) runs
-    under SP too; ``precompute_ref_log_probs`` is refused under SP."""
+    """``trl.DPOTrainer`` with every sequence split over the SP group.
+
+    TRL's own loss code runs unchanged on every rank, on the per-token fields of the whole rows
+    (`sequence_parallel_fused_head`). Chosen and rejected rows of a pair are in the same batch, so
+    in the same SP group. The reference model (``ref_model``, or the adapter-free model under
+    PEFT) runs under SP too.
+
+    Args:
+        model: A model object (not a name).
+        ref_model: The reference model, or None (TRL's default).
+        args: The DPO config with the SP fields.
+        **kwargs: ``trl.DPOTrainer``'s other arguments.
+
+    Raises:
+        ValueError: Another kind of arguments, ``precompute_ref_log_probs`` under SP, a MoE
+            load-balancing loss (``router_aux_loss_coef`` must be 0), or what
+            `SequenceParallelTrainer` refuses.
+    """
 
     compute_loss = DPOTrainer.compute_loss
     training_step = DPOTrainer.training_step
     prediction_step = DPOTrainer.prediction_step
 
-    def __init__(self, model=None, ref_model=None, args: SequenceParallelDPOConfig | None = None, **kwargs):
+    def __init__(self, model: torch.nn.Module | None = None, ref_model: torch.nn.Module | None = None,
+                 args: SequenceParallelDPOConfig | None = None, **kwargs: Any):
         if not isinstance(args, SequenceParallelDPOConfig):
             raise ValueError("SequenceParallelDPOTrainer needs args=SequenceParallelDPOConfig(...)")
         if args.precompute_ref_log_probs and args.sp_size > 1:
@@ -291,17 +339,33 @@ class SequenceParallelDPOTrainer(_FusedHeadTrainer, DPOTrainer):
 
 
 class SequenceParallelGRPOTrainer(_FusedHeadTrainer, GRPOTrainer):
-    """``trl.GRPOTrainer`` with the training forward split over the SP group; takes a model object
-    (loaded ``from_pretrained`` when ``beta != 0``: TRL loads the reference model from its path) and
-    :class:`SequenceParallelGRPOConfig`. Completions are generated on whole sequences (SP removed
-    around ``generate``) and the SP group's first rank's are used by the whole group."""
+    """``trl.GRPOTrainer`` with the training forward split over the SP group.
+
+    Completions are generated on whole sequences (SP removed around ``generate``), and those of
+    the SP group's first rank are used by the whole group, so it trains on identical completions.
+    The data are split by DP group, not by rank.
+
+    Args:
+        model: A model object; loaded ``from_pretrained`` when ``beta != 0`` (TRL loads the
+            reference model from its path).
+        reward_funcs: TRL's reward functions or models.
+        args: The GRPO config with the SP fields.
+        **kwargs: ``trl.GRPOTrainer``'s other arguments.
+
+    Raises:
+        ValueError: Another kind of arguments; under SP, ``use_vllm``, a ``scale_rewards`` other
+            than ``group`` or ``none``, a ``multi_objective_aggregation`` other than
+            ``sum_then_normalize``, or a MoE load-balancing loss; or what
+            `SequenceParallelTrainer` refuses.
+    """
 
     compute_loss = GRPOTrainer.compute_loss
     training_step = GRPOTrainer.training_step
     prediction_step = GRPOTrainer.prediction_step
     _get_train_sampler = GRPOTrainer._get_train_sampler
 
-    def __init__(self, model=None, reward_funcs=None, args: SequenceParallelGRPOConfig | None = None, **kwargs):
+    def __init__(self, model: torch.nn.Module | None = None, reward_funcs: Any = None, args: SequenceParallelGRPOConfig | None = None,
+                 **kwargs: Any):
         if not isinstance(args, SequenceParallelGRPOConfig):
             raise ValueError("SequenceParallelGRPOTrainer needs args=SequenceParallelGRPOConfig(...)")
         refused = {
