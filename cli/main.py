@@ -66,8 +66,8 @@ def _calibrate_rank(rank, world, repeat, seq, backend_seq, device=None):
 
 @main.command("calibrate")
 @click.option("--nproc", type=int, default=2, show_default=True, help="gloo ranks to spawn (ignored under torchrun/deepspeed)")
-@click.option("--out", type=click.Path(dir_okay=False), default="profile.json", show_default=True)
-@click.option("--repeat", type=int, default=5, show_default=True)
+@click.option("--out", type=click.Path(dir_okay=False), default="profile.json", show_default=True, help="the profile file to write")
+@click.option("--repeat", type=int, default=5, show_default=True, help="timed rounds per measurement (the median is kept)")
 @click.option("--seq", type=int, default=2048, show_default=True, help="tokens of the attention kernel measurement")
 @click.option("--backend-seq", type=int, default=4096, show_default=True, help="tokens of the per-backend reference attention")
 def calibrate(nproc, out, repeat, seq, backend_seq):
@@ -109,17 +109,17 @@ def calibrate(nproc, out, repeat, seq, backend_seq):
 @click.option("--model-config", type=click.Path(exists=True, dir_okay=False), help="a Hugging Face config.json")
 @click.option("--heads", type=int, help="q heads (without --model-config)")
 @click.option("--kv-heads", type=int, help="kv heads (default: --heads)")
-@click.option("--head-dim", type=int, default=128, show_default=True)
-@click.option("--layers", type=int, default=1, show_default=True)
+@click.option("--head-dim", type=int, default=128, show_default=True, help="head dim (without --model-config)")
+@click.option("--layers", type=int, default=1, show_default=True, help="attention layers (without --model-config)")
 @click.option("--window", type=int, default=None, help="sliding window of every layer (without --model-config)")
 @click.option("--seq", "seq", default="128k", show_default=True, help="global tokens per sequence: 4096, 8k, 1m")
 @click.option("--sp-size", type=int, default=None, help="ranks sharing one sequence (with --max-seq-len, default: every GPU)")
 @click.option("--ulysses-degree", type=int, default=None, help="the topology's Ulysses degree (default: sp size); auto weighs every degree")
 @click.option("--gpus-per-node", type=int, default=8, show_default=True, help="groups wider than this cross nodes")
-@click.option("--batch", type=int, default=1, show_default=True)
-@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True)
-@click.option("--causal/--no-causal", default=True, show_default=True)
-@click.option("--layout", type=click.Choice(["zigzag", "contiguous", "balanced"]), default="zigzag", show_default=True)
+@click.option("--batch", type=int, default=1, show_default=True, help="sequences per step")
+@click.option("--dtype", type=click.Choice(["bfloat16", "float16", "float32"]), default="bfloat16", show_default=True, help="training dtype")
+@click.option("--causal/--no-causal", default=True, show_default=True, help="causal attention (or full)")
+@click.option("--layout", type=click.Choice(["zigzag", "contiguous", "balanced"]), default="zigzag", show_default=True, help="token layout of the shards")
 @click.option("--docs", "docs", default=None, metavar="SPEC",
               help="a packed row's document lengths: a repeated pattern (12k,512x8) or lognormal:MEDIAN:SIGMA (lognormal:2k:1.5)")
 @click.option("--docs-seed", type=int, default=0, show_default=True, help="the seed of a lognormal row")
@@ -233,7 +233,7 @@ def _bench_rank(rank, world, cells, entries, options):
 @click.option("--mixers", "kinds", default="gdn,mamba2,conv,kda", show_default=True, help="comma list of gdn, mamba2, conv, kda")
 @click.option("--seq", default="4k,8k,16k", show_default=True, help="global tokens, comma list")
 @click.option("--nproc", default="2,4", show_default=True, help="gloo ranks, comma list")
-@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True)
+@click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True, help="timed rounds per cell")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="every row as measured")
 def mixers(kinds, seq, nproc, repeat, json_path):
     """Time one hybrid-model mixer layer of each kind under every mixer strategy that can run it."""
@@ -275,7 +275,7 @@ def mixers(kinds, seq, nproc, repeat, json_path):
 @click.option("--head-dim", default="64", show_default=True, help="comma list")
 @click.option("--batch", default="1", show_default=True, help="comma list")
 @click.option("--dtype", default="float32", show_default=True, help="comma list of float32, bfloat16, float16")
-@click.option("--causal/--no-causal", default=True, show_default=True)
+@click.option("--causal/--no-causal", default=True, show_default=True, help="causal attention (or full)")
 @click.option("--window", "windows", default="none", show_default=True, help="sliding windows, comma list (none: full attention; needs --causal)")
 @click.option("--layout", "layouts", default="zigzag", show_default=True, help="comma list of zigzag, contiguous, balanced: each a row of its own")
 @click.option("--docs", default=None, metavar="SPEC",
@@ -291,14 +291,14 @@ def mixers(kinds, seq, nproc, repeat, json_path):
 @click.option("--warmup", type=click.IntRange(min=0), default=1, show_default=True, help="untimed calls of each entry per cell")
 @click.option("--repeat", type=click.IntRange(min=1), default=3, show_default=True,
               help="timed rounds per cell; each round runs every entry once, the order rotating")
-@click.option("--threads-per-rank", type=int, default=1, show_default=True)
+@click.option("--threads-per-rank", type=int, default=1, show_default=True, help="torch threads per spawned rank")
 @click.option("--profile", "profile_path", type=click.Path(exists=True, dir_okay=False), help="for auto (default: built-in for the device)")
 @click.option("--check", is_flag=True, help="also the max error of out and grads against fp64 one-process attention")
 @click.option("--memory/--no-memory", default=True, show_default=True,
               help="peak memory per rank; on spawned CPU ranks measured in a second group of ranks, one call per entry and cell")
 @click.option("--baseline/--no-baseline", default=True, show_default=True, help="time one rank on the whole sequence (T1, on rank 0 in the same rounds) for the scaling efficiency T1 / (P x T)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="every field and the environment")
-@click.option("--csv", "csv_path", type=click.Path(dir_okay=False))
+@click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="also write every row as CSV here")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="PNG: time and memory against sequence length")
 def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, windows, layouts, docs, docs_seed, kernel, fake_flash_attn, nproc,
         ulysses_degree, warmup, repeat,

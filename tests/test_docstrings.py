@@ -103,12 +103,12 @@ def _body(obj) -> list[ast.stmt]:
 
 def _own_nodes(statements):
     """The nodes of ``statements``, not descending into nested functions, lambdas or classes."""
-    stack = list(statements)
+    nested = (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)
+    stack = [node for node in statements if not isinstance(node, nested)]
     while stack:
         node = stack.pop()
         yield node
-        stack.extend(child for child in ast.iter_child_nodes(node)
-                     if not isinstance(child, (ast.FunctionDef, ast.AsyncFunctionDef, ast.Lambda, ast.ClassDef)))
+        stack.extend(child for child in ast.iter_child_nodes(node) if not isinstance(child, nested))
 
 
 def _raised(obj) -> set[str]:

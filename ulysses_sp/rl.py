@@ -64,20 +64,37 @@ class _TokenLogprobs(torch.autograd.Function):
 
 def token_logprobs(logits_local: torch.Tensor, labels_local: torch.Tensor, *, ignore_index: int = IGNORE_INDEX,
                    chunk_tokens: int | None = None) -> torch.Tensor:
-    """``log p(label)`` of each local token ``[B, s]`` (in the accumulation dtype: fp32 for bf16
-    logits), 0 where the label is ``ignore_index``; differentiable. ``labels_local`` is the
-    ``shift_labels`` of :func:`ulysses_sp.shard_batch` (each token's next token). Tiled over
-    ``chunk_tokens`` tokens (default: as the tiled loss), so no full-vocabulary log-softmax of the
-    shard is made."""
+    """``log p(label)`` of each local token, tiled so no full-vocabulary log-softmax is made.
+
+    Args:
+        logits_local: this rank's logits ``[B, s, vocab]``.
+        labels_local: the ``shift_labels`` of :func:`ulysses_sp.shard_batch` (each token's next
+            token) ``[B, s]``.
+        ignore_index: the label of tokens without a target.
+        chunk_tokens: tokens per tile (default: as the tiled loss).
+
+    Returns:
+        ``[B, s]`` in the accumulation dtype (fp32 for bf16 logits), 0 where the label is
+        ``ignore_index``; differentiable.
+    """
     chunk = chunk_tokens or default_chunk_tokens(logits_local.shape[-1])
     return _TokenLogprobs.apply(logits_local, labels_local, chunk, ignore_index)
 
 
 def sequence_ids(local_batch: dict, topo: Topology) -> tuple[torch.Tensor, int]:
-    """(the sequence each local token belongs to ``[B, s]``, the number of sequences): row ``b``'s
-    documents are sequences ``b * D .. b * D + D - 1`` for a packed batch of ``D`` documents per row
-    (``cu_seqlens``, the same for every row; the padding is a document of its own), row ``b`` is
-    sequence ``b`` otherwise."""
+    """The sequence each local token belongs to, and the number of sequences.
+
+    Row ``b``'s documents are sequences ``b * D .. b * D + D - 1`` for a packed batch of ``D``
+    documents per row (``cu_seqlens``, the same for every row; the padding is a document of its
+    own); row ``b`` is sequence ``b`` otherwise.
+
+    Args:
+        local_batch: this rank's batch from :func:`ulysses_sp.shard_batch`.
+        topo: the topology.
+
+    Returns:
+        The ids ``[B, s]`` and the number of sequences.
+    """
     ids = local_batch["input_ids"]
     b, s = ids.shape[0], ids.shape[1] * topo.sp_size
     cu = local_batch.get("cu_seqlens")
@@ -90,9 +107,18 @@ def sequence_ids(local_batch: dict, topo: Topology) -> tuple[torch.Tensor, int]:
 
 
 def sequence_sums(values_local: torch.Tensor, ids_local: torch.Tensor, num_sequences: int, topo: Topology) -> torch.Tensor:
-    """Each sequence's sum of ``values_local`` ``[B, s]`` over the SP group ``[num_sequences]``: the
-    same on every rank; differentiable, its gradient reaching this rank's values only. One
-    all-reduce of ``num_sequences`` numbers."""
+    """Each sequence's sum of per-token values over the whole SP group (one all-reduce).
+
+    Args:
+        values_local: this rank's per-token values ``[B, s]``.
+        ids_local: the sequence of each token (:func:`sequence_ids`).
+        num_sequences: the number of sequences.
+        topo: the topology.
+
+    Returns:
+        ``[num_sequences]``, the same on every rank; differentiable, its gradient reaching this
+        rank's values only.
+    """
     local = values_local.new_zeros(num_sequences).index_add(0, ids_local.reshape(-1), values_local.reshape(-1))
     total = comm.all_reduce_sum(local.detach(), topo.sp_group) if topo.sp_size > 1 else local.detach()
     return local + (total - local.detach())
@@ -100,9 +126,21 @@ def sequence_sums(values_local: torch.Tensor, ids_local: torch.Tensor, num_seque
 
 def sequence_logprobs(logits_local: torch.Tensor, local_batch: dict, topo: Topology, *, ignore_index: int = IGNORE_INDEX,
                       chunk_tokens: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(each sequence's summed log-probability of its targets, its number of targets), both
-    ``[sequences]`` (:func:`sequence_ids`) and the same on every rank of the SP group; the first is
-    differentiable. Divide one by the other for a length-normalised (IPO-style) log-probability."""
+    """Each sequence's summed log-probability of its targets over the SP group, and its target count.
+
+    Divide one by the other for a length-normalised (IPO-style) log-probability.
+
+    Args:
+        logits_local: this rank's logits ``[B, s, vocab]``.
+        local_batch: this rank's batch from :func:`ulysses_sp.shard_batch`.
+        topo: the topology.
+        ignore_index: the label of tokens without a target.
+        chunk_tokens: tokens per tile of the log-softmax (default: as the tiled loss).
+
+    Returns:
+        Both ``[sequences]`` (:func:`sequence_ids`), the same on every rank of the SP group; the
+        first is differentiable.
+    """
     labels = local_batch["shift_labels"]
     logps = token_logprobs(logits_local, labels, ignore_index=ignore_index, chunk_tokens=chunk_tokens)
     ids, n = sequence_ids(local_batch, topo)
@@ -112,10 +150,20 @@ def sequence_logprobs(logits_local: torch.Tensor, local_batch: dict, topo: Topol
 
 def token_mean(values_local: torch.Tensor, mask_local: torch.Tensor, topo: Topology, *, count_group=None,
                count: float | None = None) -> torch.Tensor:
-    """The mean of ``values_local`` over the masked tokens of the whole SP group (``count_group``:
-    of a wider group, e.g. the world for a mean over DP too), or their sum over ``count`` when given
-    (the tokens of every micro-batch of an accumulation window, counted beforehand with
-    :func:`ulysses_sp.data.target_counts`, as TRL's DAPO loss does). The same on every rank; its
-    gradient reaches this rank's values only (:func:`ulysses_sp.data.group_mean`)."""
+    """The mean of per-token values over the masked tokens of the whole SP group.
+
+    Args:
+        values_local: this rank's per-token values ``[B, s]``.
+        mask_local: which tokens count ``[B, s]``.
+        topo: the topology.
+        count_group (ProcessGroup | None): a wider group to count over (e.g. the world, for a mean over DP too).
+        count: divide the sum by this instead (the tokens of every micro-batch of an accumulation
+            window, counted beforehand with :func:`ulysses_sp.data.target_counts`, as TRL's DAPO
+            loss does).
+
+    Returns:
+        A scalar, the same on every rank; its gradient reaches this rank's values only
+        (:func:`ulysses_sp.data.group_mean`).
+    """
     mask = mask_local.to(values_local.dtype)
     return group_mean((values_local * mask).sum(), mask.sum(), topo.sp_group if count_group is None else count_group, total_count=count)

@@ -40,7 +40,9 @@ from .tiling import decoder_layers
 __all__ = ["ENGINES", "Breakdown", "Engine", "Switches", "World", "estimate", "max_seq_len", "model_states"]
 
 ENGINES = ("none", "zero0", "zero1", "zero2", "zero3", "fsdp2")
-"""``none``: plain torch (parameters, gradients and AdamW's two moments, all in the training
+"""The training engines whose model states the memory model knows.
+
+``none``: plain torch (parameters, gradients and AdamW's two moments, all in the training
 dtype, whole on every rank); ``zero0``..``zero3``: DeepSpeed in bf16/fp16 with fp32 master
 weights; ``fsdp2``: ``fully_shard`` with fp32 shards and the training dtype for compute."""
 
@@ -51,10 +53,20 @@ DS_MAX_LIVE_PARAMETERS = 1_000_000_000
 
 @dataclass(frozen=True)
 class World:
+    """The machines of a run: GPUs per node, nodes and the SP size.
+
+    Attributes:
+        gpus_per_node: ranks (GPUs) per node.
+        nodes: number of nodes.
+        sp_size: ranks sharing one sequence (None: every rank).
+
+    Raises:
+        ValueError: no GPU or node, or an SP size that does not divide the ranks.
+    """
+
     gpus_per_node: int = 8
     nodes: int = 1
     sp_size: int | None = None
-    """Ranks sharing one sequence (default: every rank)."""
 
     @property
     def ranks(self) -> int:
@@ -73,13 +85,23 @@ class World:
 
 @dataclass(frozen=True)
 class Engine:
+    """The training engine and its memory options.
+
+    Attributes:
+        name: one of ``ENGINES``.
+        offload_optimizer: optimizer states (and DeepSpeed's fp32 gradients) in host memory,
+            DeepSpeed's ``offload_optimizer`` (ZeRO-1/2/3 only).
+        reduce_bucket: DeepSpeed's ``reduce_bucket_size`` (elements; ZeRO-2/3).
+        max_live_parameters: DeepSpeed's ``stage3_max_live_parameters`` (elements).
+
+    Raises:
+        ValueError: an unknown engine, or optimizer offload on an engine without it.
+    """
+
     name: str = "zero3"
     offload_optimizer: bool = False
-    """Optimizer states (and DeepSpeed's fp32 gradients) in host memory: DeepSpeed's ``offload_optimizer``."""
     reduce_bucket: int = DS_REDUCE_BUCKET
-    """DeepSpeed's ``reduce_bucket_size`` (elements; ZeRO-2/3)."""
     max_live_parameters: int = DS_MAX_LIVE_PARAMETERS
-    """DeepSpeed's ``stage3_max_live_parameters``."""
 
     def __post_init__(self):
         if self.name not in ENGINES:
@@ -90,13 +112,22 @@ class Engine:
 
 @dataclass(frozen=True)
 class Switches:
+    """The memory switches of the model's step (all on by default).
+
+    Attributes:
+        tiled_loss: the LM head and loss over tiles of tokens (``causal_lm_loss``).
+        tiled_mlp: the MLP over tiles of tokens.
+        checkpoint: ``none``, ``layers`` or ``offload`` (:mod:`ulysses_sp.tiling`).
+        tiled_norms: the norms over tiles of tokens.
+        head_groups: Ulysses over this many head groups (``ulysses-g{G}``); 1: plain Ulysses.
+        backend: the SP attention backend.
+    """
+
     tiled_loss: bool = True
     tiled_mlp: bool = True
     checkpoint: str = "offload"
-    """``none``, ``layers`` or ``offload`` (:mod:`ulysses_sp.tiling`)."""
     tiled_norms: bool = True
     head_groups: int = 1
-    """Ulysses over this many head groups (``ulysses-g{G}``); 1: plain Ulysses."""
     backend: str = "ulysses"
 
     @property
@@ -106,7 +137,21 @@ class Switches:
 
 @dataclass
 class Breakdown:
-    """One rank's device bytes at the step's peak, by term, and one node's host bytes."""
+    """One rank's device bytes at the step's peak, by term, and one node's host bytes.
+
+    Attributes:
+        seq_len: tokens per sequence.
+        params: parameters.
+        grads: gradients.
+        optimizer: optimizer states on the device.
+        buffers: the engine's buffers (buckets, gathered parameters).
+        activations: what the step keeps for the backward at its peak.
+        transient: the largest op's working memory at the peak.
+        host_checkpoints: offloaded checkpoints in host memory (per node).
+        host_optimizer: offloaded optimizer states in host memory (per node).
+        peak_at: the op at which the peak falls.
+    """
+
     seq_len: int
     params: int
     grads: int
@@ -162,8 +207,21 @@ def _uniform(config) -> bool:
 
 
 def model_states(config, world: World, engine: Engine, dtype=torch.bfloat16) -> dict:
-    """Per-rank device bytes of parameters, gradients, optimizer states and engine buffers, and
-    per-node host bytes of offloaded optimizer states, for the full model in ``config``."""
+    """The model's states in memory: per rank on the device, per node in host memory.
+
+    Computed by formula from the parameter count of the full model built on the meta device
+    (DeepSpeed and FSDP2 cannot run on meta tensors).
+
+    Args:
+        config (PretrainedConfig | str | dict): a transformers config, a config.json path or a dict.
+        world: the GPUs, nodes and SP size.
+        engine: the engine and its memory options.
+        dtype (torch.dtype): the training dtype.
+
+    Returns:
+        Bytes by term: ``params``, ``grads``, ``optimizer``, ``buffers`` (per rank),
+        ``host_optimizer`` (per node) and ``optimizer_step`` (the optimizer step's working memory).
+    """
     config = _load_config(config)
     model = _build(config, None, dtype, 1)
     n = sum(p.numel() for p in model.parameters())
@@ -387,13 +445,28 @@ def _optimizer_step(config, dtype) -> int:
 
 def estimate(config, seq_len: int, world: World = World(), engine: Engine = Engine(), switches: Switches = Switches(),
              dtype=torch.bfloat16, states: dict | None = None) -> Breakdown:
-    """One training step's memory for a causal LM ``config`` (a transformers config, a config.json
-    path or a dict) at ``seq_len`` tokens per sequence, one sequence per SP group: the terms at the
-    step's peak (in the backward, or in the optimizer's step).
+    """One training step's memory per rank, one sequence per SP group, at the step's peak.
 
-    Runs in a process with no process group, or the fake one this module makes (one SP size per
-    process). Raises ``ValueError`` where the sequence does not split over the SP ranks or the
-    model cannot run under SP (the messages of :func:`ulysses_sp.apply_sequence_parallel`)."""
+    The peak falls in the backward or in the optimizer's step. Runs the model's step on the meta
+    device, in a process with no process group, or the fake one this module makes (one SP size per
+    process).
+
+    Args:
+        config (PretrainedConfig | str | dict): a causal LM's transformers config, a config.json path or a dict.
+        seq_len: tokens per sequence.
+        world: the GPUs, nodes and SP size.
+        engine: the engine and its memory options.
+        switches: the memory switches.
+        dtype (torch.dtype): the training dtype.
+        states: :func:`model_states` of the same config, world, engine and dtype, when known.
+
+    Returns:
+        The terms at the peak.
+
+    Raises:
+        ValueError: the sequence does not split over the SP ranks, or the model cannot run
+            under SP (the messages of :func:`ulysses_sp.apply_sequence_parallel`).
+    """
     config = _load_config(config)
     if seq_len % (2 * world.sp):
         raise ValueError(f"sequence length {seq_len} must be a multiple of 2 x sp size = {2 * world.sp}")
@@ -413,15 +486,33 @@ def estimate(config, seq_len: int, world: World = World(), engine: Engine = Engi
 def max_seq_len(config, device_bytes: int, host_bytes: int | None = None, world: World = World(), engine: Engine = Engine(),
                 switches: Switches = Switches(), dtype=torch.bfloat16, resolution: int = 0, limit: int = 1 << 28,
                 progress=None, states: dict | None = None) -> tuple[int, Breakdown | None]:
-    """The longest sequence whose step fits ``device_bytes`` per rank (and ``host_bytes`` per node,
-    when given), within ``resolution`` tokens (default: 1/128 of the answer), with its breakdown
-    (0 and None when not even ``2 x sp`` tokens fit); ``progress(seq, breakdown)`` after each try; ``states``: :func:`model_states`, when known.
+    """The longest sequence whose training step fits the device (and host) memory.
 
     Memory grows with the length as a convex, piecewise linear function (the largest of the
     step's moments, each linear in the tokens): the search tries 64k and 128k tokens per rank,
     then follows the secant through the last two tries, kept inside the lengths known to
     fit and not to fit; it stops when those are ``resolution`` apart, or when the line predicted the
-    last try exactly and puts the limit less than ``resolution`` beyond it."""
+    last try exactly and puts the limit less than ``resolution`` beyond it.
+
+    Args:
+        config (PretrainedConfig | str | dict): a causal LM's transformers config, a config.json path or a dict.
+        device_bytes: device memory per rank.
+        host_bytes: host memory per node (None: not limited).
+        world: the GPUs, nodes and SP size.
+        engine: the engine and its memory options.
+        switches: the memory switches.
+        dtype (torch.dtype): the training dtype.
+        resolution: how close to the limit, in tokens (0: 1/128 of the answer).
+        limit: the longest sequence tried.
+        progress (Callable | None): called as ``progress(seq, breakdown)`` after each try.
+        states: :func:`model_states` of the same config, world, engine and dtype, when known.
+
+    Returns:
+        The length and its :class:`Breakdown`; 0 and None when not even ``2 x sp`` tokens fit.
+
+    Raises:
+        ValueError: the model cannot run under SP (see :func:`estimate`).
+    """
     config = _load_config(config)
     states = states or model_states(config, world, engine, dtype)
     unit = 2 * world.sp

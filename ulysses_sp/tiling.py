@@ -79,6 +79,10 @@ __all__ = [
 ]
 
 CHECKPOINT_MODES = ("none", "layers", "offload")
+"""The values of ``checkpoint=``.
+
+No checkpoints, each decoder layer recomputed in the backward, or that with its checkpointed input
+in host memory (on CUDA)."""
 MIN_DEFAULT_TILE = 1024
 _TILED = "_ulysses_sp_tiled_mlp"
 _CKPT = "_ulysses_sp_checkpoint"
@@ -86,8 +90,19 @@ _COMPILED = "_ulysses_sp_compiled"
 _STORE = "_ulysses_sp_offload_store"
 
 
-def validate_options(tiled_mlp, checkpoint_mode) -> int | None:
-    """The tile in tokens (``None``: off, ``0``: the default rule); ValueError for anything else."""
+def validate_options(tiled_mlp: bool | int | None, checkpoint_mode: str) -> int | None:
+    """Check the ``tiled_mlp`` and ``checkpoint`` options of ``apply_sequence_parallel``.
+
+    Args:
+        tiled_mlp: False or None (off), True (the default tile) or a tile size in tokens.
+        checkpoint_mode: one of ``CHECKPOINT_MODES``.
+
+    Returns:
+        The tile in tokens: None for off, 0 for the default rule.
+
+    Raises:
+        ValueError: any other value of either.
+    """
     if checkpoint_mode not in CHECKPOINT_MODES:
         raise ValueError(f"checkpoint must be one of {CHECKPOINT_MODES}, got {checkpoint_mode!r}")
     if tiled_mlp is None or tiled_mlp is False:
@@ -100,11 +115,27 @@ def validate_options(tiled_mlp, checkpoint_mode) -> int | None:
 
 
 def default_tile_tokens(hidden: int) -> int:
+    """The default tile of the tiled MLP and norms.
+
+    Args:
+        hidden: the hidden size.
+
+    Returns:
+        Tokens per tile: the hidden size, at least 1024.
+    """
     return max(MIN_DEFAULT_TILE, int(hidden))
 
 
 def tile_count(tokens: int, tile_tokens: int) -> int:
-    """``ceil(tokens / tile_tokens)``, at least 1: the number of module calls per pass."""
+    """The number of module calls per pass over ``tokens`` tokens.
+
+    Args:
+        tokens: the tokens of the pass.
+        tile_tokens: tokens per tile.
+
+    Returns:
+        ``ceil(tokens / tile_tokens)``, at least 1.
+    """
     return max(1, math.ceil(tokens / tile_tokens))
 
 
@@ -162,8 +193,17 @@ class TiledMLPFunction(torch.autograd.Function):
 
 
 class TiledMLP:
-    """Stands in the decoder layer's ``__dict__`` as ``mlp``: ``layer.mlp(x)`` runs the tiles, while
-    ``layer._modules["mlp"]`` (parameters, state_dict, hooks) stays the original module."""
+    """A module run over tiles of tokens, standing in for it in its owner's ``__dict__``.
+
+    ``layer.mlp(x)`` runs the tiles, while ``layer._modules["mlp"]`` (parameters, state_dict,
+    hooks) stays the original module.
+
+    Args:
+        module (torch.nn.Module): the MLP (or norm) to tile.
+        tile_tokens: tokens per tile (0: :func:`default_tile_tokens`).
+        world_group (ProcessGroup | None): the group over which the tile counts agree under ZeRO-3.
+        agree: make every rank run the same number of tiles (ZeRO-3 gathers parameters per call).
+    """
 
     def __init__(self, module, tile_tokens: int, world_group, agree: bool):
         self.module, self.tile_tokens, self.world_group, self.agree = module, tile_tokens, world_group, agree
@@ -209,8 +249,20 @@ def decoder_layers(model) -> list:
 
 
 def tile_mlp(model, tile_tokens: int, sp_size: int = 1) -> list:
-    """Tile every decoder layer's ``mlp`` (``tile_tokens`` 0: the default rule); returns the stand-ins.
-    ``sp_size``: the SP group size; when the world is larger, ZeRO-3 parameters make the count agree."""
+    """Run every decoder layer's ``mlp`` over tiles of tokens.
+
+    Args:
+        model (torch.nn.Module): the model.
+        tile_tokens: tokens per tile (0: :func:`default_tile_tokens`).
+        sp_size: the SP group size; when the world is larger, ZeRO-3 parameters make the ranks'
+            tile counts agree.
+
+    Returns:
+        The :class:`TiledMLP` stand-ins.
+
+    Raises:
+        ValueError: the model has no decoder layer with an ``mlp`` module.
+    """
     world = dist.group.WORLD if dist.is_initialized() else None
     agree = dist.is_initialized() and dist.get_world_size() > sp_size
     out = []
@@ -229,9 +281,18 @@ def tile_mlp(model, tile_tokens: int, sp_size: int = 1) -> list:
 
 
 def norms(model) -> list[tuple[torch.nn.Module, str]]:
-    """(owner, name) of the normalisations a token passes through outside attention: the decoder
-    layers' own (``input_layernorm``, ``post_attention_layernorm``, sandwich norms) and the final
-    one beside the layers; modules named ``*Norm`` with at most a per-channel weight and bias."""
+    """The normalisations a token passes through outside attention.
+
+    The decoder layers' own (``input_layernorm``, ``post_attention_layernorm``, sandwich norms)
+    and the final one beside the layers: modules named ``*Norm`` with at most a per-channel
+    weight and bias.
+
+    Args:
+        model (torch.nn.Module): the model.
+
+    Returns:
+        (owner module, attribute name) of each.
+    """
     layers = decoder_layers(model)
     owners = list(layers) + [m for m in model.modules() if any(isinstance(c, torch.nn.ModuleList) and any(x in layers for x in c)
                                                               for c in m.children())]
@@ -247,8 +308,19 @@ def norms(model) -> list[tuple[torch.nn.Module, str]]:
 
 
 def tile_norms(model, tile_tokens: int, sp_size: int = 1) -> list:
-    """Run every norm :func:`norms` finds over tiles of tokens as :func:`tile_mlp` runs the MLP: the
-    norm's float32 intermediates then live for one tile, and only its input is saved for the backward."""
+    """Run every norm :func:`norms` finds over tiles of tokens, as :func:`tile_mlp` runs the MLP.
+
+    The norm's float32 intermediates then live for one tile, and only its input is saved for the
+    backward.
+
+    Args:
+        model (torch.nn.Module): the model.
+        tile_tokens: tokens per tile (0: :func:`default_tile_tokens`).
+        sp_size: the SP group size (as for :func:`tile_mlp`).
+
+    Returns:
+        The :class:`TiledMLP` stand-ins.
+    """
     world = dist.group.WORLD if dist.is_initialized() else None
     agree = dist.is_initialized() and dist.get_world_size() > sp_size
     out = []
@@ -259,7 +331,11 @@ def tile_norms(model, tile_tokens: int, sp_size: int = 1) -> list:
 
 
 def untile_mlp(model) -> None:
-    """Undo :func:`tile_mlp` and :func:`tile_norms`."""
+    """Undo :func:`tile_mlp` and :func:`tile_norms`.
+
+    Args:
+        model (torch.nn.Module): the model.
+    """
     for m in model.modules():
         for name in [k for k, v in m.__dict__.items() if isinstance(v, TiledMLP)]:
             del m.__dict__[name]
@@ -272,7 +348,9 @@ def tiled_mlps(model) -> list:
 
 
 class OffloadStore:
-    """``saved_tensors_hooks`` pack/unpack that move saved tensors to pinned host memory on CUDA
+    """Saved-tensor hooks that keep checkpoints in host memory.
+
+    ``saved_tensors_hooks`` pack/unpack that move saved tensors to pinned host memory on CUDA
     (asynchronous copies, back to the device in the backward) and keep them as they are elsewhere.
     Counts what it handled: ``packed``/``packed_bytes``, ``unpacked``, ``offloaded_bytes``
     (the bytes that actually went to the host)."""
@@ -338,7 +416,19 @@ def hf_checkpointing(model) -> bool:
 
 
 def checkpoint_layers(model, mode: str) -> OffloadStore | None:
-    """Checkpoint every decoder layer (``"layers"`` or ``"offload"``); returns the offload store."""
+    """Checkpoint every decoder layer: recompute it in the backward.
+
+    Args:
+        model (torch.nn.Module): the model.
+        mode: one of ``CHECKPOINT_MODES``; ``"offload"`` keeps the checkpoints in host memory.
+
+    Returns:
+        The :class:`OffloadStore` under ``"offload"``, else None.
+
+    Raises:
+        ValueError: transformers' own gradient checkpointing is on, or the model has no decoder
+            layers.
+    """
     if mode == "none":
         return None
     if hf_checkpointing(model):
@@ -355,6 +445,11 @@ def checkpoint_layers(model, mode: str) -> OffloadStore | None:
 
 
 def uncheckpoint_layers(model) -> None:
+    """Undo :func:`checkpoint_layers`.
+
+    Args:
+        model (torch.nn.Module): the model.
+    """
     for layer in decoder_layers(model):
         if layer.__dict__.pop(_CKPT, None) is not None:
             layer.__dict__.pop("forward", None)
@@ -368,10 +463,19 @@ def _call_forward(layer, *args, **kwargs):
 
 
 def compile_layers(model, **compile_options) -> None:
-    """``torch.compile`` each decoder layer's own forward (``compile_options`` go to it, e.g.
-    ``fullgraph=True``); the checkpointing of :func:`checkpoint_layers` stays outside the compiled
-    code, which torch.compile cannot trace (re-entrant checkpointing, the offload hooks), and the
-    SP attention and the tiled MLP are one op each in the graph (``ulysses_sp.eager_ops``)."""
+    """``torch.compile`` each decoder layer's own forward.
+
+    The checkpointing of :func:`checkpoint_layers` stays outside the compiled code, which
+    torch.compile cannot trace (re-entrant checkpointing, the offload hooks), and the SP attention
+    and the tiled MLP are one op each in the graph (``ulysses_sp.eager_ops``).
+
+    Args:
+        model (torch.nn.Module): a model switched by ``apply_sequence_parallel``.
+        **compile_options (Any): passed to ``torch.compile``, e.g. ``fullgraph=True``.
+
+    Raises:
+        ValueError: the model has no decoder layers.
+    """
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"compile_layers: {type(model).__name__} has no decoder layers to compile")
@@ -383,5 +487,12 @@ def compile_layers(model, **compile_options) -> None:
 
 
 def offload_store(model) -> OffloadStore | None:
-    """The :class:`OffloadStore` of a model under ``checkpoint="offload"`` (else None)."""
+    """The offload store of a model.
+
+    Args:
+        model (torch.nn.Module): the model.
+
+    Returns:
+        Its :class:`OffloadStore` under ``checkpoint="offload"``, else None.
+    """
     return model.__dict__.get(_STORE)

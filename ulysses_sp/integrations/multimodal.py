@@ -39,17 +39,34 @@ _AUDIO = re.compile(r"^audio_|^input_features$|^input_values$")
 
 
 def text_decoder(model) -> nn.Module | None:
-    """The text decoder of an image- or video-text model (``model.get_decoder()``), or None."""
+    """The text decoder of an image- or video-text model.
+
+    Args:
+        model (nn.Module): a transformers model.
+
+    Returns:
+        ``model.get_decoder()`` where it is another module than ``model``, else None.
+    """
     get = getattr(model, "get_decoder", None)
     decoder = get() if callable(get) else None
     return decoder if isinstance(decoder, nn.Module) and decoder is not model else None
 
 
 def decoder_to_switch(model) -> nn.Module | None:
-    """None for a text model, the text decoder of a tested image- or video-text family; raises
-    ``ValueError`` naming any other model with inputs besides text (audio-text models included).
-    (Switching a whole image-text model once ran SmolVLM's vision tower under the text decoder's
-    attention and cut images at shard boundaries: the loss off by a relative 1.04.)"""
+    """The module that ``apply_sequence_parallel`` switches inside an image- or video-text model.
+
+    Switching the whole model would run its vision tower under the text decoder's attention and
+    cut images at shard boundaries.
+
+    Args:
+        model (nn.Module): a transformers model.
+
+    Returns:
+        None for a text model; the text decoder of a tested image- or video-text family.
+
+    Raises:
+        ValueError: any other model with inputs besides text (audio-text models included), named.
+    """
     others = coverage.other_modalities(model)
     if not others:
         return None
@@ -93,12 +110,14 @@ class EncodedVisuals(ModelOutput):
 
 STYLES = {"qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
           "llava": "images", "smolvlm": "images"}
-"""How a family's visual inputs split into items (images, videos): rows of patches with a
-``*_grid_thw`` per item (Qwen), or one image per ``[C, H, W]`` of ``pixel_values`` (LLaVA's
+"""How each tested family's visual inputs split into items (images, videos).
+
+Rows of patches with a ``*_grid_thw`` per item (Qwen), or one image per ``[C, H, W]`` of ``pixel_values`` (LLaVA's
 ``[N, ...]``, SmolVLM's ``[B, N, ...]`` with ``pixel_attention_mask``; all-zero padding images dropped)."""
 TESTED = tuple(sorted(STYLES))
-"""``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact; the
-others are refused by name until a test holds them too."""
+"""``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact.
+
+The others are refused by name until a test holds them too."""
 _PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
 _SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask")
 
@@ -261,7 +280,13 @@ def _decoder_hook(topo: Topology, state: dict):
 
 
 def split_at_decoder(model, decoder: nn.Module, topo: Topology) -> None:
-    """Install the two hooks (see the module's docstring); the decoder's is the first to run."""
+    """Split the sequence at the model's input: install its two hooks (see the module's docstring).
+
+    Args:
+        model (nn.Module): the image- or video-text model.
+        decoder (nn.Module): its text decoder (:func:`decoder_to_switch`); its hook runs first.
+        topo (Topology): the topology.
+    """
     unsplit(model)
     state: dict = {}
     model.__dict__[_HOOKS] = [
@@ -271,11 +296,26 @@ def split_at_decoder(model, decoder: nn.Module, topo: Topology) -> None:
 
 
 def is_split(model) -> bool:
+    """Whether :func:`split_at_decoder` hooks are on ``model``.
+
+    Args:
+        model (nn.Module): a transformers model.
+
+    Returns:
+        True while the hooks are installed.
+    """
     return _HOOKS in model.__dict__
 
 
 def unsplit(model) -> bool:
-    """Remove the hooks; whether there were any."""
+    """Remove the hooks of :func:`split_at_decoder`.
+
+    Args:
+        model (nn.Module): a transformers model.
+
+    Returns:
+        Whether there were any.
+    """
     handles = model.__dict__.pop(_HOOKS, [])
     for handle in handles:
         handle.remove()

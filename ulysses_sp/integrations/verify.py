@@ -13,6 +13,7 @@ import copy
 import dataclasses
 import functools
 import time
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -21,6 +22,9 @@ import torch.nn.functional as F
 from .. import comm
 from ..devices import move_batch
 from .mixers import check_supported, mixer_layers
+
+if TYPE_CHECKING:
+    import transformers
 
 
 __all__ = ["SequenceParallelMismatch", "VerifyReport", "shrink_config", "verify_sequence_parallel"]
@@ -41,28 +45,37 @@ class SequenceParallelMismatch(AssertionError):
 
 @dataclasses.dataclass
 class VerifyReport:
-    """What :func:`verify_sequence_parallel` measured."""
+    """What :func:`verify_sequence_parallel` measured; ``str(report)`` is its one-line summary.
+
+    Attributes:
+        architecture: the model class verified.
+        sp_size: ranks of the SP group.
+        layers: decoder layers of the copy that ran.
+        loss_error: relative error of the SP loss against one process, per run (``unpacked``,
+            ``packed``).
+        grad_errors: per run, each parameter's worst relative gradient error (max abs difference
+            over the max abs of the one-process gradient).
+        backends: the backends each attention layer ran.
+        mixers: the strategy each other token mixer (hybrid models) ran, by module path.
+        seconds: wall time of the check.
+        tolerance: the relative error allowed.
+        rounding_noise: how far the one-process gradients move when the same sums are only
+            re-associated (the loss's two halves backpropagated apart and added): about 1e-16 for
+            a model in fp64 throughout, 1e-7 to 1e-5 where its own code computes in float32
+            (Gemma 3's norms, Gated DeltaNet and Mamba scans). SP re-associates the same way, so
+            its error is measured against this.
+    """
 
     architecture: str
     sp_size: int
     layers: int
     loss_error: dict[str, float]
-    """Relative error of the SP loss against one process, per run (``unpacked``, ``packed``)."""
     grad_errors: dict[str, dict[str, float]]
-    """Per run, each parameter's worst relative gradient error (max abs difference over the max
-    abs of the one-process gradient)."""
     backends: dict[int, list[str]]
-    """The backends each attention layer ran."""
     mixers: dict[str, str]
-    """The strategy each other token mixer (hybrid models) ran, by module path."""
     seconds: float
     tolerance: float
     rounding_noise: float = 0.0
-    """How far the one-process gradients move when the same sums are only re-associated (the
-    loss's two halves backpropagated apart and added): about 1e-16 for a model in fp64 throughout,
-    1e-7 to 1e-5 where its own code computes in float32 (Gemma 3's norms, Gated DeltaNet and Mamba
-    scans) and 1e-8 where torch's CPU sdpa backward does. SP re-associates the same way, so its
-    error is measured against this."""
 
     @property
     def worst(self) -> tuple[str, str, float]:
@@ -123,11 +136,21 @@ def _shrink_mamba(small, put) -> None:
             put(name, 2)
 
 
-def shrink_config(config, min_layers: int = 2):
-    """A small copy of ``config``: head counts kept (they decide which backends can run), head
-    dims of 8 (query/key 12 and value 6 under multi-head latent attention), small MLPs, vocab and
-    expert counts, and the shortest prefix of layers that holds every kind of layer the full model
-    has (built on the meta device to find them; at least ``min_layers``)."""
+def shrink_config(config, min_layers: int = 2) -> transformers.PretrainedConfig:
+    """A small copy of a transformers config that keeps what SP depends on.
+
+    Head counts are kept (they decide which backends can run); head dims become 8 (query/key 12
+    and value 6 under multi-head latent attention); MLPs, vocab and expert counts shrink; the
+    layers are the shortest prefix that holds every kind of layer the full model has (built on
+    the meta device to find them).
+
+    Args:
+        config (PretrainedConfig): the model's config.
+        min_layers: the fewest layers kept (fewer when the model has fewer).
+
+    Returns:
+        The small config (a copy; ``config`` is unchanged).
+    """
     import transformers
 
     small = _shrink_widths(config)
@@ -394,14 +417,11 @@ def _one_run(ref, topo, data, reference, backend, kernel, mixer) -> tuple[float,
 def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: str = "auto", mixer: str = "auto", shrink: bool = True, seq_len: int | None = None,
                              tolerance: float | None = None, packed: tuple[bool, ...] = (False, True), seed: int = 0,
                              raise_on_mismatch: bool = True) -> VerifyReport:
-    """Check that SP on ``topo`` computes the same loss and gradients as one process, for the
-    architecture of ``model_or_config`` (a transformers model or config), and return the
-    :class:`VerifyReport`; raise :class:`SequenceParallelMismatch` naming the worst parameters
-    past ``tolerance`` (relative, fp64), and ``ValueError`` from ``apply_sequence_parallel`` for
-    a model SP does not cover. ``tolerance`` defaults to 1e-6, or 10 times the model's own
-    rounding noise where that is larger (:attr:`VerifyReport.rounding_noise`: models whose code
-    computes in float32 inside the fp64 copy, such as Gated DeltaNet and Mamba scans, re-associate
-    at float32's rounding; a rank seeing only its shard is wrong at order 1 either way).
+    """Check that SP computes the same loss and every gradient as one process for an architecture.
+
+    Runs one forward and backward on random tokens in one process and under SP, unpacked and
+    packed (the packed reference runs each document alone), in fp64, and compares the loss and
+    every parameter's gradient. Every rank of the SP group must call it.
 
     An image-text model of the families ulysses_sp switches (``multimodal.TESTED``) runs with random
     images (:mod:`.verify_image_text`: one across a shard boundary; packed, a document without any);
@@ -411,7 +431,30 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
     from the config with random weights in fp64 on ``topo.device``; ``shrink=False`` copies
     the given model (or builds the config as it is), so keep it small. ``seq_len`` defaults to
     ``12 * sp_size + 5`` tokens (padding included). ``backend``, ``kernel`` and ``mixer`` are
-    ``apply_sequence_parallel``'s. Every rank of the SP group must call it.
+    ``apply_sequence_parallel``'s.
+
+    Args:
+        model_or_config (PreTrainedModel | PretrainedConfig): the model, or its config.
+        topo (Topology): the topology from :func:`ulysses_sp.init_sequence_parallel`.
+        backend (str | list | Callable): as for :func:`ulysses_sp.apply_sequence_parallel`.
+        kernel: as for :func:`ulysses_sp.apply_sequence_parallel`.
+        mixer: as for :func:`ulysses_sp.apply_sequence_parallel`.
+        shrink: run a small copy of the architecture (:func:`shrink_config`).
+        seq_len: tokens per row (default ``12 * sp_size + 5``).
+        tolerance: the relative error allowed; default 1e-6, or 10 times the model's own
+            rounding noise where that is larger (:attr:`VerifyReport.rounding_noise`).
+        packed: the runs to make: unpacked (False) and packed (True).
+        seed: seed of the copy's weights and the random tokens.
+        raise_on_mismatch: raise past the tolerance (else only report it).
+
+    Returns:
+        The :class:`VerifyReport`.
+
+    Raises:
+        SequenceParallelMismatch: SP is off by more than ``tolerance``, naming the worst
+            parameters (with ``raise_on_mismatch``).
+        ValueError: a model SP does not cover (from ``apply_sequence_parallel``), or an
+            image-text or audio-text family it does not split.
     """
     started = time.perf_counter()
     config = getattr(model_or_config, "config", model_or_config)
