@@ -181,46 +181,7 @@ def _backend_per_layer(backend, layers) -> dict[int, str]:
 def apply_sequence_parallel(model: nn.Module, topo: Topology, backend: str | list[str] | Callable[[int], str] = "auto",
                             profile: Profile | None = None, kernel: str = "auto", tiled_mlp: bool | int = False, checkpoint: str = "none",
                             mixer: str = "auto", tiled_norms: bool = False) -> nn.Module:
-    """Switch a loaded Hugging Face transformers model to sequence-parallel attention and token mixers.
-
-    Every attention layer gets its own `SequenceParallelAttention` (so ``auto`` chooses per layer);
-    the previous attention implementation is kept for `remove_sequence_parallel`, and the KV cache
-    is turned off (training and evaluation, not generation). Feed the model
-    ``model_inputs(shard_batch(batch, topo))``. Of an image- or video-text model of the families
-    ``ulysses_sp.integrations.multimodal.TESTED`` names only the text decoder is switched, and the
-    sequence is split at its input. The first forward checks that every attention layer called
-    the SP attention and that global ``position_ids`` were passed. Needs the ``hf`` extra.
-
-    Args:
-        model: A loaded transformers model (a causal LM, or a tested image-text family).
-        topo: The topology from `init_sequence_parallel`.
-        backend: One backend name for every attention layer (``auto``: decided per layer and
-            shape), a list with one name per attention layer, or a callable ``layer_idx -> name``
-            (e.g. ``halo`` for the ``sliding_attention`` layers of ``config.layer_types`` and
-            ``ring`` for the others).
-        profile: What ``auto`` estimates with (default: the topology's, else the built-in one).
-        kernel: The local attention kernel: ``auto``, ``flash_attn``, ``torch`` or ``math``.
-        tiled_mlp: ``True`` runs each decoder layer's ``mlp`` over tiles of
-            ``max(1024, hidden_size)`` tokens, recomputing each tile in the backward; an int is
-            the tile in tokens (`ulysses_sp.tiling`).
-        checkpoint: ``none``, ``layers`` (recompute each decoder layer in the backward) or
-            ``offload`` (also keep each checkpointed layer input in pinned host memory on CUDA;
-            its counters are in ``ulysses_sp.tiling.offload_store(model)``).
-        mixer: The strategy for hybrid models' other token mixers (Gated DeltaNet, Mamba2, short
-            convolutions): ``auto``, ``halo``, ``ulysses``, ``allgather``, or ``none`` (refuse them).
-        tiled_norms: Also run the decoder layers' norms and the final one over tiles (at the
-            MLP's tile size), so their float32 intermediates never exist for the whole shard.
-
-    Returns:
-        ``model``, switched.
-
-    Raises:
-        ValueError: A model SP does not cover, naming each module (attention computed in the
-            model's own code, ALiBi, a token mixer without a strategy, positions numbered inside
-            the model, an untested image-text or an audio-text model), a per-layer backend list
-            of the wrong length, or invalid ``tiled_mlp``, ``checkpoint`` or ``tiled_norms``
-            (including ``checkpoint`` with transformers' own gradient checkpointing on).
-    """
+    """Switch a model to SP attention and token mixers: documented at `ulysses_sp.apply_sequence_parallel`."""
     decoder = multimodal.decoder_to_switch(model)
     if decoder is not None:
         apply_sequence_parallel(decoder, topo, backend, profile, kernel, tiled_mlp, checkpoint, mixer, tiled_norms)
@@ -299,18 +260,7 @@ def chosen_backends(model: nn.Module) -> dict[int, list[str]]:
 
 
 def remove_sequence_parallel(model: nn.Module) -> nn.Module:
-    """Undo `apply_sequence_parallel`, e.g. to evaluate or generate on whole sequences.
-
-    Restores the previous attention implementation and ``use_cache``, and removes the tiled
-    MLPs and norms, the layer checkpointing and the mixers' strategies. A model that is not
-    switched is returned as it is.
-
-    Args:
-        model: The model given to `apply_sequence_parallel`.
-
-    Returns:
-        ``model``.
-    """
+    """Undo `apply_sequence_parallel`: documented at `ulysses_sp.remove_sequence_parallel`."""
     if multimodal.unsplit(model):
         remove_sequence_parallel(multimodal.text_decoder(model))
         return model
