@@ -76,7 +76,7 @@ def runs(path: Path) -> list[Run]:
         end = next(j for j in range(start, len(lines)) if lines[j].strip() == "```")
         indent = len(lines[i]) - len(lines[i].lstrip())
         text = "\n".join(line[indent:] for line in lines[start:end])
-        options = dict(kind=None, ranks=1, setup=None, continues=False)
+        options = dict(ranks=1, setup=None, continues=False)
         if mark and mark.group(1) == "not run":
             if not mark.group(2):
                 raise ValueError(f"{page}:{start}: `not run` needs a reason: <!-- not run: REASON -->")

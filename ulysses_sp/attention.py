@@ -1,4 +1,4 @@
-"""The one attention interface: :class:`SequenceParallelAttention` and :func:`sp_attention`.
+"""The one attention interface: `SequenceParallelAttention` and `sp_attention`.
 
 Order of work on every call: validate this rank's inputs (local checks, no
 communication), check once per call signature that every rank of the SP group

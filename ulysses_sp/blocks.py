@@ -1,6 +1,6 @@
 """Block-wise attention for the ring, hybrid, all-gather and halo backends: which kernel
-calls attend this rank's queries to one set of keys (:func:`plan_blocks`), and running
-them into fp32 accumulators (:func:`blocks_forward`, :func:`blocks_backward`).
+calls attend this rank's queries to one set of keys (`plan_blocks`), and running
+them into fp32 accumulators (`blocks_forward`, `blocks_backward`).
 
 Queries and keys are described by *segments*: ``(global start, length)`` in local order
 (``start`` None for local positions that are never attended). Masks are stated in global
@@ -13,11 +13,11 @@ square diagonal are separate calls), however many documents are packed: document
 the sequences of one varlen call (``kernels.Varlen``; a gap becomes a sequence with no
 queries or no keys), pairs that see nothing are skipped, and no mask tensor is built.
 Unmasked calls that together cover a larger rectangle of *local* rows are then merged
-(:func:`_coalesce`): a rank's two zigzag chunks are not adjacent globally but are locally,
+(`_coalesce`): a rank's two zigzag chunks are not adjacent globally but are locally,
 so every zigzag ring step after the first is one kernel call, not two, as in torch's
 head-tail ring (both plans timed: ``benchmarks/results/block-calls-P4-bf16.json``); and the first, a rank's
 own block (two diagonals and the block between them), is one causal call
-(:func:`_merge_diagonals`).
+(`_merge_diagonals`).
 Plans are pure functions of the layout, the window and the packing, computed once per call
 signature and kept in ``Topology.cache`` with their device tensors.
 """
@@ -197,7 +197,7 @@ def sees_any(q_segments, k_segments, *, causal: bool, window: int | None = None,
 
 
 def cached_plan(topo, q_segments, k_segments, spec, device) -> tuple[BlockCall, ...]:
-    """:func:`plan_blocks` for ``spec``'s mask, window, packing and batch, kept in ``topo.cache``."""
+    """`plan_blocks` for ``spec``'s mask, window, packing and batch, kept in ``topo.cache``."""
     q_segments, k_segments = tuple(q_segments), tuple(k_segments)
     key = ("blocks", q_segments, k_segments, spec.causal, spec.window, spec.cu_seqlens, spec.batch, str(device))
     return topo.cached(key, lambda: plan_blocks(
@@ -221,7 +221,7 @@ def first_writes(call_lists) -> list[tuple[bool, ...]]:
 def blocks_forward(kernel: str, q, k, v, calls, spec, out_acc, lse_acc, first=None) -> None:
     """Run ``calls`` with the named kernel and merge their results into the fp32
     accumulators ``out_acc`` ``[B, Sq, H, D]`` / ``lse_acc`` ``[B, H, Sq]`` in place; a call
-    flagged in ``first`` (:func:`first_writes`) is stored without merging.
+    flagged in ``first`` (`first_writes`) is stored without merging.
     q, k and v reach the kernel in their own dtype."""
     run = get_kernel(kernel).block_forward
     for i, c in enumerate(calls):
@@ -234,7 +234,7 @@ def blocks_forward(kernel: str, q, k, v, calls, spec, out_acc, lse_acc, first=No
 
 
 def blocks_backward(kernel: str, dout, q, k, v, out, lse, calls, spec, dq_acc, dk_acc, dv_acc) -> None:
-    """Gradients of :func:`blocks_forward` from the final ``out``/``lse`` of every query row,
+    """Gradients of `blocks_forward` from the final ``out``/``lse`` of every query row,
     added in place to the accumulators ``dq_acc``, ``dk_acc``, ``dv_acc``."""
     run = get_kernel(kernel).block_backward
     for c in calls:

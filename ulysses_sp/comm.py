@@ -2,7 +2,7 @@
 
 Every collective of ulysses-sp goes through this module, and every call
 records the bytes this rank sends and receives in each open
-:class:`CommCounter`. Counts are logical payload bytes: what leaves this rank
+`CommCounter`. Counts are logical payload bytes: what leaves this rank
 for another rank (a rank's own chunk of an all-to-all is not sent), whatever
 algorithm the process-group backend uses underneath.
 
@@ -264,7 +264,7 @@ def _unpack_seq(rows, dest_bsphd, k: int):
 
 
 def seq_to_heads_start(views_bsphd, group, table):
-    """Post :func:`seq_to_heads` of ``[B, s, P, h, D]`` views (head slot j goes to rank j: a
+    """Post `seq_to_heads` of ``[B, s, P, h, D]`` views (head slot j goes to rank j: a
     pipeline stage sends a head group); returns ``wait() -> [B, S, h, D]`` head shards.
     Not differentiable: for backends' own autograd Functions."""
     order = _natural_order(table)
@@ -273,7 +273,7 @@ def seq_to_heads_start(views_bsphd, group, table):
 
 
 def heads_to_seq_start(tensors_bshd, group, table, dests_bsphd=None):
-    """Post :func:`heads_to_seq` of ``[B, S, h, D]`` head shards; ``wait()`` writes each result
+    """Post `heads_to_seq` of ``[B, S, h, D]`` head shards; ``wait()`` writes each result
     into its ``[B, s, P, h, D]`` view of ``dests_bsphd`` (None: new ``[B, s, P*h, D]`` tensors,
     allocated once the send buffer is freed) and returns them. Not differentiable."""
     p, k = group_size(group), len(table[0])
@@ -358,7 +358,7 @@ def seq_to_heads(tensors, group, table) -> list[torch.Tensor]:
 
 
 def heads_to_seq(tensors, group, table) -> list[torch.Tensor]:
-    """Inverse of :func:`seq_to_heads`. Differentiable."""
+    """Inverse of `seq_to_heads`. Differentiable."""
     p = group_size(group)
     if p == 1:
         return list(tensors)
@@ -556,7 +556,7 @@ def exchange(sends, recvs, group, *, tag: int = 0):
     """Post point-to-point sends ``[(to, tensor), ...]`` and receives ``[(from, like), ...]``
     (group ranks; a receive buffer gets ``like``'s shape and dtype) in one ``batch_isend_irecv``.
 
-    Returns ``(received, wait)`` as :func:`ring_send_recv`; empty tensors are not sent.
+    Returns ``(received, wait)`` as `ring_send_recv`; empty tensors are not sent.
     Not differentiable: backends call it inside their own autograd Function.
     """
     received = [torch.empty(like.shape, dtype=like.dtype, device=like.device) for _, like in recvs]

@@ -2,8 +2,8 @@
 
 torchrun sets ``LOCAL_RANK`` and ``LOCAL_WORLD_SIZE``; the ``deepspeed``
 launcher sets ``LOCAL_RANK`` and ``LOCAL_SIZE``. Entry points that run under a
-launcher call :func:`bind_device` before ``init_process_group`` (NCCL takes the
-current device) and :func:`check_one_rank_per_device` right after it, so two
+launcher call `bind_device` before ``init_process_group`` (NCCL takes the
+current device) and `check_one_rank_per_device` right after it, so two
 ranks sharing one GPU fail at start with a message instead of deadlocking or
 running out of memory later. Without CUDA both are no-ops and the rank uses
 the CPU.
@@ -81,7 +81,7 @@ def device_identity(device: torch.device) -> tuple[str, str]:
 
 
 def shared_devices(identities: list[tuple[str, str]]) -> dict[tuple[str, str], list[int]]:
-    """From every rank's :func:`device_identity` (in rank order): ``{identity: ranks}`` for each
+    """From every rank's `device_identity` (in rank order): ``{identity: ranks}`` for each
     device held by more than one rank."""
     ranks: dict[tuple[str, str], list[int]] = {}
     for rank, ident in enumerate(identities):

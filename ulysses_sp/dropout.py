@@ -3,7 +3,7 @@
 Every rank of an SP group starts from the same seed (the model must be initialised alike), so
 without care a dropout at local position i draws the same mask on every rank, and a sequence's
 mask repeats every S/P tokens, which one process never does. While a switched model trains,
-:class:`RankDropout` (a ``TorchFunctionMode``) runs each dropout call with a stream of its own
+`RankDropout` (a ``TorchFunctionMode``) runs each dropout call with a stream of its own
 rank: it draws one seed from the default CPU generator (the same number on every rank, which
 keeps that stream in step across the group), seeds the generator of the input's device with the
 seed mixed with the SP rank, runs the dropout and puts the generator's state back. Every other

@@ -13,8 +13,8 @@ cannot hold); the MLP's parameters get their gradients inside it, as in eager.
 
 The callables and the graph a forward built reach the ops as opaque objects (torch's
 ``register_opaque_type``), which carry Python state through a compiled graph: an
-:class:`EagerCall` made outside the graph (each ``SequenceParallelAttention`` and ``TiledMLP``
-holds one, each ``Topology`` one for ``sp_attention``), and a :class:`_Built` the forward returns
+`EagerCall` made outside the graph (each ``SequenceParallelAttention`` and ``TiledMLP``
+holds one, each ``Topology`` one for ``sp_attention``), and a `_Built` the forward returns
 and the backward takes, freed with the outer autograd graph.
 """
 
@@ -77,7 +77,7 @@ def _run(fn, inputs, grad_mask: int):
 
 @torch.library.custom_op("ulysses_sp::backward", mutates_args=())
 def _backward_op(dout: torch.Tensor, built: _Built, sizes: list[int], dims: list[int], grad_mask: int) -> list[torch.Tensor]:
-    """Run a :class:`_Built` graph's backward from ``dout``; the gradients of the inputs in
+    """Run a `_Built` graph's backward from ``dout``; the gradients of the inputs in
     ``grad_mask`` (anything else the graph reaches, such as the tiled MLP's parameters,
     accumulates its ``.grad`` as in eager)."""
     if built.out is None:

@@ -10,14 +10,14 @@ accepts every layout.
 * ``balanced``: for packed rows, where zigzag balances nothing (a rank's causal
   work is the sum over its tokens of their position in their document + 1, and
   one long document dominates the chunks it falls in). The sequence is cut into
-  k P equal chunks (k: the largest of 8 .. 2 that divides; :func:`chunks_per_rank`)
+  k P equal chunks (k: the largest of 8 .. 2 that divides; `chunks_per_rank`)
   and each rank gets k of them by work, longest processing time first: the chunk
   with the most work goes to the least-loaded rank that still has room. The
   placement is a pure function of the global document boundaries, the same on
   every rank with no collective, so the batch's ``cu_seqlens`` carries it: every
   function here takes them for this layout. Chunks need not align with documents.
 
-Every layout is a chunk table (:func:`chunk_table`: the equal chunks each rank
+Every layout is a chunk table (`chunk_table`: the equal chunks each rank
 holds), which is all the backends read. Everything here is pure tensor slicing:
 no communication.
 """

@@ -1,12 +1,12 @@
 """Machine figures that backend cost estimates are computed from.
 
-A :class:`Profile` holds, per kind of collective, a latency and a bandwidth
+A `Profile` holds, per kind of collective, a latency and a bandwidth
 (inside a node, and across nodes), the local attention kernel's throughput
 forward and backward by dtype, whether communication overlaps computation,
 and an optional memory budget. Built in: NVLink GPUs, and CPU with gloo measured
-on 2 and on 4 ranks (:func:`default_profile` takes the one for the SP size);
+on 2 and on 4 ranks (`default_profile` takes the one for the SP size);
 ``sp-bench calibrate`` measures one for the machine and rank count at hand and
-writes JSON that :func:`load_profile` reads back.
+writes JSON that `load_profile` reads back.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ class Profile:
 
     def attention_fwd_bwd_seconds(self, spec, ranks: int, efficiency: float = 1.0) -> float:
         """Forward and backward seconds of a rank's share of ``spec``'s attention, the kernel
-        running at ``efficiency`` of its rate (:meth:`efficiency`)."""
+        running at ``efficiency`` of its rate (`efficiency`)."""
         flops = spec.attention_flops(ranks)
         return (self.attention_seconds(flops, spec.dtype) + self.attention_seconds(flops, spec.dtype, backward=True)) / efficiency
 

@@ -1,6 +1,6 @@
 """Backends by name, and the ``auto`` choice between them.
 
-A backend is any object with the :class:`Backend` shape. The built-in ones
+A backend is any object with the `Backend` shape. The built-in ones
 are registered when this module is imported; ``register_backend`` adds more.
 ``hybrid-u{U}`` names the hybrid backend at Ulysses degree U (made on first use,
 any U; its ``check`` says whether U fits the topology and the heads); ``hybrid``
@@ -141,7 +141,7 @@ def candidates(topo) -> dict[str, Backend]:
 
 
 def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tuple[Backend, dict[str, str | Estimate]]:
-    """The cheapest feasible backend of :func:`candidates` for ``spec``, and for every
+    """The cheapest feasible backend of `candidates` for ``spec``, and for every
     candidate either its estimate or the reason it was dropped (``check()`` failed, or
     its peak memory exceeds the profile's budget).
 

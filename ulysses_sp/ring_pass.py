@@ -132,7 +132,7 @@ def ring_hops(chunk_lists, chunk: int, spec) -> int:
 
 
 def ring_plans(topo, chunk_lists, rank: int, spec, q) -> RingPlans:
-    """This rank's :class:`RingPlans` when ring rank ``src`` holds chunks ``chunk_lists[src]``."""
+    """This rank's `RingPlans` when ring rank ``src`` holds chunks ``chunk_lists[src]``."""
     chunk = q.shape[1] // len(chunk_lists[rank])
     hops = topo.cached(("ring-hops", tuple(map(tuple, chunk_lists)), chunk, spec.causal, spec.window, spec.cu_seqlens),
                        lambda: ring_hops(chunk_lists, chunk, spec))

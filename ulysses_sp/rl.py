@@ -2,9 +2,9 @@
 
 A sequence's log-probability is a sum over its tokens, and under SP its tokens lie on several
 ranks (a packed row's document may span ranks, and a rank may hold parts of several). So the
-per-token log-probabilities are computed from each rank's local logits (:func:`token_logprobs`,
+per-token log-probabilities are computed from each rank's local logits (`token_logprobs`,
 tiled over tokens: never the full-vocabulary log-softmax of a long shard at once) and summed per
-sequence over the SP group (:func:`sequence_sums`). Like :func:`ulysses_sp.sp_cross_entropy`, each
+sequence over the SP group (`sequence_sums`). Like `ulysses_sp.sp_cross_entropy`, each
 value is the same on every rank of the group and its gradient reaches only this rank's tokens, so
 summing parameter gradients over the group gives the one-process gradient; a per-rank mean in place
 of the group's sum is the bug this guards against.
@@ -68,7 +68,7 @@ def token_logprobs(logits_local: torch.Tensor, labels_local: torch.Tensor, *, ig
 
     Args:
         logits_local: this rank's logits ``[B, s, vocab]``.
-        labels_local: the ``shift_labels`` of :func:`ulysses_sp.shard_batch` (each token's next
+        labels_local: the ``shift_labels`` of `ulysses_sp.shard_batch` (each token's next
             token) ``[B, s]``.
         ignore_index: the label of tokens without a target.
         chunk_tokens: tokens per tile (default: as the tiled loss).
@@ -89,7 +89,7 @@ def sequence_ids(local_batch: dict, topo: Topology) -> tuple[torch.Tensor, int]:
     own); row ``b`` is sequence ``b`` otherwise.
 
     Args:
-        local_batch: this rank's batch from :func:`ulysses_sp.shard_batch`.
+        local_batch: this rank's batch from `ulysses_sp.shard_batch`.
         topo: the topology.
 
     Returns:
@@ -111,7 +111,7 @@ def sequence_sums(values_local: torch.Tensor, ids_local: torch.Tensor, num_seque
 
     Args:
         values_local: this rank's per-token values ``[B, s]``.
-        ids_local: the sequence of each token (:func:`sequence_ids`).
+        ids_local: the sequence of each token (`sequence_ids`).
         num_sequences: the number of sequences.
         topo: the topology.
 
@@ -132,13 +132,13 @@ def sequence_logprobs(logits_local: torch.Tensor, local_batch: dict, topo: Topol
 
     Args:
         logits_local: this rank's logits ``[B, s, vocab]``.
-        local_batch: this rank's batch from :func:`ulysses_sp.shard_batch`.
+        local_batch: this rank's batch from `ulysses_sp.shard_batch`.
         topo: the topology.
         ignore_index: the label of tokens without a target.
         chunk_tokens: tokens per tile of the log-softmax (default: as the tiled loss).
 
     Returns:
-        Both ``[sequences]`` (:func:`sequence_ids`), the same on every rank of the SP group; the
+        Both ``[sequences]`` (`sequence_ids`), the same on every rank of the SP group; the
         first is differentiable.
     """
     labels = local_batch["shift_labels"]
@@ -158,12 +158,12 @@ def token_mean(values_local: torch.Tensor, mask_local: torch.Tensor, topo: Topol
         topo: the topology.
         count_group (ProcessGroup | None): a wider group to count over (e.g. the world, for a mean over DP too).
         count: divide the sum by this instead (the tokens of every micro-batch of an accumulation
-            window, counted beforehand with :func:`ulysses_sp.data.target_counts`, as TRL's DAPO
+            window, counted beforehand with `ulysses_sp.data.target_counts`, as TRL's DAPO
             loss does).
 
     Returns:
         A scalar, the same on every rank; its gradient reaches this rank's values only
-        (:func:`ulysses_sp.data.group_mean`).
+        (`ulysses_sp.data.group_mean`).
     """
     mask = mask_local.to(values_local.dtype)
     return group_mean((values_local * mask).sum(), mask.sum(), topo.sp_group if count_group is None else count_group, total_count=count)

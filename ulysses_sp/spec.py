@@ -1,7 +1,7 @@
-"""What a backend is asked to do (:class:`AttnSpec`) and what it costs (:class:`Estimate`).
+"""What a backend is asked to do (`AttnSpec`) and what it costs (`Estimate`).
 
 Kept below both the registry and the backends so that neither imports the other;
-the machine figures costs come from are in :mod:`ulysses_sp.profile`.
+the machine figures costs come from are in `ulysses_sp.profile`.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ class AttnSpec:
 
     def attention_flops(self, ranks: int) -> float:
         """Forward attention FLOPs per rank when ``ranks`` share the work evenly:
-        4 * B * (query-key pairs) * Hq * D / ranks, pairs (:meth:`visible_pairs`) counted
+        4 * B * (query-key pairs) * Hq * D / ranks, pairs (`visible_pairs`) counted
         per document for packed sequences."""
         bounds = self.cu_seqlens or (0, self.seq_len)
         pairs = sum(self.visible_pairs(b - a) for a, b in zip(bounds, bounds[1:]))

@@ -1,6 +1,6 @@
 """Memory of one training step at real shapes: what a rank's device and a node's host hold.
 
-:func:`estimate` splits one rank's peak device memory into terms:
+`estimate` splits one rank's peak device memory into terms:
 
 - **params, grads, optimizer, buffers**: the training engine's model states, from the ZeRO
   paper's accounting (Rajbhandari et al., 2020, with K = 12 bytes of fp32 master weights and Adam
@@ -11,7 +11,7 @@
   engines are not run.
 - **activations** (kept at the end of the forward) and **transient** (the rest of the step's
   peak): the real model code runs one forward and backward on the meta device, rank 0 of the SP
-  group with torch's fake process group, under :class:`~ulysses_sp.testing.memory.PeakMemory`,
+  group with torch's fake process group, under `PeakMemory`,
   which sees every op's allocation. Checkpoints offloaded to the host (``checkpoint="offload"``)
   leave the device there as they do on CUDA, and come back for the backward.
 
@@ -117,7 +117,7 @@ class Switches:
     Attributes:
         tiled_loss: the LM head and loss over tiles of tokens (``causal_lm_loss``).
         tiled_mlp: the MLP over tiles of tokens.
-        checkpoint: ``none``, ``layers`` or ``offload`` (:mod:`ulysses_sp.tiling`).
+        checkpoint: ``none``, ``layers`` or ``offload`` (`ulysses_sp.tiling`).
         tiled_norms: the norms over tiles of tokens.
         head_groups: Ulysses over this many head groups (``ulysses-g{G}``); 1: plain Ulysses.
         backend: the SP attention backend.
@@ -256,7 +256,7 @@ def model_states(config, world: World, engine: Engine, dtype=torch.bfloat16) -> 
 
 
 class _HostStore:
-    """Stands in for an :class:`~ulysses_sp.tiling.OffloadStore` on the meta device as it behaves on
+    """Stands in for an `OffloadStore` on the meta device as it behaves on
     CUDA: a packed tensor leaves the device (only its shape is kept) and the backward gets a new one."""
 
     def __init__(self):
@@ -325,7 +325,7 @@ def _cacheable(func) -> bool:
 
 
 class MetaPeakMemory(PeakMemory):
-    """:class:`~ulysses_sp.testing.memory.PeakMemory` for meta tensors that runs each functional op
+    """`PeakMemory` for meta tensors that runs each functional op
     once per input signature (shapes, strides, dtypes, other arguments) and afterwards makes its
     outputs directly: many of the meta device's kernels are Python references, and a tiled step
     repeats the same ops thousands of times (Llama-8B at 655k tokens a rank: 2.2x faster, the
@@ -458,14 +458,14 @@ def estimate(config, seq_len: int, world: World = World(), engine: Engine = Engi
         engine: the engine and its memory options.
         switches: the memory switches.
         dtype (torch.dtype): the training dtype.
-        states: :func:`model_states` of the same config, world, engine and dtype, when known.
+        states: `model_states` of the same config, world, engine and dtype, when known.
 
     Returns:
         The terms at the peak.
 
     Raises:
         ValueError: the sequence does not split over the SP ranks, or the model cannot run
-            under SP (the messages of :func:`ulysses_sp.apply_sequence_parallel`).
+            under SP (the messages of `ulysses_sp.apply_sequence_parallel`).
     """
     config = _load_config(config)
     if seq_len % (2 * world.sp):
@@ -505,13 +505,13 @@ def max_seq_len(config, device_bytes: int, host_bytes: int | None = None, world:
         resolution: how close to the limit, in tokens (0: 1/128 of the answer).
         limit: the longest sequence tried.
         progress (Callable | None): called as ``progress(seq, breakdown)`` after each try.
-        states: :func:`model_states` of the same config, world, engine and dtype, when known.
+        states: `model_states` of the same config, world, engine and dtype, when known.
 
     Returns:
-        The length and its :class:`Breakdown`; 0 and None when not even ``2 x sp`` tokens fit.
+        The length and its `Breakdown`; 0 and None when not even ``2 x sp`` tokens fit.
 
     Raises:
-        ValueError: the model cannot run under SP (see :func:`estimate`).
+        ValueError: the model cannot run under SP (see `estimate`).
     """
     config = _load_config(config)
     states = states or model_states(config, world, engine, dtype)

@@ -1,6 +1,6 @@
 """Where a pipelined backend's collectives and their copies run.
 
-On CUDA a :class:`CommStream` is a side stream: the packing copies, the
+On CUDA a `CommStream` is a side stream: the packing copies, the
 collective (NCCL queues it behind the stream that issues it) and the unpacking
 copies of one pipeline stage run there while the attention kernel of the
 previous stage runs on the compute stream; events order the two, so the host

@@ -10,7 +10,7 @@ answer's symbols are targets: the filler, trained on too, outweighs them in the 
 delays retrieval past the default run (measured: docs/benchmarks.md).
 
 Training rows pack documents (position ids restart at each), their lengths drawn log-uniformly
-between :data:`MIN_DOC` tokens and a cap that stays at :data:`MIN_DOC` for the first 20% of the
+between `MIN_DOC` tokens and a cap that stays at `MIN_DOC` for the first 20% of the
 steps (short documents, where attention finds the key at once, so retrieval is learnt early),
 then grows to the whole row by 50% (so it carries over to any distance). Held-out prompts are one
 document per row whose key lies on SP ranks other than those holding the answer, under the run's

@@ -1,9 +1,9 @@
 """Memory for long sequences beyond attention: a tiled MLP and per-layer activation checkpointing
 with the checkpointed inputs offloaded to host memory.
 
-Tiled MLP (:func:`tile_mlp`). A position-wise module ``[B, S, H] -> [B, S, H]`` (LlamaMLP's
+Tiled MLP (`tile_mlp`). A position-wise module ``[B, S, H] -> [B, S, H]`` (LlamaMLP's
 gate/up/down, or anything else that treats tokens independently) runs over tiles of tokens:
-:class:`TiledMLPFunction` saves only its input, computes the output tile by tile under
+`TiledMLPFunction` saves only its input, computes the output tile by tile under
 ``no_grad`` and, in the backward, recomputes each tile with grad enabled and backpropagates it
 (parameter gradients accumulate through autograd, the input gradient is written per tile).
 The intermediate activations live for one tile, O(tile x intermediate) instead of
@@ -31,17 +31,17 @@ recompute. While tile i < n - 1 is backpropagated the parameters carry ``ds_grad
 False``, which tells ZeRO-2 and ZeRO-3 not to reduce a partial gradient (the same protocol as
 DeepSpeed's own TiledMLP); the last tile sets it back to True.
 
-Checkpointing (:func:`checkpoint_layers`): ``"layers"`` recomputes each decoder layer in the
+Checkpointing (`checkpoint_layers`): ``"layers"`` recomputes each decoder layer in the
 backward (``torch.utils.checkpoint``, ``use_reentrant=False``); the SP attention inside re-runs its
 collectives in the recompute, in the same order on every rank because every rank recomputes the
 same layers in the same (reverse) order. ``"offload"`` checkpoints with the re-entrant variant,
 whose only saved tensors are the layer's tensor inputs (``ctx.save_for_backward``), under
-``torch.autograd.graph.saved_tensors_hooks`` from an :class:`OffloadStore`: on CUDA pack copies the
+``torch.autograd.graph.saved_tensors_hooks`` from an `OffloadStore`: on CUDA pack copies the
 input to a pinned host buffer (``non_blocking=True``) and unpack copies it back for the backward;
 on CPU there is nothing to move and the store keeps the tensor, counting tensors and bytes in
 both cases (``offload_store(model)``).
 
-Under :func:`compile_layers` the checkpoint wraps the compiled layer, re-entrant in both modes:
+Under `compile_layers` the checkpoint wraps the compiled layer, re-entrant in both modes:
 non-reentrant recomputation is keyed by the backward's graph task, and the compiled attention op
 runs its own graph's backward as a task of its own, which would recompute the layer once more.
 """
@@ -200,7 +200,7 @@ class TiledMLP:
 
     Args:
         module (torch.nn.Module): the MLP (or norm) to tile.
-        tile_tokens: tokens per tile (0: :func:`default_tile_tokens`).
+        tile_tokens: tokens per tile (0: `default_tile_tokens`).
         world_group (ProcessGroup | None): the group over which the tile counts agree under ZeRO-3.
         agree: make every rank run the same number of tiles (ZeRO-3 gathers parameters per call).
     """
@@ -253,12 +253,12 @@ def tile_mlp(model, tile_tokens: int, sp_size: int = 1) -> list:
 
     Args:
         model (torch.nn.Module): the model.
-        tile_tokens: tokens per tile (0: :func:`default_tile_tokens`).
+        tile_tokens: tokens per tile (0: `default_tile_tokens`).
         sp_size: the SP group size; when the world is larger, ZeRO-3 parameters make the ranks'
             tile counts agree.
 
     Returns:
-        The :class:`TiledMLP` stand-ins.
+        The `TiledMLP` stand-ins.
 
     Raises:
         ValueError: the model has no decoder layer with an ``mlp`` module.
@@ -308,18 +308,18 @@ def norms(model) -> list[tuple[torch.nn.Module, str]]:
 
 
 def tile_norms(model, tile_tokens: int, sp_size: int = 1) -> list:
-    """Run every norm :func:`norms` finds over tiles of tokens, as :func:`tile_mlp` runs the MLP.
+    """Run every norm `norms` finds over tiles of tokens, as `tile_mlp` runs the MLP.
 
     The norm's float32 intermediates then live for one tile, and only its input is saved for the
     backward.
 
     Args:
         model (torch.nn.Module): the model.
-        tile_tokens: tokens per tile (0: :func:`default_tile_tokens`).
-        sp_size: the SP group size (as for :func:`tile_mlp`).
+        tile_tokens: tokens per tile (0: `default_tile_tokens`).
+        sp_size: the SP group size (as for `tile_mlp`).
 
     Returns:
-        The :class:`TiledMLP` stand-ins.
+        The `TiledMLP` stand-ins.
     """
     world = dist.group.WORLD if dist.is_initialized() else None
     agree = dist.is_initialized() and dist.get_world_size() > sp_size
@@ -331,7 +331,7 @@ def tile_norms(model, tile_tokens: int, sp_size: int = 1) -> list:
 
 
 def untile_mlp(model) -> None:
-    """Undo :func:`tile_mlp` and :func:`tile_norms`.
+    """Undo `tile_mlp` and `tile_norms`.
 
     Args:
         model (torch.nn.Module): the model.
@@ -382,7 +382,7 @@ class OffloadStore:
 
 
 def _own_forward(layer):
-    """The layer's forward without checkpointing: compiled after :func:`compile_layers`."""
+    """The layer's forward without checkpointing: compiled after `compile_layers`."""
     return layer.__dict__.get(_COMPILED) or functools.partial(type(layer).forward, layer)
 
 
@@ -423,7 +423,7 @@ def checkpoint_layers(model, mode: str) -> OffloadStore | None:
         mode: one of ``CHECKPOINT_MODES``; ``"offload"`` keeps the checkpoints in host memory.
 
     Returns:
-        The :class:`OffloadStore` under ``"offload"``, else None.
+        The `OffloadStore` under ``"offload"``, else None.
 
     Raises:
         ValueError: transformers' own gradient checkpointing is on, or the model has no decoder
@@ -445,7 +445,7 @@ def checkpoint_layers(model, mode: str) -> OffloadStore | None:
 
 
 def uncheckpoint_layers(model) -> None:
-    """Undo :func:`checkpoint_layers`.
+    """Undo `checkpoint_layers`.
 
     Args:
         model (torch.nn.Module): the model.
@@ -465,7 +465,7 @@ def _call_forward(layer, *args, **kwargs):
 def compile_layers(model, **compile_options) -> None:
     """``torch.compile`` each decoder layer's own forward.
 
-    The checkpointing of :func:`checkpoint_layers` stays outside the compiled code, which
+    The checkpointing of `checkpoint_layers` stays outside the compiled code, which
     torch.compile cannot trace (re-entrant checkpointing, the offload hooks), and the SP attention
     and the tiled MLP are one op each in the graph (``ulysses_sp.eager_ops``).
 
@@ -493,6 +493,6 @@ def offload_store(model) -> OffloadStore | None:
         model (torch.nn.Module): the model.
 
     Returns:
-        Its :class:`OffloadStore` under ``checkpoint="offload"``, else None.
+        Its `OffloadStore` under ``checkpoint="offload"``, else None.
     """
     return model.__dict__.get(_STORE)

@@ -5,7 +5,7 @@ inside a node when ranks are numbered node by node). Inside an SP group the
 Ulysses sub-groups are runs of ``ulysses_degree`` consecutive ranks and the ring
 sub-groups take every ``ulysses_degree``-th rank: the all-to-all stays on the
 fast links, the ring crosses the slow ones. The same split is also built for
-every other proper divisor of ``sp_size`` (:meth:`Topology.hybrid_groups`), so
+every other proper divisor of ``sp_size`` (`Topology.hybrid_groups`), so
 the hybrid backend can run at any Ulysses degree, chosen per layer.
 """
 
@@ -31,7 +31,7 @@ DEFAULT_TIMEOUT = datetime.timedelta(minutes=10)
 
 @dataclass(frozen=True)
 class HybridGroups:
-    """One Ulysses x ring split of the SP group (:meth:`Topology.hybrid_groups`); groups are
+    """One Ulysses x ring split of the SP group (`Topology.hybrid_groups`); groups are
     None on a planning topology."""
 
     ulysses_group: dist.ProcessGroup | None

@@ -3,11 +3,11 @@
 Under SP each rank holds a slice of every sequence. A module that mixes
 information across tokens and does not go through the ``"ulysses_sp"``
 attention function sees only that slice: the model still runs, and computes
-something else. :func:`check_coverage` finds such modules from the model's
+something else. `check_coverage` finds such modules from the model's
 structure (module types, parameters, ``config.layer_types``, the source of each
 attention class's ``forward``, whether the embedding model's ``forward`` takes
 ``position_ids``), never from a list of model names, so families
-nobody has tried are caught too; :func:`install_guards` checks at the first
+nobody has tried are caught too; `install_guards` checks at the first
 forward what the structure cannot show (an attention layer that did not call
 our function, a call without global ``position_ids``). Every check reads only
 local, identical state, so every rank raises the same error at the same point,
@@ -48,7 +48,7 @@ _ROUTED = ("ALL_ATTENTION_FUNCTIONS",)
 _CALLS = "_ulysses_sp_calls"
 _HOOKS = "_ulysses_sp_coverage_hooks"
 MIXER = "_ulysses_sp_mixer"
-"""Where :mod:`ulysses_sp.integrations.mixers` keeps a covered mixer's strategy (in the module's ``__dict__``)."""
+"""Where `ulysses_sp.integrations.mixers` keeps a covered mixer's strategy (in the module's ``__dict__``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,7 +307,7 @@ def _after_attention(path):
 
 
 FUSED_HEAD = "_ulysses_sp_fused_head"
-"""Key in a model's ``__dict__`` of :func:`ulysses_sp.integrations.trl.sequence_parallel_fused_head`,
+"""Key in a model's ``__dict__`` of `ulysses_sp.integrations.trl.sequence_parallel_fused_head`,
 which takes whole rows and calls the model again with this rank's shard (``SHARD_CALL=True``)."""
 SHARD_CALL = "_usp_shard_call"
 

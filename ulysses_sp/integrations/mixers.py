@@ -1,6 +1,6 @@
 """Hybrid models' token mixers under SP: each module the coverage check finds mixing tokens
 outside attention (a convolution over the sequence, a state-space or linear-attention
-recurrence) gets a :mod:`ulysses_sp.mixers` strategy around its own forward, so the model's
+recurrence) gets a `ulysses_sp.mixers` strategy around its own forward, so the model's
 code and kernels still do the math. A model forward pre-hook records what each call needs:
 the local batch and sequence sizes and, for packed input, the global document boundaries
 (taken from the model's ``cu_seq_lens_q``, so a decoder layer that does not forward its
@@ -47,7 +47,7 @@ def _record_context(context: dict, modules: list):
 
 def install_mixers(model, topo, mixer: str = "auto") -> dict[str, str]:
     """Put a mixer strategy around every uncovered mixer module of ``model`` (``mixer``: ``auto``,
-    a name in :data:`ulysses_sp.mixers.MIXERS`, or ``none`` for no mixer: such models are then
+    a name in `ulysses_sp.mixers.MIXERS`, or ``none`` for no mixer: such models are then
     refused); returns ``{module path: strategy}``. Convolutions and recurrent networks that are
     themselves the decoder layer's child (their input is not ``[batch, sequence, ...]``) are left
     to the coverage check."""
@@ -70,7 +70,7 @@ def install_mixers(model, topo, mixer: str = "auto") -> dict[str, str]:
 
 
 def check_supported(model, topo, mixer: str = "auto") -> None:
-    """The coverage check as :func:`ulysses_sp.apply_sequence_parallel` will see the model (its
+    """The coverage check as `ulysses_sp.apply_sequence_parallel` will see the model (its
     mixers under ``mixer``), without switching anything: a ``ValueError`` naming each uncovered module."""
     install_mixers(model, topo, mixer)
     try:

@@ -284,7 +284,7 @@ def split_at_decoder(model, decoder: nn.Module, topo: Topology) -> None:
 
     Args:
         model (nn.Module): the image- or video-text model.
-        decoder (nn.Module): its text decoder (:func:`decoder_to_switch`); its hook runs first.
+        decoder (nn.Module): its text decoder (`decoder_to_switch`); its hook runs first.
         topo (Topology): the topology.
     """
     unsplit(model)
@@ -296,7 +296,7 @@ def split_at_decoder(model, decoder: nn.Module, topo: Topology) -> None:
 
 
 def is_split(model) -> bool:
-    """Whether :func:`split_at_decoder` hooks are on ``model``.
+    """Whether `split_at_decoder` hooks are on ``model``.
 
     Args:
         model (nn.Module): a transformers model.
@@ -308,7 +308,7 @@ def is_split(model) -> bool:
 
 
 def unsplit(model) -> bool:
-    """Remove the hooks of :func:`split_at_decoder`.
+    """Remove the hooks of `split_at_decoder`.
 
     Args:
         model (nn.Module): a transformers model.

@@ -9,13 +9,13 @@ What the trainer changes, and why:
 
 - **Topology and model.** ``__init__`` validates the arguments against the world and the
   model's heads (a ``ValueError`` on every rank, before any collective), builds the
-  DP x SP topology and calls :func:`ulysses_sp.apply_sequence_parallel`.
+  DP x SP topology and calls `ulysses_sp.apply_sequence_parallel`.
 - **Sampling.** Every SP rank of a DP group must see the same samples, so the train
-  sampler is :class:`ulysses_sp.SequenceParallelSampler`, and the ``BatchSamplerShard``
+  sampler is `ulysses_sp.SequenceParallelSampler`, and the ``BatchSamplerShard``
   that ``accelerator.prepare`` wraps around it (which would re-shard by world rank) is
   made a pass-through. Eval batches are assigned whole to DP groups (global batch ``g``
   to group ``g % dp``), so each batch holds what it holds on one process.
-- **Loss.** Each micro-batch is cut with :func:`ulysses_sp.shard_batch` (labels shifted
+- **Loss.** Each micro-batch is cut with `ulysses_sp.shard_batch` (labels shifted
   before sharding, global position ids, packed ``cu_seqlens`` passed as
   ``cu_seq_lens_q``). ``num_items_in_batch`` is the number of valid targets of the whole
   accumulation window over every DP group, counted here on the shards (each token once:
@@ -23,9 +23,9 @@ What the trainer changes, and why:
   loss is its tokens' sum over that count, so the accumulated gradient summed over all
   ranks is the one-process gradient of the window's token-weighted mean.
 - **Gradient reduction.** DDP, and accelerate's FSDP2 (``fsdp=True``: ``fully_shard`` over the
-  world), average over the world, so the backward loss is multiplied by the world size; DeepSpeed gets :class:`~ulysses_sp.integrations.deepspeed.SequenceParallelMPU`
+  world), average over the world, so the backward loss is multiplied by the world size; DeepSpeed gets `SequenceParallelMPU`
   (injected into ``deepspeed.initialize``) and the loss is multiplied by
-  :func:`~ulysses_sp.integrations.deepspeed.gradient_scale`; DeepSpeed's division by the
+  `gradient_scale`; DeepSpeed's division by the
   accumulation steps is turned off (``scale_wrt_gas=False``), since the count already spans them.
 - **Eval and predict.** ``eval_loss`` is the mean over every target token of the eval
   set, whatever the batch size or DP x SP split (transformers.Trainer averages batch

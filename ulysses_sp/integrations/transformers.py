@@ -4,9 +4,9 @@
 attention implementation (and a mask function that builds no mask: causal
 masking, sliding windows and packed documents are handled inside the backends;
 each layer's ``sliding_window`` and ``softcap`` go to its backend), gives every
-attention layer its own :class:`SequenceParallelAttention` (so ``auto`` can
+attention layer its own `SequenceParallelAttention` (so ``auto`` can
 choose per layer) and switches the model to it. Inputs are this rank's shards
-from :func:`ulysses_sp.shard_batch`; pass its ``position_ids`` (global, so
+from `ulysses_sp.shard_batch`; pass its ``position_ids`` (global, so
 rotary embeddings are right on every rank) and, for packed input,
 ``cu_seq_lens_q=local["cu_seqlens"]``.
 """

@@ -1,16 +1,16 @@
 """TRL's SFT, DPO and GRPO trainers under sequence parallelism (``pip install ulysses-sp[trl]``).
 
-Each trainer is the TRL trainer combined with :class:`~ulysses_sp.integrations.trainer.SequenceParallelTrainer`
+Each trainer is the TRL trainer combined with `SequenceParallelTrainer`
 (its topology, SP attention, sampling by DP group and gradient reduction), and each config the TRL
-config with the SP fields of :class:`~ulysses_sp.integrations.trainer.SequenceParallelTrainingArguments`.
+config with the SP fields of `SequenceParallelTrainingArguments`.
 
-- **SFT** trains a causal LM: the batches are cut with :func:`ulysses_sp.shard_batch` and the loss
+- **SFT** trains a causal LM: the batches are cut with `ulysses_sp.shard_batch` and the loss
   is the SP trainer's token-weighted mean over SP x DP x accumulation. TRL's collators decide the
   targets (completion-only and assistant-only loss are labels of -100), and packed rows
   (``packing=True`` or ``padding_free=True``: position ids restarting at 0) default to the balanced layout.
 - **DPO and GRPO** compute their losses from per-token log-probabilities, which TRL asks of the
-  model as ``model(..., labels=..., fused_lm_head=True)`` (:func:`trl.trainer.utils.add_fused_lm_head`).
-  Under SP that forward (:func:`sequence_parallel_fused_head`) takes the whole batch on every rank of
+  model as ``model(..., labels=..., fused_lm_head=True)`` (`trl.trainer.utils.add_fused_lm_head`).
+  Under SP that forward (`sequence_parallel_fused_head`) takes the whole batch on every rank of
   the group, runs the model on this rank's shard (tiled over the vocabulary by TRL's fused head, so
   no logits), and gathers each per-token field (``B x S`` numbers, not ``B x S x vocab``) back into
   whole rows. So TRL's own loss code (sums per sequence, ``ld_alpha``, IPO's lengths, GRPO's ratios,

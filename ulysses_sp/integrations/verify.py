@@ -1,7 +1,7 @@
 """``verify_sequence_parallel``: prove that SP computes the same model as one process, for the
 user's own architecture, before any GPU time is spent on training it.
 
-A small copy of the architecture (:func:`shrink_config`: every kind of layer kept, small
+A small copy of the architecture (`shrink_config`: every kind of layer kept, small
 widths, fp64) runs one forward and backward on random tokens in one process and under SP on
 the given topology, unpacked and packed; the loss and every parameter's gradient are compared.
 Uncovered token mixers are refused by ``apply_sequence_parallel`` before anything runs.
@@ -45,7 +45,7 @@ class SequenceParallelMismatch(AssertionError):
 
 @dataclasses.dataclass
 class VerifyReport:
-    """What :func:`verify_sequence_parallel` measured; ``str(report)`` is its one-line summary.
+    """What `verify_sequence_parallel` measured; ``str(report)`` is its one-line summary.
 
     Attributes:
         architecture: the model class verified.
@@ -186,7 +186,7 @@ def _shrink_text(config):
 
 
 def _shrink_widths(config):
-    """A copy of ``config`` with :func:`shrink_config`'s small widths, all its layers."""
+    """A copy of ``config`` with `shrink_config`'s small widths, all its layers."""
     small = copy.deepcopy(config)
 
     def put(name, value):
@@ -262,7 +262,7 @@ def _check_small(config) -> None:
 
 
 def _image_text(config):
-    """:mod:`.verify_image_text` for an image-text config of a tested family, None for a text
+    """`.verify_image_text` for an image-text config of a tested family, None for a text
     model's; raises ``ValueError`` naming any other model with inputs besides text."""
     if getattr(config, "vision_config", None) is None and getattr(config, "audio_config", None) is None:
         return None
@@ -424,10 +424,10 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
     every parameter's gradient. Every rank of the SP group must call it.
 
     An image-text model of the families ulysses_sp switches (``multimodal.TESTED``) runs with random
-    images (:mod:`.verify_image_text`: one across a shard boundary; packed, a document without any);
+    images (`.verify_image_text`: one across a shard boundary; packed, a document without any);
     other models with inputs besides text are refused by name.
 
-    ``shrink`` (default) runs a small copy of the architecture (:func:`shrink_config`) built
+    ``shrink`` (default) runs a small copy of the architecture (`shrink_config`) built
     from the config with random weights in fp64 on ``topo.device``; ``shrink=False`` copies
     the given model (or builds the config as it is), so keep it small. ``seq_len`` defaults to
     ``12 * sp_size + 5`` tokens (padding included). ``backend``, ``kernel`` and ``mixer`` are
@@ -435,20 +435,20 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
 
     Args:
         model_or_config (PreTrainedModel | PretrainedConfig): the model, or its config.
-        topo (Topology): the topology from :func:`ulysses_sp.init_sequence_parallel`.
-        backend (str | list | Callable): as for :func:`ulysses_sp.apply_sequence_parallel`.
-        kernel: as for :func:`ulysses_sp.apply_sequence_parallel`.
-        mixer: as for :func:`ulysses_sp.apply_sequence_parallel`.
-        shrink: run a small copy of the architecture (:func:`shrink_config`).
+        topo (Topology): the topology from `ulysses_sp.init_sequence_parallel`.
+        backend (str | list | Callable): as for `ulysses_sp.apply_sequence_parallel`.
+        kernel: as for `ulysses_sp.apply_sequence_parallel`.
+        mixer: as for `ulysses_sp.apply_sequence_parallel`.
+        shrink: run a small copy of the architecture (`shrink_config`).
         seq_len: tokens per row (default ``12 * sp_size + 5``).
         tolerance: the relative error allowed; default 1e-6, or 10 times the model's own
-            rounding noise where that is larger (:attr:`VerifyReport.rounding_noise`).
+            rounding noise where that is larger (`VerifyReport.rounding_noise`).
         packed: the runs to make: unpacked (False) and packed (True).
         seed: seed of the copy's weights and the random tokens.
         raise_on_mismatch: raise past the tolerance (else only report it).
 
     Returns:
-        The :class:`VerifyReport`.
+        The `VerifyReport`.
 
     Raises:
         SequenceParallelMismatch: SP is off by more than ``tolerance``, naming the worst

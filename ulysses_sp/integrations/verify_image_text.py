@@ -40,7 +40,7 @@ def _sections(sections: list[int], half: int) -> list[int]:
 
 def shrink_image_text_config(config, shrink_text):
     """A small copy of an image-text ``config``: the text config through ``shrink_text`` (the text
-    models' :func:`shrink_config`, without its layer scan: 2 layers), the vision config's widths and
+    models' `shrink_config`, without its layer scan: 2 layers), the vision config's widths and
     depth, images of a few patches, and the placeholder ids at the top of the small vocabulary."""
     small = copy.deepcopy(config)
     text = shrink_text(small.text_config)
