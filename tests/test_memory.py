@@ -1,7 +1,7 @@
 """Transient memory per rank at real shapes (128k tokens, P=8, H32/KV8, D128, bf16), measured
 on the meta device with torch's fake process group (``ulysses_sp.testing.memory``).
 
-The bound is documented in docs/concepts/architecture.md ("Memory model"), in local shard bytes:
+The bound is documented in docs/architecture.md ("Memory model"), in local shard bytes:
 Q = this rank's q shard, KV = its k (or v) shard, G = one head chunk of full-length K and V
 (all-gather). No term grows with S_q x S_k: doubling the sequence at most doubles the figures.
 """
