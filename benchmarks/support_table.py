@@ -74,7 +74,7 @@ def render(data: dict) -> str:
         f"Measured {data['date']} with transformers {data['transformers']} and torch {data['torch']}:",
         "",
         "```bash",
-        f"python benchmarks/support_table.py --ranks {','.join(map(str, worlds))} --json {os.path.relpath(RESULTS, os.path.dirname(PAGE) + '/..')}",
+        f"python benchmarks/support_table.py --ranks {','.join(map(str, worlds))} --json benchmarks/results/support-table.json",
         "python benchmarks/support_table.py --page",
         "```",
         "",
