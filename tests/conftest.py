@@ -7,15 +7,37 @@ import time
 
 import pytest
 
-from ulysses_sp import registry
-from ulysses_sp.launch import RankFailure, RankPool
+PRELOAD = ("torch", "ulysses_sp", "transformers", "deepspeed", "tests.cases", "transformers.trainer", "torch._inductor.compile_fx",
+           "tests.frozen")
+"""What the pools' fork server imports once (the ranks are forked from it: 0.02 CPU s a rank, not
+the 5 s of a spawned rank's imports); one missing is skipped by the server. The last freezes what
+the others made (tests/frozen.py)."""
+
+
+def _start_fork_server() -> None:
+    """Start the fork server now, before this process imports torch and collects: its imports (7 s
+    on this machine) run on the other core meanwhile, not when the first test waits for a rank.
+    Once: not again in what it starts (a rank that imports this module, which inherits the mark)."""
+    import multiprocessing
+    from multiprocessing import forkserver
+
+    if not os.environ.get("USP_TESTS_FORK_SERVER"):
+        os.environ["USP_TESTS_FORK_SERVER"] = str(os.getpid())
+        multiprocessing.get_context("forkserver").set_forkserver_preload(list(PRELOAD))
+        forkserver.ensure_running()
+
+
+_start_fork_server()
+
+from ulysses_sp import registry  # noqa: E402
+from ulysses_sp.launch import RankFailure, RankPool  # noqa: E402
 
 LIBRARY_BACKENDS = tuple(registry.list_backends())
 """The backends the library registers (before tests/cases.py's import registers the tests' own)."""
 
 from .cases import CASES, WORLDS, keep_backends, library_backends_only, run_case  # noqa: E402
 
-__all__ = ["WORLDS", "free_port", "values"]
+__all__ = ["WORLDS", "free_port", "started_early", "values"]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -33,14 +55,43 @@ def pytest_collection_modifyitems(config, items):
     config.stash[WHOLE] = not (config.option.markexpr or config.option.keyword or any("::" in a or a.endswith(".py") for a in args))
 
 
+def pytest_collection_finish(session):
+    """Start the background work of each selected test made with ``started_early`` (after ``-m`` and
+    ``-k`` have selected): a subprocess that runs on the other core while earlier tests run. And
+    freeze what importing and collecting made, as the fork server does (tests/frozen.py)."""
+    import gc
+
+    gc.freeze()
+    for item in session.items:
+        start = getattr(getattr(item, "function", None), "start_early", None)
+        if start is not None:
+            item.stash[EARLY] = start(session.config._tmp_path_factory.mktemp(item.name[:30]))
+
+
+EARLY = pytest.StashKey[object]()
+
+
+def started_early(start):
+    """Decorate a test whose subprocess ``start(tmp_dir) -> Popen`` begins when the session starts;
+    the test takes it with the ``early`` fixture. For a subprocess of one core that a test would
+    otherwise wait for with the other core idle (the quick slice leaves it a third of the time)."""
+    def mark(test):
+        test.start_early = start
+        return test
+
+    return mark
+
+
+@pytest.fixture
+def early(request):
+    """The ``Popen`` that ``started_early`` started for this test."""
+    return request.node.stash[EARLY]
+
+
 QUICK = pytest.StashKey[dict]()
 """Every collected test's node id: whether it is in the quick slice."""
 WHOLE = pytest.StashKey[bool]()
 """Whether the session runs the whole suite (no file, node, ``-k`` or ``-m`` chosen): then every case will be asked for."""
-
-PRELOAD = ("torch", "ulysses_sp", "transformers", "deepspeed", "tests.cases", "transformers.trainer", "torch._inductor.compile_fx")
-"""What the pools' fork server imports once (the ranks are forked from it: 0.02 CPU s a rank, not
-the 5 s of a spawned rank's imports); one missing is skipped by the server."""
 
 CASE_TIMEOUT = 600.0
 """Seconds one case may take on its pool (the slowest, compile-model/ at P=3, took 152 s in a fresh clone beside the rest of the suite); past it the pool is ended."""

@@ -3,9 +3,11 @@ README.md and the docs pages runs (tests/doc_snippets.py says how a page marks a
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
+from .conftest import started_early
 from .doc_snippets import PAGES, ROOT, run_block, runs
 
 RUNS = [run for page in PAGES for run in runs(page)]
@@ -24,13 +26,18 @@ def test_python_block_runs(pool, run):
     pool(run.ranks).run(run_block, run.source, run.id, timeout=600)
 
 
+def _build_site(tmp_path):
+    return subprocess.Popen([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
+                            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+
+
 @pytest.mark.quick
-def test_site_builds_strict(tmp_path):
+@started_early(_build_site)
+def test_site_builds_strict(early):
     """Broken links, pages missing from the nav, and references mkdocstrings cannot resolve fail it."""
-    done = subprocess.run([sys.executable, "-m", "mkdocs", "build", "--strict", "--site-dir", str(tmp_path / "site")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=600)
-    assert done.returncode == 0, done.stderr[-6000:]
-    assert (tmp_path / "site" / "index.html").exists()
+    _, stderr = early.communicate(timeout=600)
+    assert early.returncode == 0, stderr[-6000:]
+    assert (Path(early.args[-1]) / "index.html").exists()
 
 
 @pytest.mark.quick

@@ -230,6 +230,7 @@ def _pool_main(rank: int, world_size: int, tmp: str, conn, collective_timeout: f
         import ulysses_sp  # noqa: F401  (what every call uses, imported before the baseline is taken)
 
         baseline = _Baseline()
+        gc.freeze()  # what start-up made (imports, the group) stays: later collections need not walk it
         conn.send(("ready", None))
         while True:
             task = conn.recv_bytes()
