@@ -1,7 +1,7 @@
 """SP attention under ``torch.compile(fullgraph=True)`` (ulysses_sp/eager_ops.py), inside the
 spawned ranks; assertions in tests/test_compile.py. Every case runs the same shards eagerly and
-compiled and returns the differences (outputs, each gradient), the bytes each way sent, and what
-``torch._dynamo.explain`` saw."""
+compiled and returns the differences (outputs, each gradient), the bytes each way sent, and the
+graphs and graph breaks compiled (the eager control: what ``torch._dynamo.explain`` saw)."""
 
 from __future__ import annotations
 
@@ -39,22 +39,37 @@ def _run(fn, local, cu, options, g_out):
     return [out.detach()] + [t.grad for t in leaves], sum(o.sent for op, o in counter.by_op.items() if op != "handshake")
 
 
+def _counting(backend: str) -> tuple:
+    """``backend``, and the list of the graphs Dynamo hands it (one per graph compiled)."""
+    graphs, inner = [], torch._dynamo.lookup_backend(backend)
+
+    def compile_fn(gm, example_inputs):
+        graphs.append(gm)
+        return inner(gm, example_inputs)
+
+    return compile_fn, graphs
+
+
 def compare(env, topo, attn, name: str, options: dict, packed: bool = False, v_dim: int = D, backend: str = "inductor",
             attention: bool = True) -> dict:
     """Eager against ``torch.compile(attn, fullgraph=True)``: largest differences, bytes, graphs;
-    and when ``attn`` is the attention, the compiled output's difference from the one-process reference."""
+    and when ``attn`` is the attention, the compiled output's difference from the one-process reference.
+    The graphs are those compiled for the call (not a second trace by ``torch._dynamo.explain``,
+    which cost a trace each); a graph break would have raised (``fullgraph``), and is counted."""
     torch._dynamo.reset()  # each case compiles afresh: SequenceParallelAttention.forward is one code object
     full, cu, local = _shards(env, topo, name, packed, v_dim)
     g_out = torch.randn(*local[0].shape[:3], v_dim, generator=generator(name, 1))
     eager, eager_bytes = _run(attn, local, cu, options, g_out)
-    compiled, compiled_bytes = _run(torch.compile(attn, fullgraph=True, backend=backend), local, cu, options, g_out)
-    explained = torch._dynamo.explain(attn)(*(t.detach() for t in local), cu_seqlens=cu, **options)  # after the compiled run: its agreement check is done
+    counting, graphs = _counting(backend)
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    compiled, compiled_bytes = _run(torch.compile(attn, fullgraph=True, backend=counting), local, cu, options, g_out)
+    breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks
     want = reference_attention(*full, cu_seqlens=None if cu is None else cu.tolist(), window=options.get("window")) if attention else None
     return {
         "eager": max(max_err(a, b) for a, b in zip(eager, compiled)),
         "reference": None if want is None else max_err(compiled[0], usp.shard_sequence(want, topo, cu_seqlens=cu)),
         "bytes": (eager_bytes, compiled_bytes),
-        "graphs": (explained.graph_count, explained.graph_break_count),
+        "graphs": (len(graphs), breaks),
     }
 
 
