@@ -288,13 +288,11 @@ def _script_main(argv: list, env: dict, cwd: str, log: str, backends: tuple) -> 
 def warm_python(argv: list, *, env: dict, cwd: str, log: str):
     """A started ``multiprocessing`` process that runs ``python *argv`` (a script) as a launcher's
     rank would, without the seconds of a new interpreter's imports: torch, transformers, deepspeed
-    and the project come imported from the fork server. ``exitcode`` is the script's exit status
-    (negative: the signal that killed it); its output is in ``log``."""
+    and the project come imported from the fork server (started as this module loads). ``exitcode``
+    is the script's exit status (negative: the signal that killed it); its output is in ``log``."""
     import multiprocessing
 
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # read only where the server has not started yet
-    proc = ctx.Process(target=_script_main, args=(list(argv), dict(env), cwd, log, LIBRARY_BACKENDS))
+    proc = multiprocessing.get_context("forkserver").Process(target=_script_main, args=(list(argv), dict(env), cwd, log, LIBRARY_BACKENDS))
     proc.start()
     return proc
 

@@ -21,8 +21,6 @@ import torch.distributed as dist
 import ulysses_sp as usp
 from ulysses_sp import comm
 
-from .conftest import PRELOAD
-
 TIMEOUT = 30.0
 """Seconds every collective of the group may take; survivors must fail well within it."""
 VICTIM = 1
@@ -77,8 +75,7 @@ def _rank(rank: int, world: int, tmp: str, backend: str, phase: str, stall: bool
 
 
 def _kill_one(world: int, backend: str, phase: str, tmp: str, stall: bool = False) -> dict:
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(list(PRELOAD))  # read when the server starts: the pools' one if they started it
+    ctx = multiprocessing.get_context("forkserver")  # the pools' server, started by tests/conftest.py
     procs = [ctx.Process(target=_rank, args=(r, world, tmp, backend, phase, stall)) for r in range(world)]
     for p in procs:
         p.start()
