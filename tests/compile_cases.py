@@ -50,6 +50,13 @@ def _counting(backend: str) -> tuple:
     return compile_fn, graphs
 
 
+def _bypassed() -> int:
+    """Graphs so far that Inductor's or AOTAutograd's cache could not key (each then compiled anew
+    in every process): an op argument it cannot pickle does it."""
+    counters = torch._dynamo.utils.counters
+    return counters["inductor"]["fxgraph_cache_bypass"] + counters["aot_autograd"]["autograd_cache_bypass"]
+
+
 def compare(env, topo, attn, name: str, options: dict, packed: bool = False, v_dim: int = D, backend: str = "inductor",
             attention: bool = True) -> dict:
     """Eager against ``torch.compile(attn, fullgraph=True)``: largest differences, bytes, graphs;
@@ -61,15 +68,16 @@ def compare(env, topo, attn, name: str, options: dict, packed: bool = False, v_d
     g_out = torch.randn(*local[0].shape[:3], v_dim, generator=generator(name, 1))
     eager, eager_bytes = _run(attn, local, cu, options, g_out)
     counting, graphs = _counting(backend)
-    breaks = sum(torch._dynamo.utils.counters["graph_break"].values())
+    breaks, bypassed = sum(torch._dynamo.utils.counters["graph_break"].values()), _bypassed()
     compiled, compiled_bytes = _run(torch.compile(attn, fullgraph=True, backend=counting), local, cu, options, g_out)
-    breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks
+    breaks, bypassed = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks, _bypassed() - bypassed
     want = reference_attention(*full, cu_seqlens=None if cu is None else cu.tolist(), window=options.get("window")) if attention else None
     return {
         "eager": max(max_err(a, b) for a, b in zip(eager, compiled)),
         "reference": None if want is None else max_err(compiled[0], usp.shard_sequence(want, topo, cu_seqlens=cu)),
         "bytes": (eager_bytes, compiled_bytes),
         "graphs": (len(graphs), breaks),
+        "cache bypassed": bypassed,
     }
 
 
@@ -210,10 +218,11 @@ def compiled_models(env) -> dict:
             "gemma2": (tiny_model("gemma2"), whole, {}),
             "qwen3_5": (model_for({"family": "qwen3_5"}), whole, {})}
     out = {}
+    bypassed = _bypassed()
     for name, (ref, data, apply) in runs.items():
         (eager_loss, eager, eager_sent), (loss, grads, sent) = (_model_grads(ref, env.topo(), data, compiled, **apply) for compiled in (False, True))
         one_loss, one = _one_process(ref, data)
         summed = {n: comm.all_reduce_sum(g, env.topo().sp_group) for n, g in grads.items()}  # each rank holds its tokens' share
         out[name] = {"eager": (abs(loss - eager_loss), _relative(grads, eager)), "one process": (abs(loss - one_loss), _relative(summed, one)),
                      "bytes": (eager_sent, sent)}
-    return out
+    return {"models": out, "cache bypassed": _bypassed() - bypassed}

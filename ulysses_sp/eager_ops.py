@@ -20,6 +20,8 @@ and the backward takes, freed with the outer autograd graph.
 
 from __future__ import annotations
 
+import copy
+
 import torch
 from torch._library.opaque_object import OpaqueBase, register_opaque_type
 
@@ -29,10 +31,23 @@ __all__ = ["EagerCall", "compiled_attention", "compiled_tiled_mlp"]
 class EagerCall(OpaqueBase):
     """A Python callable a compiled graph calls through one of the ops below, made outside the
     compiled region: the attention's ``fn(q, k, v, *, causal, softmax_scale, cu_seqlens, window,
-    softcap) -> out``, the tiled MLP's ``fn(x) -> out``."""
+    softcap) -> out``, the tiled MLP's ``fn(x) -> out``.
+
+    It is a graph input, so a compiled graph holds for any of them: Inductor's and AOTAutograd's
+    caches key it by ``name`` (its callable's qualified name), which they read when pickling fails.
+    Pickled whole, it would take the module and its process groups with it, and the caches would
+    be bypassed (each run compiling every graph anew)."""
 
     def __init__(self, fn) -> None:
         self.fn = fn
+        owner = getattr(fn, "__self__", None)
+        self.name = f"{type(owner).__qualname__}.{fn.__name__}" if owner is not None else getattr(fn, "__qualname__", repr(fn))
+
+    def __reduce_ex__(self, protocol):
+        raise TypeError(f"EagerCall({self.name}) holds a live callable and is not pickled")
+
+    def __deepcopy__(self, memo) -> EagerCall:
+        return EagerCall(copy.deepcopy(self.fn, memo))  # a copied module's call is bound to the copy
 
 
 class _Built(OpaqueBase):
