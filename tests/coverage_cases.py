@@ -60,11 +60,17 @@ def fp64_throughout():
         torch.float32, torch.float, torch.Tensor.float = saved
 
 
+_REFERENCES = {False: {}, True: {}}
+"""verify_sequence_parallel's one-process runs, kept in this rank between cases (``references``),
+by whether float32 is lifted, which its key cannot see: a family's layouts, backends and mixer
+strategies on one world run them once."""
+
+
 def family(topo, name: str, backend: str = "auto", lift: bool = False, mixer: str = "auto", **overrides) -> dict:
     """One exact family end to end through verify_sequence_parallel, on its config as built (fp64)."""
     with fp64_throughout() if lift else contextlib.nullcontext():
         report = usp.verify_sequence_parallel(config(name, **overrides), topo, backend=backend, shrink=False, raise_on_mismatch=False,
-                                              mixer=mixer)
+                                              mixer=mixer, references=_REFERENCES[lift])
     return dict(_summary(report), mixers=report.mixers, tolerance=report.tolerance, noise=report.rounding_noise)
 
 
@@ -473,6 +479,41 @@ def verify_random(topo) -> dict:
     return {"report": _summary(report), "kept": sorted({m.p for m in model.modules() if isinstance(m, nn.Dropout)})}
 
 
+def verify_references(topo) -> dict:
+    """verify_sequence_parallel with ``references``: a second backend on the same model reuses the
+    one-process runs (the one-process loss made to raise shows none ran) and reports what a fresh
+    call reports; another seed, or a rank that lost them (all run them then, no hang), does not; a
+    backend that sees only its shard is still caught."""
+    from ulysses_sp.integrations import verify
+
+    from .cases import raised
+
+    llama, refs = config("llama"), {}
+
+    def check(**options):
+        return usp.verify_sequence_parallel(llama, topo, shrink=False, raise_on_mismatch=False, **options)
+
+    def failing(ref, data, device):
+        raise ValueError("planted: the one-process run ran")
+
+    check(backend="ulysses", references=refs)
+    kept, verify._one_process_loss = verify._one_process_loss, failing
+    try:
+        reused = check(backend="ring", references=refs)
+    finally:
+        verify._one_process_loss = kept
+    out = {"reused": (reused.grad_errors, reused.rounding_noise) == ((fresh := check(backend="ring")).grad_errors, fresh.rounding_noise),
+           "after one call on another backend": len(refs)}
+    check(seed=1, references=refs)
+    out["after another seed"] = len(refs)
+    if topo.sp_rank == 0:
+        refs.clear()
+    out["one rank lost them"] = check(backend="ring", references=refs).grad_errors == fresh.grad_errors
+    out["planted"] = raised(lambda: usp.verify_sequence_parallel(llama, topo, shrink=False, backend="own-shard-only", references=refs),
+                            errors=(AssertionError,))
+    return out
+
+
 def verify_planted(topo) -> dict:
     """verify_sequence_parallel on a big Llama config (shrunk) with the planted backend: raises, naming attention parameters."""
     import transformers
@@ -586,4 +627,5 @@ def register(case, topo_for, hf: bool) -> None:
     case("coverage-contiguous/conv-attention", (2, 3))(lambda env: conv_attention(topo_for(env, "contiguous")))
     case("verify/planted", (2,))(lambda env: verify_planted(topo_for(env)))
     case("verify/random", (2,))(lambda env: verify_random(topo_for(env)))
+    case("verify/references", (2,))(lambda env: verify_references(topo_for(env)))
     case("coverage/packed-dropped", (2, 3))(lambda env: packed_dropped(topo_for(env)))

@@ -241,6 +241,14 @@ def test_verify_catches_a_backend_that_sees_only_its_shard(ranks):
 
 
 @hf
+def test_verify_reuses_the_one_process_runs_it_is_given(ranks):
+    for r in values(ranks(2), "verify/references"):
+        assert r["reused"] and r["one rank lost them"], r
+        assert (r["after one call on another backend"], r["after another seed"]) == (1, 2), r
+        assert "MISMATCH" in r["planted"] and "self_attn" in r["planted"].split("worst gradients:")[1], r["planted"]
+
+
+@hf
 @pytest.mark.quick
 def test_verify_runs_without_dropout_and_leaves_the_model_alone(ranks):
     for r in values(ranks(2), "verify/random"):

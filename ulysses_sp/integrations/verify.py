@@ -12,6 +12,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
+import hashlib
 import time
 from typing import TYPE_CHECKING
 
@@ -362,6 +363,41 @@ def _spread(jobs: list, ref, topo) -> list:
     return results
 
 
+def _reference_key(ref, inputs, packed: tuple) -> str:
+    """What the one-process runs depend on: the model's class, config, parameters and buffers,
+    the inputs they run on and the runs asked for."""
+    digest = hashlib.sha256(f"{type(ref).__qualname__}|{ref.config.to_json_string()}|{packed}".encode())
+
+    def add(x) -> None:
+        if isinstance(x, torch.Tensor):
+            x = x.detach().cpu().contiguous()
+            digest.update(f"{x.dtype}{tuple(x.shape)}".encode())
+            digest.update(x.reshape(-1).view(torch.uint8).numpy().tobytes())
+        elif isinstance(x, dict):
+            for k in sorted(x, key=str):
+                digest.update(str(k).encode())
+                add(x[k])
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                add(v)
+        else:
+            digest.update(repr(x).encode())
+
+    add(list(ref.parameters()) + list(ref.buffers()))
+    add(inputs)
+    return digest.hexdigest()
+
+
+def _everyone_has(found: bool, topo) -> bool:
+    """Whether every rank of the SP group found the one-process runs kept (else all run them:
+    the runs hold collectives)."""
+    if topo.sp_size == 1:
+        return found
+    flag = torch.tensor([int(found)], device=topo.device)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=topo.sp_group)
+    return bool(flag.item())
+
+
 def _one_process_loss(ref, data, device) -> torch.Tensor:
     """The mean next-token loss of one process. Packed documents run one by one: packing must
     give each document what it would get alone (some families' own forward, OPT's for one,
@@ -416,7 +452,7 @@ def _one_run(ref, topo, data, reference, backend, kernel, mixer) -> tuple[float,
 
 def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: str = "auto", mixer: str = "auto", shrink: bool = True, seq_len: int | None = None,
                              tolerance: float | None = None, packed: tuple[bool, ...] = (False, True), seed: int = 0,
-                             raise_on_mismatch: bool = True) -> VerifyReport:
+                             raise_on_mismatch: bool = True, references: dict | None = None) -> VerifyReport:
     """Check that SP computes the same loss and every gradient as one process for an architecture.
 
     Runs one forward and backward on random tokens in one process and under SP, unpacked and
@@ -446,6 +482,10 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
         packed: the runs to make: unpacked (False) and packed (True).
         seed: seed of the copy's weights and the random tokens.
         raise_on_mismatch: raise past the tolerance (else only report it).
+        references: a dict that keeps the one-process runs between calls, keyed by the model's
+            class, config and weights and the inputs: pass the same one to calls on one
+            architecture (each backend, layout or mixer strategy) and they run once. Every rank
+            must pass a dict; where one lacks the runs, all ranks run them.
 
     Returns:
         The `VerifyReport`.
@@ -484,9 +524,14 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
         batches = {is_packed: _batch(config, seq_len, is_packed, seed + 1) for is_packed in (False, *packed)}
         jobs = [functools.partial(_noise_part, ref, batches[False], device, part) for part in ("whole", "first", "second")]
         jobs += [functools.partial(lambda data: _grads(ref, _one_process_loss(ref, data, device)), batches[is_packed]) for is_packed in packed]
-    done = _spread(jobs, ref, topo)
-    noise = _rounding_noise(*(grads for _, grads in done[:3]))
-    references = dict(zip(packed, done[3:]))
+    key = None if references is None else _reference_key(ref, rows if image_text else batches, packed)
+    if key is not None and _everyone_has(key in references, topo):
+        noise, one_process = references[key]
+    else:
+        done = _spread(jobs, ref, topo)
+        noise, one_process = _rounding_noise(*(grads for _, grads in done[:3])), dict(zip(packed, done[3:]))
+        if key is not None:
+            references[key] = noise, one_process
     if tolerance is None:
         tolerance = max(1e-6, 10 * noise)
     if isinstance(backend, (list, tuple)):  # one name per layer: the copy keeps a prefix of the layers
@@ -494,7 +539,7 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
     loss_error, grad_errors, backends, mixers = {}, {}, {}, {}
     for is_packed in packed:
         run = "packed" if is_packed else "unpacked"
-        loss_error[run], grad_errors[run], chosen, mixers = _one_run(ref, topo, batches[is_packed], references[is_packed], backend, kernel, mixer)
+        loss_error[run], grad_errors[run], chosen, mixers = _one_run(ref, topo, batches[is_packed], one_process[is_packed], backend, kernel, mixer)
         for layer, names in chosen.items():
             backends[layer] = sorted(set(backends.get(layer, [])) | set(names))
     report = VerifyReport(type(ref).__name__, topo.sp_size, config.get_text_config().num_hidden_layers, loss_error, grad_errors, backends, mixers,
