@@ -109,7 +109,7 @@ class Ranks:
     def __init__(self, world: int):
         self.pool, self.done, self.queue, self.seq = RankPool(world, preload=PRELOAD), {}, queue.PriorityQueue(), itertools.count()
         self.seconds, self.cpu = {}, {}
-        """Wall seconds, and the ranks' CPU seconds, of each call that returned (a case by its name)."""
+        """Wall seconds, and the ranks' CPU seconds, of the calls that returned (a case by its name, summed by function name otherwise)."""
         self.thread = threading.Thread(target=self._serve, name=f"usp-pool-{world}", daemon=True)
         self.thread.start()
 
@@ -127,10 +127,10 @@ class Ranks:
                 got = self.pool.run(fn, *args, timeout=timeout)
             except Exception as e:  # noqa: BLE001 - handed to the test that waits for it
                 got = e
-            name = args[0] if fn is run_case else fn.__qualname__
-            self.seconds[name] = time.perf_counter() - start
+            name = args[0] if fn is run_case else fn.__qualname__  # a function called again adds to its figures
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
             if not isinstance(got, BaseException):
-                self.cpu[name] = self.pool.cpu
+                self.cpu[name] = self.cpu.get(name, 0.0) + self.pool.cpu
             if fn is run_case:
                 self.done[args[0]] = got
             reply.put(got)
