@@ -51,7 +51,7 @@ def test_compiled_layers_equal_eager_and_one_process(ranks, world):
     Gemma 2's windows and soft-capping, and on Qwen3.5 with its mixers between graphs, at P=2 and 3:
     Inductor's rounding from eager SP, and SP's from one process."""
     for result in values(ranks(world), "compile-model/"):
-        # each graph keyed by Inductor's and AOTAutograd's caches (found there in a later run or process)
+        # each graph keyed by Inductor's cache (found there in a later run or process)
         assert result["cache bypassed"] == 0, f"{result['cache bypassed']} graphs bypassed Inductor's cache"
         assert set(result["models"]) == {"llama-packed-stack", "gemma2", "qwen3_5"}
         for name, r in result["models"].items():
