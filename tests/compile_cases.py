@@ -53,7 +53,7 @@ def _counting(backend: str) -> tuple:
 def _bypassed() -> int:
     """Graphs so far that Inductor's cache could not key (each then compiled anew in every process):
     an op argument it cannot pickle does it. AOTAutograd's own cache is not counted: it also refuses
-    a graph holding an ``autograd.Function``, which one 2-rank pool showed after other cases, not here."""
+    any graph holding an ``autograd.Function``, a limit of torch's, not ours."""
     return torch._dynamo.utils.counters["inductor"]["fxgraph_cache_bypass"]
 
 

@@ -393,9 +393,7 @@ def _everyone_has(found: bool, topo) -> bool:
     the runs hold collectives)."""
     if topo.sp_size == 1:
         return found
-    flag = torch.tensor([int(found)], device=topo.device)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=topo.sp_group)
-    return bool(flag.item())
+    return all(has for (has,) in comm.all_gather_ints([int(found)], topo.sp_group, topo.device))
 
 
 def _one_process_loss(ref, data, device) -> torch.Tensor:
