@@ -1,9 +1,11 @@
 import itertools
 import json
 import os
+import pickle
 import queue
 import threading
 import time
+from concurrent.futures import Future
 
 import pytest
 
@@ -28,6 +30,8 @@ def _start_fork_server() -> None:
 
 
 _start_fork_server()
+STARTED = time.perf_counter()
+"""When this module loaded: the origin of USP_POOL_STATS's timelines."""
 
 from ulysses_sp import registry  # noqa: E402
 from ulysses_sp.launch import RankFailure, RankPool  # noqa: E402
@@ -100,16 +104,20 @@ CASE_TIMEOUT = 600.0
 class Ranks:
     """One world size's ``RankPool``, driven by a thread of its own.
 
-    Tests call ``run(fn, *args)`` and ``case(name)`` (tests/cases.py's cases, each run once and kept);
-    while no test waits, the thread runs the cases the session will ask for (``prefetch``), so the
-    pools of every world size and the tests in this process share the cores: a pool of 4 ranks on 2
-    cores spends most of its time waiting for a collective's ranks to be scheduled.
+    Tests call ``run(fn, *args)``, ``call(fn, *args)`` (run once per arguments and kept) and
+    ``case(name)`` (tests/cases.py's cases, each run once and kept); while no test waits, the
+    thread runs the cases and calls the session will ask for (``prefetch``, ``prefetch_call``), so
+    the pools of every world size and the tests in this process share the cores: a pool of 4 ranks
+    on 2 cores spends most of its time waiting for a collective's ranks to be scheduled.
     """
 
     def __init__(self, world: int):
-        self.pool, self.done, self.queue, self.seq = RankPool(world, preload=PRELOAD), {}, queue.PriorityQueue(), itertools.count()
-        self.seconds, self.cpu = {}, {}
-        """Wall seconds, and the ranks' CPU seconds, of the calls that returned (a case by its name, summed by function name otherwise)."""
+        self.pool, self.queue, self.seq = RankPool(world, preload=PRELOAD), queue.PriorityQueue(), itertools.count()
+        self.calls, self.asked = {}, set()
+        """The futures of ``call``'s and ``case``'s calls by function and arguments, and the keys a test asked for."""
+        self.seconds, self.cpu, self.timeline = {}, {}, []
+        """Wall seconds, and the ranks' CPU seconds, of the calls that returned (a case by its name,
+        summed by function name otherwise); each call's name, start and end (seconds into the session)."""
         self.thread = threading.Thread(target=self._serve, name=f"usp-pool-{world}", daemon=True)
         self.thread.start()
 
@@ -119,9 +127,9 @@ class Ranks:
             if job is None:
                 return
             fn, args, timeout, reply = job
-            if fn is run_case and args[0] in self.done:
-                reply.put(self.done[args[0]])
+            if reply.running() or reply.done():  # a prefetched call a test asked for sooner, queued again
                 continue
+            reply.set_running_or_notify_cancel()
             start = time.perf_counter()
             try:
                 got = self.pool.run(fn, *args, timeout=timeout)
@@ -129,32 +137,50 @@ class Ranks:
                 got = e
             name = args[0] if fn is run_case else fn.__qualname__  # a function called again adds to its figures
             self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - start
+            self.timeline.append((name, start - STARTED, time.perf_counter() - STARTED))
             if not isinstance(got, BaseException):
                 self.cpu[name] = self.cpu.get(name, 0.0) + self.pool.cpu
-            if fn is run_case:
-                self.done[args[0]] = got
-            reply.put(got)
+            reply.set_result(got)
 
-    def _submit(self, priority: int, fn, args, timeout: float) -> queue.Queue:
-        reply = queue.Queue(1)
+    def _submit(self, priority: int, fn, args, timeout: float, reply: Future | None = None) -> Future:
+        reply = reply or Future()
         self.queue.put((priority, next(self.seq), (fn, args, timeout, reply)))
         return reply
 
     def run(self, fn, *args, timeout: float = 240.0) -> list:
-        """``run_ranks(fn, world, *args)`` on the pool, before any prefetched case still queued."""
-        got = self._submit(0, fn, args, timeout).get()
-        if isinstance(got, BaseException):
-            raise got
-        return got
+        """``run_ranks(fn, world, *args)`` on the pool, before any prefetched call still queued."""
+        return _raised(self._submit(0, fn, args, timeout).result())
+
+    def _kept(self, fn, args, timeout: float):
+        """The value of the one call of ``fn(*args)``; one prefetched but still queued is queued again, first."""
+        key = (fn.__module__, fn.__qualname__, pickle.dumps(args))
+        got = self.calls.get(key)
+        if got is None or not (got.running() or got.done()):
+            self.calls[key] = self._submit(0, fn, args, timeout, got)
+        self.asked.add(key)
+        return self.calls[key].result()
+
+    def call(self, fn, *args, timeout: float = 240.0) -> list:
+        """``run`` made once per function and arguments: every test that asks shares the value."""
+        return _raised(self._kept(fn, args, timeout))
 
     def case(self, name: str):
         """Each rank's value of case ``name``, or the ``RankFailure`` it raised (kept, not retried)."""
-        got = self.done.get(name)
-        return got if got is not None else self._submit(0, run_case, (name,), CASE_TIMEOUT).get()
+        return self._kept(run_case, (name,), CASE_TIMEOUT)
+
+    def _prefetch(self, priority: int, fn, args, timeout: float) -> None:
+        key = (fn.__module__, fn.__qualname__, pickle.dumps(args))
+        if key not in self.calls:
+            self.calls[key] = self._submit(priority, fn, args, timeout)
 
     def prefetch(self, names) -> None:
+        """Queue cases ahead of the test asking for them."""
         for name in names:
-            self._submit(1, run_case, (name,), CASE_TIMEOUT)
+            self._prefetch(1, run_case, (name,), CASE_TIMEOUT)
+
+    def prefetch_call(self, fn, args, timeout: float) -> None:
+        """Queue ``call(fn, *args)`` after the prefetched cases."""
+        self._prefetch(2, fn, args, timeout)
 
     def close(self) -> None:
         self.queue.put((-1, -1, None))
@@ -166,8 +192,15 @@ class Ranks:
         lines = [f"{p.world_size} ranks: {p.calls} calls in {sum(self.seconds.values()):.0f} s, {p.spawns} spawn(s), "
                  f"{sum(self.cpu.values()):.0f} CPU s in the calls, {p.lifetime_cpu:.0f} in the ranks' lives (every rank)"]
         lines += [f"  ended early: {why}" for why in p.restarts]
+        lines += [f"  prefetched, never asked for: {module}.{name}" for module, name, _ in set(self.calls) - self.asked if name != "run_case"]
         costliest = sorted(self.cpu.items(), key=lambda kv: -kv[1])[:8]
         return lines + [f"  {cpu:6.1f} CPU s {self.seconds[name]:6.1f} s  {name}" for name, cpu in costliest]
+
+
+def _raised(got):
+    if isinstance(got, BaseException):
+        raise got
+    return got
 
 
 @pytest.fixture(scope="session")
@@ -176,7 +209,12 @@ def pool(request):
     for every test after (``pool(world).run(fn, *args)`` is ``run_ranks(fn, world, *args)``). When the
     session runs the whole suite, every world's cases start in the background at once; a compile
     case queues last on its larger worlds, so that it finds the kernels its smallest world built in
-    Inductor's cache (their shards have the same shapes) rather than compiling them beside it."""
+    Inductor's cache (their shards have the same shapes) rather than compiling them beside it.
+
+    After the cases, each test module's ``pool_calls(items)`` (its selected tests) queues the
+    ``(world, fn, args, timeout)`` calls they will ``call``: a pool that finishes its cases goes on
+    with the training runs of modules whose turn has not come (the run's last minutes were
+    otherwise one pool's calls, one after the other, as the tests asked, with the cores half idle)."""
     made = {}
 
     def get(world: int) -> Ranks:
@@ -184,16 +222,21 @@ def pool(request):
             made[world] = Ranks(world)
         return made[world]
 
-    if request.config.stash.get(WHOLE, False):
-        for world in WORLDS:
+    calls, items, whole = [], request.session.items, request.config.stash.get(WHOLE, False)
+    for module in sorted({item.module for item in items if getattr(item, "module", None)}, key=lambda m: m.__name__):
+        calls += getattr(module, "pool_calls", lambda _: ())([item for item in items if getattr(item, "module", None) is module])
+    for world in sorted({world for world, *_ in calls} | set(WORLDS if whole else ())):
+        if whole:  # the cases first: a pool starts on what is queued when it is made
             get(world).prefetch(sorted((name for name, (_, worlds) in CASES.items() if world in worlds),
                                        key=lambda name: name.startswith("compile") and world != min(CASES[name][1])))
+        for _, fn, args, timeout in (call for call in calls if call[0] == world):
+            get(world).prefetch_call(fn, args, timeout)
     yield get
     for ranks in made.values():
         ranks.close()
     if os.environ.get("USP_POOL_STATS"):  # every call's wall and CPU seconds, for finding where the time goes
         with open(os.environ["USP_POOL_STATS"], "w") as f:
-            json.dump({w: {"seconds": r.seconds, "cpu": r.cpu} for w, r in made.items()}, f, indent=1)
+            json.dump({w: {"seconds": r.seconds, "cpu": r.cpu, "timeline": r.timeline} for w, r in made.items()}, f, indent=1)
     request.config.stash[POOLS] = [line for world in sorted(made) for line in made[world].summary()]
 
 
@@ -212,9 +255,9 @@ def pytest_runtest_protocol(item, nextitem):
     def cpu():
         return sum(u.ru_utime + u.ru_stime for u in (resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)))
 
-    start = cpu()
+    start, began = cpu(), time.perf_counter() - STARTED
     yield
-    item.config.stash.setdefault(TESTS, {})[item.nodeid] = cpu() - start
+    item.config.stash.setdefault(TESTS, {})[item.nodeid] = (cpu() - start, began, time.perf_counter() - STARTED)
 
 
 TESTS = pytest.StashKey[dict]()

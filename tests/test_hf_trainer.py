@@ -13,7 +13,6 @@ import json
 import os
 import subprocess
 import sys
-from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -31,14 +30,21 @@ EXACT = [name for name, (_, case) in SP_CASES.items() if not case.get("overcount
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _calls() -> list:
+    """The one-process references on the 1-rank pool and every SP case in one call on the 2-rank pool."""
+    return [(1, run_references, (sorted({ref for ref, _ in SP_CASES.values()}),), 300), (2, run_sp_cases, (list(SP_CASES),), 300)]
+
+
+def pool_calls(items) -> list:
+    """``_calls`` if a selected test reads them (tests/conftest.py queues them first)."""
+    return _calls() if any("runs" in item.fixturenames for item in items) else []
+
+
 @pytest.fixture(scope="module")
 def runs(pool):
-    """(reference results by name, [SP results by case name] per rank); both pools at once."""
-    refs = sorted({ref for ref, _ in SP_CASES.values()})
-    with ThreadPoolExecutor(2) as threads:
-        ref = threads.submit(pool(1).run, run_references, refs, timeout=300)
-        sp = threads.submit(pool(2).run, run_sp_cases, list(SP_CASES), timeout=300)
-        return ref.result()[0], sp.result()
+    """(reference results by name, [SP results by case name] per rank)."""
+    (_, refs, ref_args, ref_timeout), (_, sp, sp_args, sp_timeout) = _calls()
+    return pool(1).call(refs, *ref_args, timeout=ref_timeout)[0], pool(2).call(sp, *sp_args, timeout=sp_timeout)
 
 
 def _ok(result, what):

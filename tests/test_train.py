@@ -27,13 +27,33 @@ def run_ranks(pool):
     return lambda fn, world, *args: pool(world).run(fn, *args, timeout=600)
 
 
-@pytest.fixture(scope="module")
-def run_job(run_ranks):
-    def run(world, **overrides):
-        cfg = TrainConfig(sp_size=world, **{"seq_len": SEQ, "steps": STEPS, "eval_samples": 4, **overrides})
-        return run_ranks(_train, world, cfg)
+def _job_config(world, **overrides) -> TrainConfig:
+    return TrainConfig(sp_size=world, **{"seq_len": SEQ, "steps": STEPS, "eval_samples": 4, **overrides})
 
-    return run
+
+TILED = {"tiled_loss": True, "tiled_mlp": True, "tiled_norms": True, "checkpoint": "offload"}
+ENGINES = {"zero2": {"zero_stage": 2}, "zero3": {"zero_stage": 3}, "fsdp2": {"engine": "fsdp2"}}
+COMPILED = ({}, {"engine": "fsdp2", "tiled_loss": True, "tiled_mlp": True, "checkpoint": "offload"})
+JOBS = {
+    "sp2_losses": [(2, {})], "fsdp2_losses": [(2, {"engine": "fsdp2"})], "test_sp2_loss_curve_equals_one_process": [(1, {})],
+    "test_zero3_trains_like_zero2": [(2, {"zero_stage": 3})],
+    "test_memory_stack_trains_like_without": [(2, {**TILED, **engine}) for engine in ENGINES.values()],
+    "test_compiled_layers_train_like_eager": [(2, {"compile": True, **overrides}) for overrides in COMPILED],
+    "test_bf16_on_cpu_trains_close_to_fp32": [(2, {"dtype": "bf16"})],
+}
+"""The jobs (world, overrides) each test or fixture reads through ``run_job``."""
+
+
+def pool_calls(items) -> list:
+    """The selected tests' ``JOBS``, queued on the pools first (tests/conftest.py)."""
+    names = {name for item in items for name in (item.originalname, *item.fixturenames)}
+    return [(world, _train, (_job_config(world, **overrides),), 600) for name, jobs in JOBS.items() if name in names for world, overrides in jobs]
+
+
+@pytest.fixture(scope="module")
+def run_job(pool):
+    """The main job's losses on ``world`` ranks, run once per configuration (``pool_calls`` queued most)."""
+    return lambda world, **overrides: pool(world).call(_train, _job_config(world, **overrides), timeout=600)
 
 
 @pytest.fixture(scope="module")
@@ -239,12 +259,12 @@ def test_zero3_trains_like_zero2(sp2_losses, run_job):
         assert abs(a - b) < 1e-4, f"step {step + 1}: {a} with ZeRO-3, {b} with ZeRO-2"
 
 
-@pytest.mark.parametrize("engine", [{"zero_stage": 2}, {"zero_stage": 3}, {"engine": "fsdp2"}], ids=["zero2", "zero3", "fsdp2"])
+@pytest.mark.parametrize("engine", list(ENGINES.values()), ids=list(ENGINES))
 def test_memory_stack_trains_like_without(sp2_losses, engine, run_job):
     """Tiled loss, tiled MLP and norms and per-layer checkpointing (offload: nothing to move on CPU,
     the hooks still run) through DeepSpeed, and under FSDP2, give the same loss curve (ZeRO-3 and
     FSDP2 also equal ZeRO-2)."""
-    tiled = run_job(2, tiled_loss=True, tiled_mlp=True, tiled_norms=True, checkpoint="offload", **engine)
+    tiled = run_job(2, **TILED, **engine)
     for step, (a, b) in enumerate(zip(tiled[0], sp2_losses[0])):
         assert abs(a - b) < 1e-4, f"step {step + 1}: {a} with the memory stack ({engine}), {b} without"
 
@@ -255,7 +275,7 @@ def test_compiled_layers_train_like_eager(sp2_losses, run_job):
     around the compiled layer, the tiled MLP one op in it). Inductor rounds its own code
     differently (observed: within 1e-6); an attention op that kept storage Inductor reuses was off
     by 1e-3 from step 2."""
-    for overrides in ({}, {"engine": "fsdp2", "tiled_loss": True, "tiled_mlp": True, "checkpoint": "offload"}):
+    for overrides in COMPILED:
         compiled = run_job(2, compile=True, **overrides)
         for step, (a, b) in enumerate(zip(compiled[0], sp2_losses[0])):
             assert abs(a - b) < 1e-5, f"step {step + 1}: {a} compiled ({overrides}), {b} eager"

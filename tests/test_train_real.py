@@ -3,6 +3,7 @@ a DeepSpeed config with accumulation (exact), packing, bf16, eval, save-every th
 and the Hugging Face export. A tiny Llama and a word-level tokenizer trained here stand in
 for a downloaded model; each world size runs several jobs in one call on the session's pool of ranks."""
 
+import functools
 import json
 import math
 import os
@@ -216,11 +217,28 @@ def _crash_cases(files, out, sp, finished):
     return r
 
 
+@functools.cache
+def _job_files(config) -> tuple:
+    """The session's folder of the jobs' inputs and outputs, and the inputs (made once)."""
+    root = str(config._tmp_path_factory.mktemp("job"))
+    return root, _make_files(root)
+
+
+def _calls(config) -> list:
+    root, files = _job_files(config)
+    return [(world, _jobs, (files, os.path.join(root, f"out{world}")), 900) for world in (2, 4, 1)]
+
+
+def pool_calls(items) -> list:
+    """Each world's jobs, queued on the pools first (tests/conftest.py), if a selected test reads them."""
+    reading = [item for item in items if "runs" in item.fixturenames]
+    return _calls(reading[0].config) if reading else []
+
+
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory, pool):
-    root = str(tmp_path_factory.mktemp("job"))
-    files = _make_files(root)
-    out = {world: pool(world).run(_jobs, files, os.path.join(root, f"out{world}"), timeout=900) for world in (2, 4, 1)}
+def runs(request, pool):
+    root, files = _job_files(request.config)
+    out = {world: pool(world).call(fn, *args, timeout=timeout) for world, fn, args, timeout in _calls(request.config)}
     return files, root, out
 
 

@@ -8,7 +8,6 @@ would not) and one AdamW case. Negative control: each rank summing its own token
 """
 
 import importlib.util
-from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
@@ -28,21 +27,25 @@ NAMED = {"test_per_rank_sums_are_far_off": (2, "dpo-llama/sp2/per-rank-sums"),
 """The case each unparametrized test reads."""
 
 
+def pool_calls(items) -> list:
+    """The reference runs of the cases the selected tests read (the quick slice reads three) on the
+    1-rank pool, and each world's SP runs in one call on its pool (tests/conftest.py queues them first)."""
+    wanted = set()
+    for item in (item for item in items if "runs" in item.fixturenames):
+        params = getattr(getattr(item, "callspec", None), "params", {})
+        wanted.add((params["world"], params["name"]) if "name" in params else NAMED[item.originalname])
+    if not wanted:
+        return []
+    refs = sorted({SP_CASES[w][n][0] for w, n in wanted})
+    return [(1, run_references, (refs,), 600)] + [(world, run_sp_cases, (sorted(n for w, n in wanted if w == world),), 600)
+                                                  for world in sorted({w for w, _ in wanted})]
+
+
 @pytest.fixture(scope="module")
 def runs(pool, request):
-    """(reference results by name, {world: [each rank's results by case name]}) of the cases this session's
-    tests of this module read (the quick slice reads three); every pool at once."""
-    wanted = set()
-    for item in request.session.items:
-        if item.module is request.module:
-            params = getattr(getattr(item, "callspec", None), "params", {})
-            wanted.add((params["world"], params["name"]) if "name" in params else NAMED[item.originalname])
-    refs = sorted({SP_CASES[w][n][0] for w, n in wanted})
-    with ThreadPoolExecutor(1 + len(SP_CASES)) as threads:
-        ref = threads.submit(pool(1).run, run_references, refs, timeout=600)
-        sp = {world: threads.submit(pool(world).run, run_sp_cases, sorted(n for w, n in wanted if w == world), timeout=600)
-              for world in sorted({w for w, _ in wanted})}
-        return ref.result()[0], {world: f.result() for world, f in sp.items()}
+    """(reference results by name, {world: [each rank's results by case name]}) of ``pool_calls``."""
+    (_, _, ref_args, _), *sp = pool_calls([item for item in request.session.items if item.module is request.module])
+    return pool(1).call(run_references, *ref_args, timeout=600)[0], {world: pool(world).call(fn, *args, timeout=t) for world, fn, args, t in sp}
 
 
 def _ok(result, what):
