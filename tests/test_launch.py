@@ -101,6 +101,41 @@ def _stall(rank, world):
     time.sleep(60 if rank == 1 else 0)
 
 
+class _Cycle:
+    """An object in a reference cycle of its own: only the garbage collector frees it."""
+
+    def __init__(self):
+        self.me = self
+
+
+_KEPT_ALIVE = []
+
+
+def _leave(rank, world, path):
+    """Drop a cycle whose collection touches ``path``.RANK; keep another alive (its id returned)."""
+    import pathlib
+    import weakref
+
+    weakref.finalize(_Cycle(), pathlib.Path(f"{path}.{rank}").touch)
+    _KEPT_ALIVE.append(_Cycle())
+    return id(_KEPT_ALIVE[-1])
+
+
+def _collectable(rank, world, ids):
+    """Whether this rank's collections still walk the object ``_leave`` kept alive."""
+    import gc
+
+    return any(id(o) == ids[rank] for o in gc.get_objects())
+
+
+def test_the_pool_collects_what_a_call_drops_and_freezes_what_it_keeps(pool, tmp_path):
+    """A call's cyclic garbage is collected before its result comes back; what it left alive is
+    frozen, out of later collections' sight (a Trainer run's collections walked every earlier case's)."""
+    ids = pool(2).run(_leave, str(tmp_path / "collected"))
+    assert all((tmp_path / f"collected.{rank}").exists() for rank in range(2)), "the dropped cycle was not collected"
+    assert pool(2).run(_collectable, ids) == [False, False]
+
+
 def test_the_pool_resets_what_a_call_leaves_and_starts_anew_when_it_cannot():
     """A planted leak (environment, random streams, working directory, dtype, threads, grad mode, a
     registered backend, a process group) is not seen by the next call; a replaced module attribute,

@@ -141,9 +141,9 @@ def _namespaces() -> list:
             if m is not None and (name == "torch.distributed" or name == "ulysses_sp" or name.startswith("ulysses_sp."))]
 
 
-def _fingerprint() -> dict:
+def _fingerprint(modules: list) -> dict:
     """What a call may change and the worker cannot put back: each module attribute's identity."""
-    return {(m.__name__, k): id(v) for m in _namespaces() for k, v in list(vars(m).items()) if not k.startswith("__")}
+    return {(m.__name__, k): id(v) for m in modules for k, v in list(vars(m).items()) if not k.startswith("__")}
 
 
 class _Baseline:
@@ -168,10 +168,11 @@ class _Baseline:
         baseline: called before each call, once its function's module is imported."""
         from . import kernels, registry
 
-        if len(sys.modules) != self._modules:
+        if len(sys.modules) != self._modules:  # walking sys.modules (thousands) takes a rank longer than the rest of the restore
             self._modules = len(sys.modules)
             self.backends, self.made, self.kernels = dict(registry._BACKENDS), dict(registry._MADE), dict(kernels._KERNELS)
-            self.modules = _fingerprint()
+            self.namespaces = _namespaces()
+            self.modules = _fingerprint(self.namespaces)
 
     @staticmethod
     def _flags() -> tuple:
@@ -201,14 +202,13 @@ class _Baseline:
             live.update(saved)
         if "torch._dynamo" in sys.modules:
             torch._dynamo.reset()  # compiled graphs and their guards
-        now = _fingerprint()
+        now = _fingerprint(self.namespaces)
         return sorted(f"{m}.{k}" for (m, k), v in self.modules.items() if now.get((m, k), v) != v)
 
 
 def _drop_groups(before: set) -> None:
-    """Destroy the groups a call created, except those it kept, and collect them: a gloo group's
-    thread, which wakes every 10 ms, lives on while anything refers to the group, and a
-    reference cycle keeps it until the next garbage collection."""
+    """Destroy the groups a call created, except those it kept (a gloo group's thread lives on while
+    anything refers to the group: the collection after the call frees those in reference cycles)."""
     from torch.distributed import distributed_c10d as c10d
 
     now = _group_names()
@@ -219,8 +219,6 @@ def _drop_groups(before: set) -> None:
                 dist.destroy_process_group(by_name[name])
     else:
         _KEPT.clear()
-    if now != before:
-        gc.collect()
 
 
 def _pool_main(rank: int, world_size: int, tmp: str, conn, collective_timeout: float, threads: int) -> None:
@@ -248,6 +246,8 @@ def _pool_main(rank: int, world_size: int, tmp: str, conn, collective_timeout: f
                 continue  # the parent ends the pool: other ranks may be stuck in a collective
             _drop_groups(before)
             leaked = baseline.restore()
+            gc.collect()  # the call's garbage (a cycle may hold a dropped group, whose gloo thread wakes every 10 ms)
+            gc.freeze()  # what it left alive (imports, caches) stays out of later collections' sight: a Trainer collects at each run
             conn.send(("ok", (result, not dist.is_initialized(), leaked, time.process_time() - cpu)))
     except (EOFError, KeyboardInterrupt):
         pass
@@ -279,7 +279,8 @@ class RankPool:
     Between calls each rank destroys the process groups the call created (but those made under
     ``kept_groups()``), re-creates the default group if the call destroyed it on every rank, and
     restores its environment variables, random streams (torch, random, numpy), torch's global
-    flags, the backend and kernel registries, the working directory and torch.compile's caches.
+    flags, the backend and kernel registries, the working directory and torch.compile's caches,
+    collects the call's garbage and freezes (``gc.freeze``) what it left alive.
     A call that raises on any rank, runs past its deadline, kills a rank, destroys the default
     group on some ranks only, or replaces an attribute of torch.distributed or ulysses_sp that
     it does not put back ends the pool (``restarts`` says why); the next call starts it anew.
