@@ -41,7 +41,7 @@ LIBRARY_BACKENDS = tuple(registry.list_backends())
 
 from .cases import CASES, WORLDS, keep_backends, library_backends_only, run_case  # noqa: E402
 
-__all__ = ["WORLDS", "free_port", "started_early", "values"]
+__all__ = ["WORLDS", "free_port", "started_early", "value_of", "values"]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -149,24 +149,25 @@ class Ranks:
 
     def run(self, fn, *args, timeout: float = 240.0) -> list:
         """``run_ranks(fn, world, *args)`` on the pool, before any prefetched call still queued."""
-        return _raised(self._submit(0, fn, args, timeout).result())
+        return value_of(self._submit(0, fn, args, timeout))
 
-    def _kept(self, fn, args, timeout: float):
-        """The value of the one call of ``fn(*args)``; one prefetched but still queued is queued again, first."""
+    def future(self, fn, *args, timeout: float = 240.0) -> Future:
+        """The future of the one call of ``fn(*args)`` (its value, or the exception it raised); one
+        prefetched but still queued is queued again, ahead of the prefetched cases."""
         key = (fn.__module__, fn.__qualname__, pickle.dumps(args))
         got = self.calls.get(key)
         if got is None or not (got.running() or got.done()):
             self.calls[key] = self._submit(0, fn, args, timeout, got)
         self.asked.add(key)
-        return self.calls[key].result()
+        return self.calls[key]
 
     def call(self, fn, *args, timeout: float = 240.0) -> list:
         """``run`` made once per function and arguments: every test that asks shares the value."""
-        return _raised(self._kept(fn, args, timeout))
+        return value_of(self.future(fn, *args, timeout=timeout))
 
     def case(self, name: str):
         """Each rank's value of case ``name``, or the ``RankFailure`` it raised (kept, not retried)."""
-        return self._kept(run_case, (name,), CASE_TIMEOUT)
+        return self.future(run_case, name, timeout=CASE_TIMEOUT).result()
 
     def _prefetch(self, priority: int, fn, args, timeout: float) -> None:
         key = (fn.__module__, fn.__qualname__, pickle.dumps(args))
@@ -197,7 +198,9 @@ class Ranks:
         return lines + [f"  {cpu:6.1f} CPU s {self.seconds[name]:6.1f} s  {name}" for name, cpu in costliest]
 
 
-def _raised(got):
+def value_of(future: Future):
+    """The value of a ``Ranks.future``; raises the exception its call raised."""
+    got = future.result()
     if isinstance(got, BaseException):
         raise got
     return got

@@ -45,7 +45,7 @@ JOBS = {
 
 
 def pool_calls(items) -> list:
-    """The selected tests' ``JOBS``, queued on the pools first (tests/conftest.py)."""
+    """The selected tests' ``JOBS``, queued behind the cases (tests/conftest.py)."""
     names = {name for item in items for name in (item.originalname, *item.fixturenames)}
     return [(world, _train, (_job_config(world, **overrides),), 600) for name, jobs in JOBS.items() if name in names for world, overrides in jobs]
 

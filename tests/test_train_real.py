@@ -17,6 +17,8 @@ pytest.importorskip("datasets", reason="the hf extra is not installed")
 
 from ulysses_sp.testing.tiny_checkpoint import write_corpus, write_image_corpus, write_tiny_llama, write_tiny_vlm  # noqa: E402
 
+from .conftest import value_of  # noqa: E402
+
 SEQ, STEPS = 128, 6
 def _make_files(root: str) -> dict:
     """A model directory (config, weights, tokenizer), train/eval JSON lines and DeepSpeed configs."""
@@ -230,7 +232,7 @@ def _calls(config) -> list:
 
 
 def pool_calls(items) -> list:
-    """Each world's jobs, queued on the pools first (tests/conftest.py), if a selected test reads them."""
+    """Each world's jobs, queued behind the cases (tests/conftest.py), if a selected test reads them."""
     reading = [item for item in items if "runs" in item.fixturenames]
     return _calls(reading[0].config) if reading else []
 
@@ -238,7 +240,8 @@ def pool_calls(items) -> list:
 @pytest.fixture(scope="module")
 def runs(request, pool):
     root, files = _job_files(request.config)
-    out = {world: pool(world).call(fn, *args, timeout=timeout) for world, fn, args, timeout in _calls(request.config)}
+    futures = {world: pool(world).future(fn, *args, timeout=timeout) for world, fn, args, timeout in _calls(request.config)}
+    out = {world: value_of(future) for world, future in futures.items()}
     return files, root, out
 
 

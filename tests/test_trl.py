@@ -13,6 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="not installed: trl (extra trl)")
 
+from .conftest import value_of  # noqa: E402
 from .trl_cases import SP_CASES, STEPS, run_references, run_sp_cases  # noqa: E402
 
 TOL = 1e-5
@@ -29,7 +30,7 @@ NAMED = {"test_per_rank_sums_are_far_off": (2, "dpo-llama/sp2/per-rank-sums"),
 
 def pool_calls(items) -> list:
     """The reference runs of the cases the selected tests read (the quick slice reads three) on the
-    1-rank pool, and each world's SP runs in one call on its pool (tests/conftest.py queues them first)."""
+    1-rank pool, and each world's SP runs in one call on its pool (tests/conftest.py queues them behind the cases)."""
     wanted = set()
     for item in (item for item in items if "runs" in item.fixturenames):
         params = getattr(getattr(item, "callspec", None), "params", {})
@@ -44,8 +45,9 @@ def pool_calls(items) -> list:
 @pytest.fixture(scope="module")
 def runs(pool, request):
     """(reference results by name, {world: [each rank's results by case name]}) of ``pool_calls``."""
-    (_, _, ref_args, _), *sp = pool_calls([item for item in request.session.items if item.module is request.module])
-    return pool(1).call(run_references, *ref_args, timeout=600)[0], {world: pool(world).call(fn, *args, timeout=t) for world, fn, args, t in sp}
+    ref, *sp = [(world, pool(world).future(fn, *args, timeout=timeout))
+                for world, fn, args, timeout in pool_calls([item for item in request.session.items if item.module is request.module])]
+    return value_of(ref[1])[0], {world: value_of(future) for world, future in sp}
 
 
 def _ok(result, what):
