@@ -41,7 +41,7 @@ LIBRARY_BACKENDS = tuple(registry.list_backends())
 
 from .cases import CASES, WORLDS, keep_backends, library_backends_only, run_case  # noqa: E402
 
-__all__ = ["WORLDS", "free_port", "started_early", "value_of", "values"]
+__all__ = ["WORLDS", "free_port", "pool_results", "started_early", "values"]
 
 
 @pytest.hookimpl(tryfirst=True)
@@ -204,6 +204,12 @@ def value_of(future: Future):
     if isinstance(got, BaseException):
         raise got
     return got
+
+
+def pool_results(pool, calls) -> list:
+    """The value of each ``(world, fn, args, timeout)`` call of a module's ``pool_calls``, every pool asked at once."""
+    futures = [pool(world).future(fn, *args, timeout=timeout) for world, fn, args, timeout in calls]
+    return [value_of(future) for future in futures]
 
 
 @pytest.fixture(scope="session")

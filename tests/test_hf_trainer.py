@@ -22,7 +22,7 @@ _MISSING = [m for m in ("transformers", "accelerate", "peft", "deepspeed") if im
 # find_spec, not importorskip: the work runs in spawned processes, importing these here only costs time
 pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"not installed: {', '.join(_MISSING)} (extras hf, peft, deepspeed)")
 
-from .conftest import free_port, value_of  # noqa: E402
+from .conftest import free_port, pool_results  # noqa: E402
 from .hf_trainer_cases import SP_CASES, STEPS, run_references, run_sp_cases  # noqa: E402
 
 LOSS_TOL, EVAL_TOL = 1e-4, 1e-5
@@ -43,8 +43,8 @@ def pool_calls(items) -> list:
 @pytest.fixture(scope="module")
 def runs(pool):
     """(reference results by name, [SP results by case name] per rank); both pools at once."""
-    ref, sp = (pool(world).future(fn, *args, timeout=timeout) for world, fn, args, timeout in _calls())
-    return value_of(ref)[0], value_of(sp)
+    ref, sp = pool_results(pool, _calls())
+    return ref[0], sp
 
 
 def _ok(result, what):

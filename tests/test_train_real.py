@@ -17,7 +17,7 @@ pytest.importorskip("datasets", reason="the hf extra is not installed")
 
 from ulysses_sp.testing.tiny_checkpoint import write_corpus, write_image_corpus, write_tiny_llama, write_tiny_vlm  # noqa: E402
 
-from .conftest import value_of  # noqa: E402
+from .conftest import pool_results  # noqa: E402
 
 SEQ, STEPS = 128, 6
 def _make_files(root: str) -> dict:
@@ -240,9 +240,8 @@ def pool_calls(items) -> list:
 @pytest.fixture(scope="module")
 def runs(request, pool):
     root, files = _job_files(request.config)
-    futures = {world: pool(world).future(fn, *args, timeout=timeout) for world, fn, args, timeout in _calls(request.config)}
-    out = {world: value_of(future) for world, future in futures.items()}
-    return files, root, out
+    calls = _calls(request.config)
+    return files, root, {world: got for (world, *_), got in zip(calls, pool_results(pool, calls))}
 
 
 def _close(a, b, tol):

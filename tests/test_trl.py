@@ -13,7 +13,7 @@ import pytest
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("trl") is None, reason="not installed: trl (extra trl)")
 
-from .conftest import value_of  # noqa: E402
+from .conftest import pool_results  # noqa: E402
 from .trl_cases import SP_CASES, STEPS, run_references, run_sp_cases  # noqa: E402
 
 TOL = 1e-5
@@ -45,9 +45,9 @@ def pool_calls(items) -> list:
 @pytest.fixture(scope="module")
 def runs(pool, request):
     """(reference results by name, {world: [each rank's results by case name]}) of ``pool_calls``."""
-    ref, *sp = [(world, pool(world).future(fn, *args, timeout=timeout))
-                for world, fn, args, timeout in pool_calls([item for item in request.session.items if item.module is request.module])]
-    return value_of(ref[1])[0], {world: value_of(future) for world, future in sp}
+    calls = pool_calls([item for item in request.session.items if item.module is request.module])
+    ref, *sp = pool_results(pool, calls)
+    return ref[0], {world: got for (world, *_), got in zip(calls[1:], sp)}
 
 
 def _ok(result, what):
