@@ -527,7 +527,17 @@ def comm_gather_scatter(env: Env) -> dict:
     with usp.CommCounter() as c_rs:
         z = comm.reduce_scatter(z_in, topo.sp_group, dim=1)
     z_expected = sum(_rank_tensor("rs", i, (2, 4 * p, 3)) for i in range(p)).chunk(p, dim=1)[r]
+
+    shapes = {"a": ((2, 3), torch.float64), "b": ((5,), torch.float32), "c": ((1, 1), torch.float64)}
+    mine = [_rank_tensor(f"sums-{n}", r, shape).to(dtype) for n, (shape, dtype) in shapes.items()]
+    with usp.CommCounter() as c_sums:
+        sums = comm.all_reduce_sums(mine, topo.sp_group)
+    sums_expected = [sum(_rank_tensor(f"sums-{n}", i, shape).to(dtype) for i in range(p)) for n, (shape, dtype) in shapes.items()]
     return {
+        "sums": [(tuple(s.shape), s.dtype, max_err(s.double(), e.double())) for s, e in zip(sums, sums_expected)],
+        "sums_expected": [(shape, dtype, 0.0) for shape, dtype in shapes.values()],
+        "sums_counted": (c_sums.by_op["all_reduce"].calls, c_sums.bytes_sent),
+        "sums_bytes": (p - 1) * sum(t.numel() * t.element_size() for t in mine),
         "gather_err": max_err(y, torch.cat(everyone, dim=1)),
         "gather_grad_err": max_err(x.grad, grad_expected),
         "scatter_err": max_err(z, z_expected),
@@ -638,8 +648,6 @@ TINY_BATCHES = ("padded", "packed", "mostly-padding")
 
 def tiny_model(env: Env, backend: str, kind: str) -> dict:
     """Loss and every parameter gradient of a tiny LM with SP equal the one-process ones."""
-    import torch.distributed as dist
-
     topo = _topo_for(env, Parity(), "zigzag")
     batch = make_batch(kind)
     ref_model = TinyLM()
@@ -652,11 +660,8 @@ def tiny_model(env: Env, backend: str, kind: str) -> dict:
     logits = model(local["input_ids"], local["position_ids"], lambda q, k, v: attn(q, k, v, cu_seqlens=local.get("cu_seqlens")))
     loss = usp.sp_cross_entropy(logits, local["shift_labels"], topo)
     loss.backward()
-    grad_err = 0.0
-    for p, p_ref in zip(model.parameters(), ref_model.parameters()):
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=topo.sp_group)  # the SP group's gradient is the sum of its ranks'
-        grad_err = max(grad_err, max_err(grad, p_ref.grad))
+    summed = usp.comm.all_reduce_sums([p.grad for p in model.parameters()], topo.sp_group)  # the SP group's gradient is the sum of its ranks'
+    grad_err = max(max_err(grad, p_ref.grad) for grad, p_ref in zip(summed, ref_model.parameters()))
     valid_here = int((local["shift_labels"] != -100).sum())
     return {"loss_err": abs(loss.item() - ref_loss.item()), "grad_err": grad_err, "loss": loss.item(), "valid_here": valid_here}
 

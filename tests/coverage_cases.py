@@ -119,7 +119,8 @@ def _kernelized(topo) -> dict:
     logits = model(**usp.model_inputs(local)).logits
     loss = usp.sp_cross_entropy(logits, local["shift_labels"], topo)
     loss.backward()
-    grads = {n: usp.comm.all_reduce_sum(p.grad, topo.sp_group) for n, p in model.named_parameters()}
+    names, params = zip(*model.named_parameters())
+    grads = dict(zip(names, usp.comm.all_reduce_sums([p.grad for p in params], topo.sp_group)))
     return {"use_kernels": bool(getattr(model, "use_kernels", False)), "loss": abs(loss.item() - whole.loss.item()),
             "grad": max(max_err(grads[n], ref[n]) for n in ref)}
 
@@ -199,10 +200,9 @@ def mixer_layer(topo, name: str, strategy: str) -> dict:
         with usp.CommCounter() as bwd:
             (out * usp.shard_sequence(w, topo)).sum().backward()
         estimate = mixer.estimate(layer, b, x_local.shape[1], h, 8)
-    grads = [p.grad.clone() for p in layer.parameters()]
-    for g in grads:
-        if topo.sp_size > 1:
-            dist.all_reduce(g, group=topo.sp_group)
+    grads = [p.grad for p in layer.parameters()]
+    if topo.sp_size > 1:
+        grads = usp.comm.all_reduce_sums(grads, topo.sp_group)
     by_hand = _by_hand(layer, strategy, topo, b, s // topo.sp_size, 8)
     return {
         "errors": [max_err(out, usp.shard_sequence(ref.detach(), topo)), max_err(x_local.grad, usp.shard_sequence(ref_grads[0], topo))]

@@ -96,8 +96,6 @@ def layer_backends(config, backend: str):
 
 def hf_parity(topo, family: str, backend: str, packed=False, checkpointing=False, dtype=torch.float32) -> dict:
     """Logits, loss and every parameter gradient of the SP model against the same model on one process."""
-    import torch.distributed as dist
-
     ref = tiny_model(family, dtype)
     sp_model = copy.deepcopy(ref)
     data = batch(packed)
@@ -120,9 +118,9 @@ def hf_parity(topo, family: str, backend: str, packed=False, checkpointing=False
     loss.backward()
 
     worst, grad_rel = None, 0.0
-    for (name, p), p_ref in zip(sp_model.named_parameters(), ref.parameters()):
-        grad = p.grad.clone()
-        dist.all_reduce(grad, group=topo.sp_group)  # the SP group's gradient is the sum of its ranks'
+    names, params = zip(*sp_model.named_parameters())
+    summed = usp.comm.all_reduce_sums([p.grad for p in params], topo.sp_group)  # the SP group's gradient is the sum of its ranks'
+    for name, grad, p_ref in zip(names, summed, ref.parameters()):
         if _rel(grad, p_ref.grad) >= grad_rel:
             worst, grad_rel = name, _rel(grad, p_ref.grad)
     with torch.no_grad():

@@ -97,6 +97,16 @@ def test_all_gather_and_reduce_scatter(ranks, world):
         assert r["bwd_rs_sent"] == r["ag_expected"]
 
 
+@pytest.mark.parametrize("world", WORLDS)
+def test_all_reduce_sums_makes_one_collective_per_dtype(ranks, world):
+    """Three tensors of two dtypes and shapes: each rank gets every sum, in its own shape and dtype,
+    from two all-reduces whose bytes are the tensors' (fp32 sums of 2 to 4 terms: exact to rounding)."""
+    for r in values(ranks(world), "comm/all_gather_reduce_scatter"):
+        assert [(shape, dtype) for shape, dtype, _ in r["sums"]] == [(shape, dtype) for shape, dtype, _ in r["sums_expected"]], r["sums"]
+        assert max(err for *_, err in r["sums"]) < 1e-6, r["sums"]
+        assert r["sums_counted"] == (2, r["sums_bytes"]), r["sums_counted"]
+
+
 @pytest.mark.parametrize("world", MULTI)
 def test_rows_to_ranks(ranks, world):
     """The uneven all-to-all that sends each image's features to the ranks holding its tokens."""

@@ -270,14 +270,15 @@ def vlm_parity(env: Env, family: str, layout: str, packed: bool) -> dict:
     # each gradient's error relative to its norm, or to 1e-8 of the whole gradient's where it is smaller
     # (CLIP's key bias: its exact gradient is 0, softmax ignores a score added to a whole row)
     floor = 1e-8 * torch.cat([q.grad.flatten() for q in ref.parameters() if q.grad is not None]).norm()
-    errors, missing = {}, []
+    both, missing = [], []
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         if (p.grad is None) != (q.grad is None):
             if q.grad is not None or bool(p.grad.any()):  # zeros where one process has none: an unused parameter (LLaVA's
                 missing.append(name)                       # post-layernorm) that a rank encoding nothing keeps in its graph
         elif q.grad is not None:
-            summed = usp.comm.all_reduce_sum(p.grad, topo.sp_group)
-            errors[name] = ((summed - q.grad).norm() / torch.maximum(q.grad.norm(), floor)).item()
+            both.append((name, p.grad, q.grad))
+    summed = usp.comm.all_reduce_sums([g for _, g, _ in both], topo.sp_group)
+    errors = {name: ((s - q).norm() / torch.maximum(q.norm(), floor)).item() for (name, _, q), s in zip(both, summed)}
     usp.remove_sequence_parallel(model)
     worst = max(errors, key=errors.get)
     return {"loss": loss.item(), "ref_loss": ref_loss.item(), "tiled_loss": tiled, "logits": tuple(logits.shape), "missing": missing, "positions_equal": positions_equal,

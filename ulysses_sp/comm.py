@@ -44,6 +44,7 @@ __all__ = [
     "replicate_kv_for_scatter",
     "all_gather_start",
     "all_reduce_sum",
+    "all_reduce_sums",
     "reduce_scatter_sum",
     "group_size",
     "drain",
@@ -498,6 +499,23 @@ def all_reduce_sum(x: torch.Tensor, group) -> torch.Tensor:
         dist.all_reduce(out, group=group)
     p = group_size(group)
     _record("all_reduce", (p - 1) * _nbytes(x), (p - 1) * _nbytes(x))
+    return out
+
+
+def all_reduce_sums(tensors, group) -> list[torch.Tensor]:
+    """``[all_reduce_sum(t, group) for t in tensors]`` in one all-reduce per dtype and device, of
+    the tensors laid end to end: on small tensors (a model's gradients) a collective costs its
+    thread hand-offs and round trips, not its bytes. Counted as one ``"all_reduce"`` each."""
+    out, by_kind, p = [None] * len(tensors), {}, group_size(group)
+    for i, t in enumerate(tensors):
+        by_kind.setdefault((t.dtype, t.device), []).append(i)
+    for idx in by_kind.values():
+        flat = torch.cat([tensors[i].reshape(-1) for i in idx])
+        with _failing_clearly("all_reduce", group):
+            dist.all_reduce(flat, group=group)
+        _record("all_reduce", (p - 1) * _nbytes(flat), (p - 1) * _nbytes(flat))
+        for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+            out[i] = piece.view(tensors[i].shape)
     return out
 
 

@@ -436,13 +436,11 @@ def _one_run(ref, topo, data, reference, backend, kernel, mixer) -> tuple[float,
     finally:
         chosen, mixers = chosen_backends(sp_model), mixer_layers(sp_model)
         usp.remove_sequence_parallel(sp_model)
-    grads = {}
-    for (name, p), ref_grad in zip(sp_model.named_parameters(), ref_grads):
-        # every parameter, on every rank alike: a rank encoding no image has zero gradients where another has none
-        grad = torch.zeros_like(p) if p.grad is None else p.grad.clone()
-        if topo.sp_size > 1:
-            dist.all_reduce(grad, group=topo.sp_group)  # the SP group's gradient is the sum of its ranks'
-        grads[name] = (grad, torch.zeros_like(p) if ref_grad is None else ref_grad)
+    names, params = zip(*sp_model.named_parameters())
+    # every parameter, on every rank alike: a rank encoding no image has zero gradients where another has none
+    mine = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    summed = comm.all_reduce_sums(mine, topo.sp_group) if topo.sp_size > 1 else mine  # the SP group's gradient is the sum of its ranks'
+    grads = {name: (grad, torch.zeros_like(p) if ref_grad is None else ref_grad) for name, p, grad, ref_grad in zip(names, params, summed, ref_grads)}
     floor = 1e-6 * max(r.abs().max().item() for _, r in grads.values())
     errors = {name: _rel(grad, ref_grad, floor) for name, (grad, ref_grad) in grads.items()}
     return abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()), errors, chosen, mixers
