@@ -142,6 +142,16 @@ def max_err(a, b) -> float:
     return (a - b).abs().max().item()
 
 
+def gather_all(tensors, topo, **kwargs) -> list:
+    """``[usp.gather_sequence(t, topo, **kwargs) for t in tensors]`` (detached) in one all-gather of the
+    tensors, ``[b, s, ...]`` alike in ``b`` and ``s``, side by side along their flattened trailing dims:
+    here a collective costs each rank a millisecond or more of thread hand-offs, whatever its bytes."""
+    b, s = tensors[0].shape[:2]
+    whole = usp.gather_sequence(torch.cat([t.detach().reshape(b, s, -1) for t in tensors], dim=2), topo, **kwargs)
+    parts = whole.split([t[0, 0].numel() for t in tensors], dim=2)
+    return [part.reshape(*part.shape[:2], *t.shape[2:]).to(t.dtype) for part, t in zip(parts, tensors)]
+
+
 def rel_rms(a, b) -> float:
     """||a - b|| / ||b||: over every element, so it does not hinge on one rounding as a max does."""
     return ((a - b).norm() / b.norm()).item()
@@ -305,9 +315,6 @@ def _parity_run(env: Env, name: str, cfg: Parity) -> dict:
         t = usp.shard_sequence(t, topo, cu_seqlens=docs).to(cfg.dtype)
         return t.transpose(1, 2).contiguous().transpose(1, 2) if cfg.strided else t
 
-    def gather(t):
-        return usp.gather_sequence(t, topo, cu_seqlens=docs)
-
     shards = {n: local(t).requires_grad_(n in cfg.grads) for n, t in zip("qkv", (q, k, v))}
     run_topo = dataclasses.replace(topo, layout=cfg.claim_layout) if cfg.claim_layout else topo
     attn = usp.SequenceParallelAttention(run_topo, backend=cfg.backend, layer_idx=0, kernel=cfg.kernel, profile=cfg.profile)
@@ -316,15 +323,16 @@ def _parity_run(env: Env, name: str, cfg: Parity) -> dict:
     (out * usp.shard_sequence(dout, topo, cu_seqlens=docs).to(cfg.dtype)).sum().backward()
 
     with torch.no_grad():
-        result = {"out": max_err(gather(out).double(), ref), "out_dtype": str(out.dtype)}
+        grads = {n: shard.grad for n, shard in shards.items() if shard.grad is not None}
+        whole = dict(zip(["out", *grads], (t.double() for t in gather_all([out, *grads.values()], topo, cu_seqlens=docs))))
+        result = {"out": max_err(whole["out"], ref), "out_dtype": str(out.dtype)}
         result["out_scale"] = ref.abs().max().item()
-        result["out_rms"] = rel_rms(gather(out).double(), ref)
+        result["out_rms"] = rel_rms(whole["out"], ref)
         for n, shard in shards.items():
             got = shard.grad
-            result[f"d{n}"] = None if got is None else max_err(gather(got).double(), leaves[n].grad)
+            result[f"d{n}"] = None if got is None else max_err(whole[n], leaves[n].grad)
             if got is not None:  # window 1: dq is 0 in exact arithmetic, and then the norm of ours is the error
-                full_grad = gather(got).double()
-                result[f"d{n}_rms"] = rel_rms(full_grad, leaves[n].grad) if leaves[n].grad.norm() > 0 else full_grad.norm().item()
+                result[f"d{n}_rms"] = rel_rms(whole[n], leaves[n].grad) if leaves[n].grad.norm() > 0 else whole[n].norm().item()
             result[f"d{n}_is_none"] = got is None
             result[f"d{n}_dtype"] = None if got is None else str(got.dtype)
             result[f"d{n}_scale"] = None if got is None else leaves[n].grad.abs().max().item()
@@ -453,7 +461,7 @@ def all_backends_agree(env: Env) -> dict:
         shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full]
         out = usp.sp_attention(*shards, topo, backend=backend)
         (out * dout).sum().backward()
-        results[backend] = [usp.gather_sequence(t, topo) for t in [out.detach()] + [t.grad for t in shards]]
+        results[backend] = gather_all([out] + [t.grad for t in shards], topo)
     return {be: max(max_err(a, b) for a, b in zip(got, ref)) for be, got in results.items()}
 
 
@@ -473,7 +481,7 @@ def low_precision_error(env: Env, dtype: torch.dtype) -> dict:
         with torch.no_grad():
             got = [out] + [t.grad for t in shards]
             want = [reference_attention(*full)] + [t.grad for t in leaves]
-            errors[backend] = [rel_rms(usp.gather_sequence(g, topo).double(), w) for g, w in zip(got, want)]
+            errors[backend] = [rel_rms(g.double(), w) for g, w in zip(gather_all(got, topo), want)]
     return errors
 
 
@@ -974,7 +982,7 @@ def raise_mid_exchange(env: Env) -> dict:
             shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full]
             out = usp.sp_attention(*shards, topo, backend=backend)
             out.sum().backward()
-            errors = [max_err(usp.gather_sequence(a, topo), b) for a, b in zip([out, *(s.grad for s in shards)], [ref, *(t.grad for t in ref_leaves)])]
+            errors = [max_err(a, b) for a, b in zip(gather_all([out, *(s.grad for s in shards)], topo), [ref, *(t.grad for t in ref_leaves)])]
             result[f"{backend}/{where}"] = (message, max(errors))
     return result
 
@@ -1005,7 +1013,7 @@ def non_finite_input(env: Env) -> dict:
             shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full]
             out = usp.sp_attention(*shards, topo, backend=backend, causal=causal)
             out.sum().backward()
-            masks = [usp.gather_sequence(t, topo).isnan() for t in (out.detach(), *(s.grad for s in shards))]
+            masks = [t.isnan() for t in gather_all([out, *(s.grad for s in shards)], topo)]
             result[f"{backend}/{what}"] = {
                 "nan masks as expected": [bool(torch.equal(a, b)) for a, b in zip(masks[:2], ref_masks[:2])]
                 + [bool((a >= seen).all() and (a <= b).all()) for a, b in zip(masks[2:], ref_masks[2:])],

@@ -10,7 +10,8 @@ from concurrent.futures import Future
 import pytest
 
 PRELOAD = ("torch", "ulysses_sp", "transformers", "deepspeed", "tests.cases", "transformers.trainer", "torch._inductor.compile_fx",
-           "tests.frozen")
+           "trl.trainer.dpo_trainer", "trl.trainer.grpo_trainer", "trl.trainer.sft_trainer", "tests.trl_cases", "tests.hf_trainer_cases",
+           "tests.ds_cases", "tests.frozen")
 """What the pools' fork server imports once (the ranks are forked from it: 0.02 CPU s a rank, not
 the 5 s of a spawned rank's imports); one missing is skipped by the server. The last freezes what
 the others made (tests/frozen.py)."""

@@ -223,7 +223,7 @@ def mixer_low_precision(topo, name: str, strategy: str) -> dict:
 
     from ulysses_sp.mixers import get_mixer
 
-    from .cases import rel_rms
+    from .cases import gather_all, rel_rms
 
     torch.manual_seed(0)
     layer = MIXER_LAYERS[name](transformers.AutoModelForCausalLM.from_config(config(name))).bfloat16()
@@ -238,9 +238,8 @@ def mixer_low_precision(topo, name: str, strategy: str) -> dict:
     x_local = usp.shard_sequence(x, topo).bfloat16().requires_grad_()
     out = get_mixer(strategy, topo, layer)(layer, layer.forward, (x_local,), {}, b, x_local.shape[1], None)
     (out * usp.shard_sequence(w, topo).bfloat16()).sum().backward()
-    with torch.no_grad():
-        return {"out": rel_rms(usp.gather_sequence(out, topo).double(), ref),
-                "dx": rel_rms(usp.gather_sequence(x_local.grad, topo).double(), x_ref.grad)}
+    out_full, dx_full = gather_all([out, x_local.grad], topo)
+    return {"out": rel_rms(out_full.double(), ref), "dx": rel_rms(dx_full.double(), x_ref.grad)}
 
 
 class _CausalConv(nn.Module):
@@ -545,7 +544,7 @@ def mla_attention(topo, backend: str, packed: bool) -> dict:
     """SequenceParallelAttention with value head dim 6 and query/key head dim 12 against fp64
     attention on the whole sequence: out, dq, dk, dv; and the bytes it sent, against the same call
     with V zero-padded to 12 by hand."""
-    from .cases import generator, max_err
+    from .cases import gather_all, generator, max_err
 
     b, s, h, d_qk, d_v = 2, 48, MLA_HEADS, 12, 6
     gen = generator(f"mla/{backend}")
@@ -565,7 +564,7 @@ def mla_attention(topo, backend: str, packed: bool) -> dict:
     ref_in = [t.clone().requires_grad_() for t in full]
     ref = reference_attention(*ref_in, cu_seqlens=cu)
     ref.sum().backward()
-    got = [usp.gather_sequence(t, topo) for t in (out.detach(), *(x.grad for x in shards))]
+    got = gather_all([out, *(x.grad for x in shards)], topo)
     return {
         "errors": [max_err(g, r) for g, r in zip(got, (ref.detach(), *(x.grad for x in ref_in)))],
         "bytes": (counted.bytes_sent, counted.bytes_recv),
