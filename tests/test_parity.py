@@ -121,12 +121,14 @@ def test_packed_kernel_calls_do_not_grow_with_documents(ranks, world, backend):
     whatever the number of documents; and the result is right. Unpacked, the zigzag ring
     makes one call per step, its own block included (one causal call, as torch's ring)."""
     bound = 1 if backend == "ulysses" else 4 * world
-    for r in values(ranks(world), f"kernel-calls/{backend}"):
+    got = values(ranks(world), f"kernel-calls/{backend}")
+    for docs in (None, 24, 1000):  # rank 0 compares the gathered output, the same on every rank, with the reference
+        assert got[0][docs]["err"] < 2e-2 * 4, (docs, got[0])
+    for r in got:
         for docs in (24, 1000):
             assert r[docs]["calls"] <= bound, (docs, r)
-            assert r[docs]["err"] < 2e-2 * 4, (docs, r)
         assert r[1000]["varlen"] > 0
-        assert r[None]["varlen"] == 0 and r[None]["err"] < 2e-2 * 4, r
+        assert r[None]["varlen"] == 0, r
         if backend == "ring":
             assert r[None]["calls"] == world, r
 
@@ -137,10 +139,12 @@ def test_balanced_kernel_calls_do_not_grow_with_documents(ranks, world, backend)
     """The same under the balanced layout, whose ranks hold 8 chunks of 2016 tokens: at most 2 calls
     per local chunk and ring step (16 P), with 24 documents as with 1000, and the result right."""
     bound = 1 if backend == "ulysses" else 2 * 8 * world
-    for r in values(ranks(world), f"kernel-calls-balanced/{backend}"):
+    got = values(ranks(world), f"kernel-calls-balanced/{backend}")
+    for docs in (None, 24, 1000):
+        assert got[0][docs]["err"] < 2e-2 * 4, (docs, got[0])
+    for r in got:
         for docs in (None, 24, 1000):
             assert r[docs]["calls"] <= bound, (docs, r)
-            assert r[docs]["err"] < 2e-2 * 4, (docs, r)
         assert r[1000]["varlen"] > 0
 
 
