@@ -9,6 +9,10 @@ from concurrent.futures import Future
 
 import pytest
 
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+"""One thread a process, for this one, the fork server's ranks and every subprocess a test starts: the
+pools keep both cores busy, and a second OpenMP thread spins waiting for the core another rank holds."""
+
 PRELOAD = ("torch", "ulysses_sp", "transformers", "deepspeed", "tests.cases", "transformers.trainer", "torch._inductor.compile_fx",
            "trl.trainer.dpo_trainer", "trl.trainer.grpo_trainer", "trl.trainer.sft_trainer", "tests.trl_cases", "tests.hf_trainer_cases",
            "tests.ds_cases", "tests.frozen")
