@@ -19,6 +19,15 @@ from ulysses_sp.job.ds_config import resolve_ds_config  # noqa: E402
 from ulysses_sp.tasks import EOS_ID, passkey_batch, passkey_eval_batch  # noqa: E402
 
 
+@pytest.mark.parametrize("given,cores,local,expected", [(64, 64, 8, 8), (64, 64, 1, 64), (1, 64, 8, 1), (2, 2, 1, 2), (1, 2, 1, 1), (4, 2, 4, 1)])
+def test_a_cpu_rank_takes_its_share_of_the_cores_and_no_more_threads_than_given(monkeypatch, given, cores, local, expected):
+    from ulysses_sp.job import run
+
+    monkeypatch.setattr(run.torch, "get_num_threads", lambda: given)
+    monkeypatch.setattr(run.os, "cpu_count", lambda: cores)
+    assert run.cpu_threads(local) == expected
+
+
 def _resolve(user=None, dp=1, sp=2, **flags):
     cfg = TrainConfig(sp_size=sp, **flags)
     return resolve_ds_config(cfg, user or {}, dp_size=dp, sp_size=sp, on_gpu=False, pretrained=False)

@@ -60,6 +60,12 @@ def default_model_config():
     )
 
 
+def cpu_threads(local_world: int) -> int:
+    """A CPU rank's threads: its share of the machine's cores, never more than the process was given
+    (OMP_NUM_THREADS, torchrun's 1): an OpenMP thread beyond the cores spins waiting for one."""
+    return min(torch.get_num_threads(), max(1, (os.cpu_count() or 1) // local_world))
+
+
 def _has_weights(path: str | None) -> bool:
     return bool(path) and os.path.isdir(path) and any(f.endswith((".safetensors", ".bin")) for f in os.listdir(path))
 
@@ -171,9 +177,8 @@ class Job:
 
             deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", timeout=timeout)
         check_one_rank_per_device(dist.group.WORLD, self.device)
-        if not on_gpu:  # ranks share the cores; never more threads than the process was given (OMP_NUM_THREADS, torchrun's 1)
-            share = max(1, (os.cpu_count() or 1) // local_world_size(default=dist.get_world_size()))
-            torch.set_num_threads(min(torch.get_num_threads(), share))
+        if not on_gpu:
+            torch.set_num_threads(cpu_threads(local_world_size(default=dist.get_world_size())))
         self.layout = job_layout(cfg)
         self.topo = topo = init_sequence_parallel(sp_size, ulysses_degree=cfg.ulysses_degree, layout=self.layout, profile=cfg.profile,
                                                   timeout=cfg.dist_timeout)
