@@ -355,9 +355,27 @@ def warm_python(argv: list, *, env: dict, cwd: str, log: str):
 
 
 def free_port() -> int:
-    """A port nothing listens on now (the OS picks it): launchers in tests never share a fixed one."""
+    """A port nothing listens on now, for a launcher to bind; never one given before in this session.
+    Below the kernel's ephemeral range (``ip_local_port_range``): a port the OS hands out (bind to 0)
+    is free only until released, and the pools' gloo connections take their local ports from that
+    range by the thousand; one took the deepspeed launcher's port in the gap (EADDRINUSE, once in
+    about thirty runs)."""
+    import random
     import socket
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        ephemeral = int(f.read().split()[0])
+    while True:
+        port = random.randrange(10_000, ephemeral)
+        with socket.socket() as s:
+            try:
+                s.bind(("", port))
+            except OSError:
+                continue
+        if port not in _GIVEN:
+            _GIVEN.add(port)
+            return port
+
+
+_GIVEN: set[int] = set()
+"""The ports ``free_port`` gave (two launchers of one test bind theirs at once)."""
