@@ -22,7 +22,7 @@ _MISSING = [m for m in ("transformers", "accelerate", "peft", "deepspeed") if im
 # find_spec, not importorskip: the work runs in spawned processes, importing these here only costs time
 pytestmark = pytest.mark.skipif(bool(_MISSING), reason=f"not installed: {', '.join(_MISSING)} (extras hf, peft, deepspeed)")
 
-from .conftest import free_port, pool_results  # noqa: E402
+from .conftest import free_port, pool_results, warm_python  # noqa: E402
 from .hf_trainer_cases import SP_CASES, STEPS, run_references, run_sp_cases  # noqa: E402
 
 LOSS_TOL, EVAL_TOL = 1e-4, 1e-5
@@ -184,14 +184,19 @@ def test_hf_argument_parser_gets_the_sp_flags():
         SequenceParallelTrainingArguments(output_dir="x", sp_size=4, ulysses_degree=3, report_to=[])
 
 
+def _example_args(tmp_path, name: str, *extra: str) -> list[str]:
+    return [str(ROOT / "examples" / "train_with_trainer.py"), "--use_cpu", "--output_dir", str(tmp_path / name), "--max_steps", "4",
+            "--learning_rate", "1e-2", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no", "--disable_tqdm", "true",
+            "--seq_len", "64", "--train_samples", "32", "--results", str(tmp_path / f"{name}.json"), *extra]
+
+
+EXAMPLE_ENV = {"OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
+
+
 def _example(launcher: list[str], tmp_path, name: str, *extra: str) -> subprocess.Popen:
-    out = tmp_path / f"{name}.json"
-    cmd = [*launcher, str(ROOT / "examples" / "train_with_trainer.py"), "--use_cpu", "--output_dir", str(tmp_path / name),
-           "--max_steps", "4", "--learning_rate", "1e-2", "--logging_steps", "1", "--report_to", "none", "--save_strategy", "no",
-           "--disable_tqdm", "true", "--seq_len", "64", "--train_samples", "32", "--results", str(out), *extra]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    proc = subprocess.Popen(cmd, cwd=tmp_path, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    proc.result_path = out
+    proc = subprocess.Popen([*launcher, *_example_args(tmp_path, name, *extra)], cwd=tmp_path, env={**os.environ, **EXAMPLE_ENV},
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc.result_path = tmp_path / f"{name}.json"
     return proc
 
 
@@ -213,10 +218,14 @@ def test_example_under_every_launcher_equals_one_process(tmp_path):
         "deepspeed": ([str(bin_dir / "deepspeed"), "--num_gpus", "2", "--master_port", str(free_port())],
                       ("--deepspeed", str(ROOT / "examples" / "ds_zero2.json"))),
     }
-    procs = {"single": _example([sys.executable], tmp_path, "single", "--sp_size", "1")}
-    procs.update({name: _example(cmd, tmp_path, name, "--sp_size", "2", *extra) for name, (cmd, extra) in launchers.items()})
+    # the script alone as `python examples/train_with_trainer.py` runs it, without a new interpreter's imports
+    single = warm_python(_example_args(tmp_path, "single", "--sp_size", "1"), env={**os.environ, **EXAMPLE_ENV}, cwd=tmp_path,
+                         log=tmp_path / "single.log")
+    procs = {name: _example(cmd, tmp_path, name, "--sp_size", "2", *extra) for name, (cmd, extra) in launchers.items()}
     results = {name: _finished(p) for name, p in procs.items()}  # all at once: their imports overlap
-    one = results.pop("single")
+    single.join(600)
+    assert single.exitcode == 0, (tmp_path / "single.log").read_text()[-4000:]
+    one = json.loads((tmp_path / "single.json").read_text())
     assert one["world"] == 1 and len(one["losses"]) == 4 and one["losses"][-1] < one["losses"][0]
     for name, r in results.items():
         assert (r["world"], r["sp_size"]) == (2, 2), name
