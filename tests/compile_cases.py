@@ -45,7 +45,7 @@ def _run(fn, local, cu, options, g_out):
 
 def _counting(backend) -> tuple:
     """``backend`` (a name or a callable), and the list of the graphs Dynamo hands it (one per graph compiled)."""
-    graphs, inner = [], torch._dynamo.lookup_backend(backend) if isinstance(backend, str) else backend
+    graphs, inner = [], torch._dynamo.lookup_backend(backend)
 
     def compile_fn(gm, example_inputs):
         graphs.append(gm)
@@ -179,18 +179,18 @@ def errors(env) -> dict:
             "profile": raised(lambda: with_profile(good), errors=(Exception,))}
 
 
-def _model_grads(ref, topo, data, compiled, **apply) -> tuple[float, dict, int]:
+def _model_grads(ref, topo, data, compiler, **apply) -> tuple[float, dict, int]:
     """The SP loss and gradients of a copy of ``ref`` switched with ``apply``, and the attention
     bytes its forward and backward sent; its decoder layers compiled (``tiling.compile_layers``;
-    fullgraph unless it has mixers) when ``compiled``, a ``torch.compile`` backend."""
+    fullgraph unless it has mixers) with ``compiler``, a ``torch.compile`` backend, unless it is None."""
     import copy
 
     from ulysses_sp import tiling
     from ulysses_sp.integrations.mixers import mixer_layers
 
     model = usp.apply_sequence_parallel(copy.deepcopy(ref), topo, **apply)
-    if compiled:
-        tiling.compile_layers(model, fullgraph=not mixer_layers(model), backend=compiled)
+    if compiler is not None:
+        tiling.compile_layers(model, fullgraph=not mixer_layers(model), backend=compiler)
     local = usp.shard_batch(data, topo)
     with usp.CommCounter() as counter:
         if getattr(ref.config, "final_logit_softcapping", None):  # the fused loss refuses a transform after the head
@@ -247,8 +247,8 @@ def compiled_models(env) -> dict:
     out = {}
     bypassed, missed = _cache("bypass"), _cache("miss")
     for name, (ref, data, apply) in runs.items():
-        (eager_loss, eager, eager_sent), (loss, grads, sent) = (_model_grads(ref, env.topo(), data, compiled, **apply)
-                                                                for compiled in (None, in_turn(env, f"compile-model/{name}")))
+        (eager_loss, eager, eager_sent), (loss, grads, sent) = (_model_grads(ref, env.topo(), data, compiler, **apply)
+                                                                for compiler in (None, in_turn(env, f"compile-model/{name}")))
         one_loss, one = _one_process(ref, data)
         summed = dict(zip(grads, comm.all_reduce_sums(list(grads.values()), env.topo().sp_group)))  # each rank holds its tokens' share
         out[name] = {"eager": (abs(loss - eager_loss), _relative(grads, eager)), "one process": (abs(loss - one_loss), _relative(summed, one)),

@@ -374,9 +374,10 @@ def free_port() -> int:
     about thirty runs)."""
     import random
     import socket
+    from pathlib import Path
 
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        ephemeral = int(f.read().split()[0])
+    ranges = Path("/proc/sys/net/ipv4/ip_local_port_range")
+    ephemeral = int(ranges.read_text().split()[0]) if ranges.exists() else 32768  # Linux's default elsewhere
     while True:
         port = random.randrange(10_000, ephemeral)
         with socket.socket() as s:
