@@ -56,17 +56,17 @@ FAMILIES = {
     "rwkv": ("RwkvConfig", dict(vocab_size=64, hidden_size=32, attention_hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                                 context_length=256, use_cache=False)),
     "mamba2": ("Mamba2Config", dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_heads=4, head_dim=16, expand=2, state_size=8,
-                                    n_groups=1, conv_kernel=4, use_cache=False)),
+                                    n_groups=1, conv_kernel=4, chunk_size=8, use_cache=False)),
     "bamba": ("BambaConfig", dict(_ATTN, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1,
-                                  mamba_d_conv=4, mamba_expand=2)),
+                                  mamba_d_conv=4, mamba_expand=2, mamba_chunk_size=8)),
     # 12 Mamba2 heads in 12 groups: ulysses splits both at P = 2, 3 and 4
     "bamba_12h": ("BambaConfig", dict(_ATTN, attn_layer_indices=[1], mamba_n_heads=12, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=12,
-                                      mamba_d_conv=4, mamba_expand=3)),
+                                      mamba_d_conv=4, mamba_expand=3, mamba_chunk_size=8)),
     # Zamba2: Mamba2 layers and hybrid layers (a shared attention block beside a Mamba2 decoder layer)
     "zamba2": ("Zamba2Config", dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=4,
                                     intermediate_size=48, mamba_d_state=8, mamba_headdim=8, mamba_ngroups=1, n_mamba_heads=8, mamba_expand=2,
                                     layers_block_type=["mamba", "hybrid", "mamba"], num_mem_blocks=1, max_position_embeddings=256,
-                                    use_cache=False)),
+                                    chunk_size=8, use_cache=False)),
     # Kimi Linear: Kimi Delta Attention (per-channel decay) beside multi-head latent attention
     "kimi_linear": ("KimiLinearConfig", dict(_ATTN, num_key_value_heads=4, layer_types=["linear_attention", "full_attention"],
                                              mlp_layer_types=["dense", "sparse"], moe_intermediate_size=16, num_local_experts=4,

@@ -111,11 +111,13 @@ def _decoder_layers(model, n: int) -> list:
 _MAMBA_HEADS = (("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim"), ("n_mamba_heads", "mamba_headdim"), ("num_heads", "head_dim"))
 _MAMBA_GROUPS = ("mamba_n_groups", "mamba_ngroups", "n_groups")
 _MAMBA_STATES = ("mamba_d_state", "state_size", "ssm_state_size")  # Nemotron-H's is ssm_state_size
+_MAMBA_CHUNKS = ("chunk_size", "mamba_chunk_size")
 
 
 def _shrink_mamba(small, put) -> None:
     """Mamba2 mixers: 4 heads whose dims fill ``mamba_expand * hidden_size`` (the width the mixer
-    projects to), a state of at most 16."""
+    projects to), a state of at most 16, and scan chunks of 8 tokens: the check's short rows then
+    cross chunk boundaries (the shipped 128 or 256 pads each document to one chunk)."""
     hidden, expand = getattr(small, "hidden_size", None), getattr(small, "mamba_expand", getattr(small, "expand", None))
     if not any(isinstance(getattr(small, name, None), int) for name in _MAMBA_STATES):
         return  # not a Mamba config
@@ -132,6 +134,9 @@ def _shrink_mamba(small, put) -> None:
     for name in _MAMBA_STATES:
         if isinstance(getattr(small, name, None), int) and getattr(small, name) > 16:
             put(name, 16)
+    for name in _MAMBA_CHUNKS:
+        if isinstance(getattr(small, name, None), int) and getattr(small, name) > 8:
+            put(name, 8)
     for name in _MAMBA_GROUPS:  # groups must divide the 4 heads
         if isinstance(getattr(small, name, None), int) and getattr(small, name) > 2:
             put(name, 2)
