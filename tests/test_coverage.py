@@ -296,6 +296,9 @@ def test_shrink_keeps_every_kind_of_layer():
     for cls in ("LlamaConfig", "GPT2Config", "MixtralConfig"):
         small, model = shrunk(cls)
         assert small.num_hidden_layers == 2 and sum(p.numel() for p in model.parameters()) < 1e6, cls
+    for cls in ("BambaConfig", "Mamba2Config", "NemotronHConfig", "Zamba2Config"):  # verify's 2 x 12 + 5 tokens cross chunks
+        _, model = shrunk(cls)
+        assert {m.chunk_size for m in model.modules() if hasattr(m, "chunk_size") and hasattr(m, "A_log")} == {8}, cls
 
 
 def test_mixers_survive_transformers_kernelize(ranks):

@@ -131,15 +131,10 @@ def _shrink_mamba(small, put) -> None:
             put(dim_name, expand * hidden // heads if isinstance(expand, int) and isinstance(hidden, int) else 8)
             if isinstance(getattr(small, "mamba_d_ssm", None), int):
                 put("mamba_d_ssm", heads * getattr(small, dim_name))
-    for name in _MAMBA_STATES:
-        if isinstance(getattr(small, name, None), int) and getattr(small, name) > 16:
-            put(name, 16)
-    for name in _MAMBA_CHUNKS:
-        if isinstance(getattr(small, name, None), int) and getattr(small, name) > 8:
-            put(name, 8)
-    for name in _MAMBA_GROUPS:  # groups must divide the 4 heads
-        if isinstance(getattr(small, name, None), int) and getattr(small, name) > 2:
-            put(name, 2)
+    for names, most in ((_MAMBA_STATES, 16), (_MAMBA_CHUNKS, 8), (_MAMBA_GROUPS, 2)):  # groups must divide the 4 heads
+        for name in names:
+            if isinstance(getattr(small, name, None), int) and getattr(small, name) > most:
+                put(name, most)
 
 
 def shrink_config(config, min_layers: int = 2) -> transformers.PretrainedConfig:
