@@ -160,13 +160,15 @@ def test_the_pool_resets_what_a_call_leaves_and_starts_anew_when_it_cannot():
         assert len(pool.restarts) == 1 and "ulysses_sp.comm._record" in pool.restarts[0], pool.restarts
         assert pool.run(_state) == clean and pool.spawns == 2
 
-        with pytest.raises(RankFailure, match="planted failure"):
+        with pytest.raises(RankFailure, match="planted failure") as failed:
             pool.run(_fail)
+        assert "--- rank 1, still running ---" in str(failed.value) and "in _fail" in str(failed.value), str(failed.value)
         assert "raised on ranks [0]" in pool.restarts[-1]
         assert pool.run(_state) == clean and pool.spawns == 3
 
-        with pytest.raises(RankFailure, match=r"ranks \[1\] of 2 still running after 3 s"):
+        with pytest.raises(RankFailure, match=r"ranks \[1\] of 2 still running after 3 s") as stalled:
             pool.run(_stall, timeout=3)
+        assert "in _stall" in str(stalled.value), str(stalled.value)
         assert pool.run(_state) == clean and pool.spawns == 4
     finally:
         pool.close()

@@ -14,11 +14,13 @@ from __future__ import annotations
 import atexit
 import contextlib
 import datetime
+import faulthandler
 import gc
 import os
 import pickle
 import random
 import shutil
+import signal
 import sys
 import tempfile
 import time
@@ -223,6 +225,9 @@ def _drop_groups(before: set) -> None:
 
 def _pool_main(rank: int, world_size: int, tmp: str, conn, collective_timeout: float, threads: int) -> None:
     _rank_setup(rank, world_size, threads)
+    stack = open(os.path.join(tmp, f"stack{rank}"), "w")  # noqa: SIM115 - kept open: faulthandler writes to its descriptor
+    if hasattr(signal, "SIGUSR1"):  # the pool asks a rank that is still running for its stack when it ends the pool
+        faulthandler.register(signal.SIGUSR1, file=stack)
     try:
         _init_group(tmp, "store0", rank, world_size, collective_timeout)
         import ulysses_sp  # noqa: F401  (what every call uses, imported before the baseline is taken)
@@ -283,7 +288,8 @@ class RankPool:
     collects the call's garbage and freezes (``gc.freeze``) what it left alive.
     A call that raises on any rank, runs past its deadline, kills a rank, destroys the default
     group on some ranks only, or replaces an attribute of torch.distributed or ulysses_sp that
-    it does not put back ends the pool (``restarts`` says why); the next call starts it anew.
+    it does not put back ends the pool (``restarts`` says why; the ranks still running add their Python
+    stacks to the ``RankFailure``); the next call starts it anew.
     """
 
     def __init__(self, world_size: int, *, collective_timeout: float = 60.0, threads_per_rank: int = 1,
@@ -339,15 +345,30 @@ class RankPool:
                 deadline = min(deadline, time.monotonic() + 2.0)
             if waiting and time.monotonic() >= deadline:
                 if not any(reply and reply[0] == "error" for reply in replies):
+                    stacks = self._stacks(sorted(waiting))
                     self.close(f"{what}: ranks {sorted(waiting)} still running after {timeout:.0f} s")
-                    raise RankFailure(f"ranks {sorted(waiting)} of {self.world_size} still running after {timeout:.0f} s (hang?)")
+                    raise RankFailure(f"ranks {sorted(waiting)} of {self.world_size} still running after {timeout:.0f} s (hang?)\n{stacks}")
                 break
         return replies
 
     def _fail(self, replies: list, what: str) -> RankFailure:
         errors = {r: reply[1] for r, reply in enumerate(replies) if reply and reply[0] == "error"}
+        stacks = self._stacks([r for r, reply in enumerate(replies) if reply is None])
         self.close(f"{what}: raised on ranks {sorted(errors)}")
-        return RankFailure("\n".join(f"--- rank {r} ---\n{tb}" for r, tb in errors.items()))
+        return RankFailure("\n".join([f"--- rank {r} ---\n{tb}" for r, tb in errors.items()] + [stacks]))
+
+    def _stacks(self, ranks: list) -> str:
+        """Where each of ``ranks``, still running, is: its Python stack (faulthandler's), for the report."""
+        if not ranks or not hasattr(signal, "SIGUSR1"):
+            return ""
+        paths = {r: os.path.join(self.tmp, f"stack{r}") for r in ranks}
+        for r in ranks:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.procs[r].pid, signal.SIGUSR1)
+        deadline = time.monotonic() + 2.0
+        while time.monotonic() < deadline and not all(os.path.getsize(p) for p in paths.values() if os.path.exists(p)):
+            time.sleep(0.05)
+        return "\n".join(f"--- rank {r}, still running ---\n{open(p).read().strip()}" for r, p in paths.items() if os.path.exists(p))
 
     def run(self, fn, *args, timeout: float = 240.0) -> list:
         """``[fn(rank, world_size, *args) for each rank]`` on the pool's ranks (spawned on first use)."""
