@@ -185,6 +185,7 @@ class Job:
         self.rank0 = topo.rank == 0
         self.io_group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=cfg.io_timeout))
         """Waits while rank 0 writes files (checkpoints, export): their own timeout, on CPU whatever the device."""
+        dist.barrier(group=self.io_group)  # every rank's end of its connections is up before one may refuse the job and drop them
         self.resume_state = {"seq_len": cfg.seq_len, "packing": cfg.packing, "data": cfg.data and os.path.abspath(cfg.data),
                              "data_bytes": cfg.data and _size(cfg.data),
                              "data_mtime": cfg.data and int(os.path.getmtime(cfg.data)), "seed": cfg.seed, "micro_batch": self.ds.micro_batch,
