@@ -26,6 +26,7 @@ import tempfile
 import time
 import traceback
 from multiprocessing.connection import wait
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -355,20 +356,20 @@ class RankPool:
         errors = {r: reply[1] for r, reply in enumerate(replies) if reply and reply[0] == "error"}
         stacks = self._stacks([r for r, reply in enumerate(replies) if reply is None])
         self.close(f"{what}: raised on ranks {sorted(errors)}")
-        return RankFailure("\n".join([f"--- rank {r} ---\n{tb}" for r, tb in errors.items()] + [stacks]))
+        return RankFailure("\n".join([f"--- rank {r} ---\n{tb}" for r, tb in errors.items()] + ([stacks] if stacks else [])))
 
     def _stacks(self, ranks: list) -> str:
         """Where each of ``ranks``, still running, is: its Python stack (faulthandler's), for the report."""
         if not ranks or not hasattr(signal, "SIGUSR1"):
             return ""
-        paths = {r: os.path.join(self.tmp, f"stack{r}") for r in ranks}
+        paths = {r: os.path.join(self.tmp, f"stack{r}") for r in ranks}  # each rank made its file as it started
         for r in ranks:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(self.procs[r].pid, signal.SIGUSR1)
         deadline = time.monotonic() + 2.0
-        while time.monotonic() < deadline and not all(os.path.getsize(p) for p in paths.values() if os.path.exists(p)):
+        while time.monotonic() < deadline and not all(os.path.getsize(p) for p in paths.values()):
             time.sleep(0.05)
-        return "\n".join(f"--- rank {r}, still running ---\n{open(p).read().strip()}" for r, p in paths.items() if os.path.exists(p))
+        return "\n".join(f"--- rank {r}, still running ---\n{Path(p).read_text().strip()}" for r, p in paths.items())
 
     def run(self, fn, *args, timeout: float = 240.0) -> list:
         """``[fn(rank, world_size, *args) for each rank]`` on the pool's ranks (spawned on first use)."""
