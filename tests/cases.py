@@ -497,6 +497,38 @@ for _name, _dtype in (("bf16", torch.bfloat16), ("fp16", torch.float16)):
     case(f"numerics/{_name}", (1, 2, 4))(lambda env, d=_dtype: low_precision_error(env, d))
 
 
+@case("numerics/autocast", (1, 2, 4))
+def autocast_inputs(env: Env) -> dict:
+    """What a model under CPU bf16 autocast hands attention: q and k in fp32 (RoPE upcasts them), v in
+    bf16. Per backend: the output's dtype, each gradient's dtype, and [out, dq, dk, dv] relative RMS
+    error against fp64 attention of the bf16-rounded inputs; and SDPA's under the same autocast."""
+    topo = _topo_for(env, Parity(), "zigzag")
+    gen = generator("autocast")
+    full = [torch.randn(2, 48, h, 16, generator=gen).to(torch.bfloat16).double() for h in (12, 4, 4)]
+    dout = torch.randn(2, 48, 12, 16, generator=gen).to(torch.bfloat16).double()
+    leaves = [t.clone().requires_grad_() for t in full]
+    want_out = reference_attention(*leaves)
+    want_out.backward(dout)
+    want = [want_out.detach()] + [t.grad for t in leaves]
+    dtypes = (torch.float32, torch.float32, torch.bfloat16)
+    sdpa = [t.to(d).transpose(1, 2).requires_grad_() for t, d in zip(full, dtypes)]
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = torch.nn.functional.scaled_dot_product_attention(*sdpa, is_causal=True, enable_gqa=True)
+    out.backward(dout.transpose(1, 2).to(out.dtype))
+    got = [out.transpose(1, 2)] + [t.grad.transpose(1, 2) for t in sdpa]
+    result = {"sdpa": {"dtypes": [str(t.dtype) for t in got], "errors": [rel_rms(g.double(), w) for g, w in zip(got, want)]}}
+    for backend in BACKENDS:
+        shards = [usp.shard_sequence(t, topo).to(d).requires_grad_() for t, d in zip(full, dtypes)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            out = usp.sp_attention(*shards, topo, backend=backend)
+        (out * usp.shard_sequence(dout, topo).to(out.dtype)).sum().backward()
+        with torch.no_grad():
+            got = [out] + [t.grad for t in shards]
+            result[backend] = {"dtypes": [str(t.dtype) for t in got],
+                               "errors": [rel_rms(g.double(), w) for g, w in zip(gather_all([t.double() for t in got], topo), want)]}
+    return result
+
+
 # --------------------------------------------------------------------------- comm primitives
 
 def _rank_tensor(name, rank, shape):

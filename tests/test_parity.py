@@ -113,6 +113,24 @@ def test_low_precision_error_is_that_of_the_dtype(ranks, world, dtype):
                 assert err <= bound, f"{backend} {what}: relative RMS {err:.3g} at P={world}, bound {bound:.3g}"
 
 
+@pytest.mark.parametrize("world", [1, 2, pytest.param(4, marks=pytest.mark.quick)])
+def test_autocast_inputs_run_as_one_process_sdpa(ranks, world):
+    """Under CPU bf16 autocast a model hands attention fp32 q and k (after RoPE) and a bf16 v: every
+    backend computes in bf16 as SDPA does there (a bf16 output, each gradient in its input's dtype), with
+    an error of the dtype's order against fp64 (below 0.55 eps, as above; SDPA's own is printed on failure).
+    Before, the mixed dtypes were refused with a TypeError, and a trainer whose config left autocast on
+    (TRL's bf16=True default) could not run."""
+    import torch
+
+    bound = 0.55 * torch.finfo(torch.bfloat16).eps
+    for r in values(ranks(world), "numerics/autocast"):
+        sdpa = r.pop("sdpa")
+        for backend, got in r.items():
+            assert got["dtypes"] == sdpa["dtypes"] == ["torch.bfloat16", "torch.float32", "torch.float32", "torch.bfloat16"], (backend, got, sdpa)
+            for what, err in zip(("out", "dq", "dk", "dv"), got["errors"]):
+                assert err <= bound, f"{backend} {what}: relative RMS {err:.3g} at P={world} (SDPA's {sdpa['errors']}), bound {bound:.3g}"
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("world", [2, 3, 4])
 def test_packed_kernel_calls_do_not_grow_with_documents(ranks, world, backend):

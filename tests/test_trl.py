@@ -17,12 +17,13 @@ from .conftest import pool_results  # noqa: E402
 from .trl_cases import SP_CASES, STEPS, run_references, run_sp_cases  # noqa: E402
 
 TOL = 1e-5
-EXACT = [(world, name) for world, cases in SP_CASES.items() for name in cases if "per-rank" not in name]
+EXACT = [(world, name) for world, cases in SP_CASES.items() for name in cases if "per-rank" not in name and "mis-scaled" not in name]
 COMPARED = {"dpo": ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "entropy"),
             "sft": ("loss",), "grpo": ("loss", "kl", "entropy", "reward", "clip_ratio/region_mean")}
 
 
 NAMED = {"test_per_rank_sums_are_far_off": (2, "dpo-llama/sp2/per-rank-sums"),
+         "test_one_mis_scaled_micro_batch_is_caught": (2, "dpo-llama-uneven/sp2/mis-scaled"),
          "test_grpo_group_trains_on_the_first_ranks_completions": (2, "grpo-llama-grpo/sp2/diverging-samples"),
          "test_sft_packed_rows_use_the_balanced_layout": (2, "sft-llama-packed/sp2")}
 """The case each unparametrized test reads."""
@@ -104,6 +105,34 @@ def test_per_rank_sums_are_far_off(runs):
     first = [h["loss"] for h in ref["logged"] if "loss" in h]
     got = [h["loss"] for h in ranks[0]["logged"] if "loss" in h]
     assert abs(got[-1] - first[-1]) > 1e-2, (got, first)
+
+
+def test_one_mis_scaled_micro_batch_is_caught(runs):
+    """The negative control of the accumulation: one micro-batch of four with its gradient 1.5x (uneven
+    pairs, one a micro-batch) moves the parameters beyond the tolerance the exact cases meet."""
+    ref, ranks = _pair(runs, 2, "dpo-llama-uneven/sp2/mis-scaled")
+    assert _worst_param_error(ref["params"], ranks[0]["params"]) > 100 * TOL
+
+
+@pytest.mark.parametrize("trainer", ["SFT", "DPO", "GRPO"])
+def test_sp_configs_keep_the_trl_defaults(trainer):
+    """Every field of TRL's config has TRL's default in ulysses_sp's: the SP configs once took
+    TrainingArguments' (bf16 off where TRL turns it on, DPO's learning rate 5e-5 for TRL's 1e-6, no
+    gradient checkpointing, GRPO's remove_unused_columns), so SP trained another recipe than the one
+    process it was compared with (DPO off by 1e-3 on issue 71's data: one process ran bf16 autocast)."""
+    import dataclasses
+
+    import trl
+
+    from ulysses_sp.integrations import trl as sp_trl
+
+    def defaults(cls):
+        return {f.name: f.default if f.default is not dataclasses.MISSING else f.default_factory for f in dataclasses.fields(cls)}
+
+    theirs, ours = defaults(getattr(trl, f"{trainer}Config")), defaults(getattr(sp_trl, f"SequenceParallel{trainer}Config"))
+    assert {k: (v, ours[k]) for k, v in theirs.items() if ours[k] != v} == {}
+    made = getattr(sp_trl, f"SequenceParallel{trainer}Config")(output_dir="unused", use_cpu=True)
+    assert made.bf16 is True and made.sp_size == 1
 
 
 def test_grpo_group_trains_on_the_first_ranks_completions(runs):

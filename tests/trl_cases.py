@@ -29,19 +29,27 @@ def _lengths(g, lo, hi) -> int:
     return int(torch.randint(lo, hi, (1,), generator=g))
 
 
-def preference_rows(n: int, seed: int = 0) -> list[dict]:
-    """Prompt, chosen and rejected texts of different lengths; one pair with a 1-word rejected reply."""
+def preference_rows(n: int, seed: int = 0, uneven: bool = False) -> list[dict]:
+    """Prompt, chosen and rejected texts of different lengths; one pair with a 1-word rejected reply.
+    ``uneven``: as real preference data, lengths that differ 10x and more within a pair and across
+    pairs (prompts 2 to 40 words, replies alternately 2 to 6 and 20 to 40)."""
     g = torch.Generator().manual_seed(seed)
     rows = []
     for i in range(n):
-        rows.append({"prompt": _text(g, _lengths(g, 3, 12)), "chosen": " " + _text(g, _lengths(g, 2, 14)),
-                     "rejected": " " + _text(g, 1 if i == 1 else _lengths(g, 2, 14))})
+        if uneven:
+            short, long = " " + _text(g, _lengths(g, 2, 6)), " " + _text(g, _lengths(g, 20, 40))
+            rows.append({"prompt": _text(g, _lengths(g, 2, 40)), "chosen": short if i % 2 else long, "rejected": long if i % 2 else short})
+        else:
+            rows.append({"prompt": _text(g, _lengths(g, 3, 12)), "chosen": " " + _text(g, _lengths(g, 2, 14)),
+                         "rejected": " " + _text(g, 1 if i == 1 else _lengths(g, 2, 14))})
     return rows
 
 
-def completion_rows(n: int, seed: int = 0) -> list[dict]:
+def completion_rows(n: int, seed: int = 0, uneven: bool = False) -> list[dict]:
+    """``uneven``: completions of 2 to 4 words and of 30 to 40, in turn."""
     g = torch.Generator().manual_seed(seed)
-    return [{"prompt": _text(g, _lengths(g, 3, 12)), "completion": " " + _text(g, _lengths(g, 2, 20))} for _ in range(n)]
+    return [{"prompt": _text(g, _lengths(g, 3, 12)),
+             "completion": " " + _text(g, _lengths(g, *((2, 4) if i % 2 else (30, 40))) if uneven else _lengths(g, 2, 20))} for i in range(n)]
 
 
 def prompt_rows(n: int, seed: int = 0) -> list[dict]:
@@ -68,12 +76,17 @@ def _tiny(family: str, path: str):
     return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32), AutoTokenizer.from_pretrained(path)
 
 
+def _rows(case: dict) -> int:
+    """The rows the steps read: steps x accumulation x batch x DP groups."""
+    return STEPS * case.get("ga", GA) * case.get("batch", 2) * case.get("dp", 1)
+
+
 def _common(case: dict, out: str, world: int = 1) -> dict:
     return dict(
         output_dir=out, per_device_train_batch_size=case.get("batch", 2) * (case.get("dp", 1) if world == 1 else 1),
-        gradient_accumulation_steps=GA, max_steps=STEPS, learning_rate=case.get("lr", LR), lr_scheduler_type="constant",
+        gradient_accumulation_steps=case.get("ga", GA), max_steps=STEPS, learning_rate=case.get("lr", LR), lr_scheduler_type="constant",
         optim=case.get("optim", "sgd"), max_grad_norm=0.0, weight_decay=0.0, logging_steps=1, save_strategy="no", report_to=[],
-        use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0, bf16=False, fp16=False,
+        use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0, bf16=False, fp16=False, gradient_checkpointing=False,
     )
 
 
@@ -98,16 +111,17 @@ def _dpo(case: dict, sp: bool, out: str, path: str) -> dict:
     ref, _ = _tiny(case["family"], path)
     kwargs = dict(_common(case, out, 2 if sp else 1), beta=0.5, loss_type=case.get("loss_type", ["sigmoid"]),
                   ld_alpha=case.get("ld_alpha"), train_sampling_strategy="sequential", **case.get("args", {}))
-    data = Dataset.from_list(preference_rows(STEPS * GA * case.get("batch", 2) * case.get("dp", 1)))
+    data = Dataset.from_list(preference_rows(_rows(case), uneven=case.get("uneven", False)))
     evaluation = Dataset.from_list(preference_rows(4, seed=5))
     kwargs["per_device_eval_batch_size"] = 2 * (1 if sp else case.get("dp", 1))
     if sp:
         from ulysses_sp.integrations.trl import SequenceParallelDPOConfig, SequenceParallelDPOTrainer
 
         args = SequenceParallelDPOConfig(**kwargs, sp_size=case["sp"], sp_backend=case.get("backend", "auto"))
-        with per_rank_sums() if case.get("per_rank") else contextlib.nullcontext():
-            trainer = SequenceParallelDPOTrainer(model=model, ref_model=ref, args=args, train_dataset=data, eval_dataset=evaluation,
-                                                 processing_class=tok)
+        with per_rank_sums() if case.get("per_rank") else mis_scaled(case["mis_scaled"]) if "mis_scaled" in case else contextlib.nullcontext():
+            by_path = case.get("by_path")  # the models as TRL's docs give them: a path each, loaded by the trainer
+            trainer = SequenceParallelDPOTrainer(model=path if by_path else model, ref_model=path if by_path else ref, args=args,
+                                                 train_dataset=data, eval_dataset=evaluation, processing_class=tok)
             trainer.train()
             return {"logged": _logged(trainer), "params": _params(trainer.model), "initial": initial, "eval": _evaluated(trainer)}
     else:
@@ -138,6 +152,25 @@ def per_rank_sums():
         module.gather_sequence = whole
 
 
+@contextlib.contextmanager
+def mis_scaled(factor: float):
+    """One micro-batch's gradient (the second training forward's) scaled by ``factor``: what a wrong
+    loss scale under accumulation would do to one micro-batch of the window."""
+    from ulysses_sp.integrations.trl import _FusedHeadTrainer
+
+    right, calls = _FusedHeadTrainer._token_grad_scale, []
+
+    def scale(self):
+        calls.append(None)
+        return right(self) * (factor if len(calls) == 2 else 1.0)
+
+    _FusedHeadTrainer._token_grad_scale = scale
+    try:
+        yield
+    finally:
+        _FusedHeadTrainer._token_grad_scale = right
+
+
 def _sft(case: dict, sp: bool, out: str, path: str) -> dict:
     from datasets import Dataset
 
@@ -145,13 +178,13 @@ def _sft(case: dict, sp: bool, out: str, path: str) -> dict:
     initial = _params(model)
     kwargs = dict(_common(case, out, 2 if sp else 1), packing=case.get("packing", False), padding_free=case.get("padding_free", False),
                   train_sampling_strategy="sequential", max_length=64 if case.get("packing") else None, **case.get("args", {}))
-    rows = completion_rows(STEPS * GA * case.get("batch", 2) * case.get("dp", 1) * (4 if case.get("packing") else 1))  # packed: more rows than the steps read
+    rows = completion_rows(_rows(case) * (4 if case.get("packing") else 1), uneven=case.get("uneven", False))  # packed: more rows than the steps read
     data = Dataset.from_list(rows)
     if sp:
         from ulysses_sp.integrations.trl import SequenceParallelSFTConfig, SequenceParallelSFTTrainer
 
         args = SequenceParallelSFTConfig(**kwargs, sp_size=case["sp"], sp_backend=case.get("backend", "auto"))
-        trainer = SequenceParallelSFTTrainer(model=model, args=args, train_dataset=data, processing_class=tok)
+        trainer = SequenceParallelSFTTrainer(model=path if case.get("by_path") else model, args=args, train_dataset=data, processing_class=tok)
     else:
         from trl import SFTConfig, SFTTrainer
 
@@ -190,10 +223,9 @@ def _grpo(case: dict, sp: bool, out: str, path: str) -> dict:
 
     model, tok = _tiny(case["family"], path)
     initial = _params(model)
-    fixed_generate(model, case.get("rank_noise", False) and sp)
     kwargs = dict(_common(case, out, 2 if sp else 1), num_generations=2, max_completion_length=10, beta=case.get("beta", 0.1),
                   loss_type=case.get("loss_type", "grpo"), shuffle_dataset=False, **case.get("args", {}))
-    data = Dataset.from_list(prompt_rows(STEPS * GA * case.get("batch", 2) * case.get("dp", 1)))
+    data = Dataset.from_list(prompt_rows(_rows(case)))
     evaluation = Dataset.from_list(prompt_rows(4, seed=5))  # 2 prompts x 2 generations: batches of 2 rows (a prompt) per DP group
     kwargs["per_device_eval_batch_size"] = 2 * (1 if sp else case.get("dp", 1))  # one process: the DP groups' batches at once
     seen = []
@@ -212,7 +244,9 @@ def _grpo(case: dict, sp: bool, out: str, path: str) -> dict:
             seen.append(got[0])
             return got
 
-    trainer = Recording(model=model, reward_funcs=_reward, args=args, train_dataset=data, eval_dataset=evaluation, processing_class=tok)
+    trainer = Recording(model=path if case.get("by_path") else model, reward_funcs=_reward, args=args, train_dataset=data,
+                        eval_dataset=evaluation, processing_class=tok)
+    fixed_generate(trainer.model, case.get("rank_noise", False) and sp)
     trainer.train()
     seen_in_training = list(seen)
     return {"logged": _logged(trainer), "params": _params(trainer.model), "initial": initial, "completions": seen_in_training,
@@ -262,6 +296,10 @@ def run_sp_cases(rank: int, world: int, names) -> dict:
 
 
 
+UNEVEN = {"uneven": True, "batch": 1, "ga": 4}
+"""Rows of lengths that differ 10x, one pair (or row) a micro-batch, four micro-batches a step."""
+
+
 def _cases() -> tuple[dict, dict]:
     """(one-process references by name, {world: {SP case name: (reference name, case)}})."""
     refs = {
@@ -269,6 +307,9 @@ def _cases() -> tuple[dict, dict]:
         "dpo-llama-ipo": {"trainer": "dpo", "family": "llama", "loss_type": ["ipo"]},
         "dpo-llama-ld_alpha": {"trainer": "dpo", "family": "llama", "ld_alpha": 0.5},
         "dpo-llama-dp2": {"trainer": "dpo", "family": "llama", "dp": 2},
+        "dpo-llama-uneven": {"trainer": "dpo", "family": "llama", **UNEVEN},
+        "dpo-llama-uneven-dp2": {"trainer": "dpo", "family": "llama", **UNEVEN, "dp": 2},
+        "sft-llama-uneven": {"trainer": "sft", "family": "llama", **UNEVEN},
         "sft-llama": {"trainer": "sft", "family": "llama"},
         "sft-llama-packed": {"trainer": "sft", "family": "llama", "packing": True},
         "sft-llama-packed-adamw": {"trainer": "sft", "family": "llama", "packing": True, "optim": "adamw_torch", "lr": 1e-3},
@@ -285,10 +326,13 @@ def _cases() -> tuple[dict, dict]:
         if not name.endswith(("-dp2", "-adamw")):
             sp[2][f"{name}/sp2"] = (name, {**refs[name], "sp": 2})
     sp[2]["dpo-llama/sp2/per-rank-sums"] = ("dpo-llama", {**refs["dpo-llama"], "sp": 2, "per_rank": True})
+    sp[2]["dpo-llama-uneven/sp2/mis-scaled"] = ("dpo-llama-uneven", {**refs["dpo-llama-uneven"], "sp": 2, "mis_scaled": 1.5})
     sp[2]["grpo-llama-grpo/sp2/diverging-samples"] = ("grpo-llama-grpo", {**refs["grpo-llama-grpo"], "sp": 2, "rank_noise": True})
-    for name in ("dpo-llama", "sft-llama-packed-adamw", "grpo-llama-dr_grpo"):
+    for name in ("dpo-llama-uneven", "sft-llama-uneven", "grpo-llama-dapo"):  # the trainers given the model's path
+        sp[2][f"{name}/sp2"][1]["by_path"] = True
+    for name in ("dpo-llama", "dpo-llama-uneven", "sft-llama-packed-adamw", "grpo-llama-dr_grpo"):
         sp[3][f"{name}/sp3"] = (name, {**refs[name], "sp": 3})
-    for name in ("dpo-llama-dp2", "sft-llama-dp2", "sft-llama-packed-dp2", "grpo-llama-dapo-dp2"):
+    for name in ("dpo-llama-dp2", "dpo-llama-uneven-dp2", "sft-llama-dp2", "sft-llama-packed-dp2", "grpo-llama-dapo-dp2"):
         sp[4][f"{name}/dp2xsp2"] = (name, {**refs[name], "sp": 2})
     return refs, sp
 

@@ -188,6 +188,19 @@ def _same_head_dim(q, k, v, softmax_scale):
     return q, k, v, softmax_scale, d_v
 
 
+def _autocast(q, k, v) -> torch.dtype | None:
+    """The dtype one process's attention computes in under autocast (SDPA is on autocast's
+    lower-precision list, and transformers' flash-attn path casts to it): autocast's dtype for the
+    device, where it is on and the inputs are eligible (floating-point, not fp64); else None. The SP
+    attention then runs on inputs cast to it with autocast off, so kernels and fp32 merges see one dtype."""
+    tensors = (q, k, v)
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or not torch.is_autocast_enabled(q.device.type):
+        return None
+    if any(not t.is_floating_point() or t.dtype == torch.float64 for t in tensors):
+        return None
+    return torch.get_autocast_dtype(q.device.type)
+
+
 class SequenceParallelAttention(nn.Module):
     """Attention over a sequence split across the SP group of ``topo``, for one layer.
 
@@ -253,6 +266,11 @@ class SequenceParallelAttention(nn.Module):
         return self._forward(q, k, v, **options)
 
     def _forward(self, q, k, v, *, causal, softmax_scale, cu_seqlens, window, softcap) -> torch.Tensor:
+        dtype = _autocast(q, k, v)
+        if dtype is not None:
+            with torch.autocast(q.device.type, enabled=False):
+                return self._forward(q.to(dtype), k.to(dtype), v.to(dtype), causal=causal, softmax_scale=softmax_scale,
+                                     cu_seqlens=cu_seqlens, window=window, softcap=softcap)
         q, k, v, softmax_scale, d_v = _same_head_dim(q, k, v, softmax_scale)
         if d_v is not None:
             return self._forward(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, softcap=softcap)[..., :d_v]
@@ -307,6 +325,11 @@ def sp_attention(
                              "or use SequenceParallelAttention(topo, profile=...)")
         return compiled_attention(topo.eager_attention, q, k, v, backend=backend, kernel=kernel, causal=causal, softmax_scale=softmax_scale,
                                   cu_seqlens=cu_seqlens, window=window, softcap=softcap)
+    dtype = _autocast(q, k, v)
+    if dtype is not None:
+        with torch.autocast(q.device.type, enabled=False):
+            return sp_attention(q.to(dtype), k.to(dtype), v.to(dtype), topo, backend=backend, causal=causal, softmax_scale=softmax_scale,
+                                cu_seqlens=cu_seqlens, profile=profile, kernel=kernel, window=window, softcap=softcap)
     q, k, v, softmax_scale, d_v = _same_head_dim(q, k, v, softmax_scale)
     if d_v is not None:
         return sp_attention(q, k, v, topo, backend=backend, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, profile=profile,

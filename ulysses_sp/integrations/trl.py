@@ -37,7 +37,7 @@ from transformers import Trainer
 
 try:
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
-    from trl.trainer.utils import FusedCausalLMOutput
+    from trl.trainer.utils import FusedCausalLMOutput, create_model_from_path
 except ImportError as e:  # pragma: no cover - the trl extra
     raise ImportError("ulysses_sp.integrations.trl needs TRL: pip install 'ulysses-sp[trl]'") from e
 
@@ -58,17 +58,17 @@ _PER_TOKEN = ("log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top
 
 
 @dataclass
-class SequenceParallelSFTConfig(SequenceParallelTrainingArguments, SFTConfig):
+class SequenceParallelSFTConfig(SFTConfig, SequenceParallelTrainingArguments):
     """``trl.SFTConfig`` with the SP fields of `SequenceParallelTrainingArguments` (``sp_size``, ``sp_backend``...)."""
 
 
 @dataclass
-class SequenceParallelDPOConfig(SequenceParallelTrainingArguments, DPOConfig):
+class SequenceParallelDPOConfig(DPOConfig, SequenceParallelTrainingArguments):
     """``trl.DPOConfig`` with the SP fields of `SequenceParallelTrainingArguments`."""
 
 
 @dataclass
-class SequenceParallelGRPOConfig(SequenceParallelTrainingArguments, GRPOConfig):
+class SequenceParallelGRPOConfig(GRPOConfig, SequenceParallelTrainingArguments):
     """``trl.GRPOConfig`` with the SP fields of `SequenceParallelTrainingArguments`.
 
     The generation batch is counted over the DP groups
@@ -96,6 +96,31 @@ class SequenceParallelGRPOConfig(SequenceParallelTrainingArguments, GRPOConfig):
             raise ValueError(f"under SP each DP group generates whole groups: per_device_train_batch_size x steps_per_generation "
                              f"({rows} x {self.steps_per_generation}) and per_device_eval_batch_size ({self.per_device_eval_batch_size}) "
                              f"must be divisible by num_generations ({self.num_generations})")
+
+
+def _from_path(model, args, kwargs: dict, like: torch.nn.Module | None = None):
+    """A model given as a hub id or a local directory, loaded by TRL's own rules (``args.model_init_kwargs``,
+    float32 unless they give a dtype, no ``device_map`` across processes, the trainer's
+    ``quantization_config``) on every rank: SP is applied before TRL's init, which would load it.
+    ``like``: the policy, whose dtype and attention a reference model takes (as TRL's default reference)."""
+    if not isinstance(model, str):
+        return model
+    from transformers import set_seed
+
+    init = dict(args.model_init_kwargs or {})
+    quantization = kwargs.pop("quantization_config", None) if like is None else kwargs.get("quantization_config")
+    if quantization is not None:
+        if "quantization_config" in init:
+            raise ValueError("quantization_config was given both to the trainer and in args.model_init_kwargs: give it once")
+        init["quantization_config"] = quantization
+    if args.distributed_state.distributed_type in ("MULTI_GPU", "DEEPSPEED"):
+        init["device_map"] = None
+    init.setdefault("trust_remote_code", args.trust_remote_code)
+    if like is not None:
+        init.setdefault("dtype", like.dtype)
+        init.setdefault("attn_implementation", like.config._attn_implementation)
+    set_seed(args.seed)  # as TRL, before the model is made
+    return create_model_from_path(model, **init)
 
 
 class _GradScale(torch.autograd.Function):
@@ -282,7 +307,7 @@ class SequenceParallelSFTTrainer(SequenceParallelTrainer, SFTTrainer):
     (``packing=True``, ``padding_free=True``) use the balanced layout under ``sp_layout="auto"``.
 
     Args:
-        model: A model object (not a name).
+        model: A model, or a hub id or directory loaded as TRL loads it (``model_init_kwargs``).
         args: The SFT config with the SP fields.
         **kwargs: ``trl.SFTTrainer``'s other arguments.
 
@@ -291,12 +316,13 @@ class SequenceParallelSFTTrainer(SequenceParallelTrainer, SFTTrainer):
             `SequenceParallelTrainer` refuses.
     """
 
-    def __init__(self, model: torch.nn.Module | None = None, args: SequenceParallelSFTConfig | None = None, **kwargs: Any):
+    def __init__(self, model: torch.nn.Module | str | None = None, args: SequenceParallelSFTConfig | None = None, **kwargs: Any):
         if isinstance(args, SequenceParallelSFTConfig):
             if args.loss_type != "nll":
                 raise ValueError(f"SequenceParallelSFTTrainer computes the token-weighted NLL; loss_type={args.loss_type!r} is not supported")
             if args.sp_layout == "auto" and (args.packing or args.padding_free):
                 args.sp_layout = "balanced"
+            model = _from_path(model, args, kwargs)
         elif args is not None:
             raise ValueError("SequenceParallelSFTTrainer needs args=SequenceParallelSFTConfig(...)")
         super().__init__(model=model, args=args, **kwargs)
@@ -311,8 +337,9 @@ class SequenceParallelDPOTrainer(_FusedHeadTrainer, DPOTrainer):
     PEFT) runs under SP too.
 
     Args:
-        model: A model object (not a name).
-        ref_model: The reference model, or None (TRL's default).
+        model: A model, or a hub id or directory loaded as TRL loads it (``model_init_kwargs``).
+        ref_model: The reference model, a hub id or directory (loaded like the policy, in its dtype),
+            or None (TRL's default).
         args: The DPO config with the SP fields.
         **kwargs: ``trl.DPOTrainer``'s other arguments.
 
@@ -326,13 +353,15 @@ class SequenceParallelDPOTrainer(_FusedHeadTrainer, DPOTrainer):
     training_step = DPOTrainer.training_step
     prediction_step = DPOTrainer.prediction_step
 
-    def __init__(self, model: torch.nn.Module | None = None, ref_model: torch.nn.Module | None = None,
+    def __init__(self, model: torch.nn.Module | str | None = None, ref_model: torch.nn.Module | str | None = None,
                  args: SequenceParallelDPOConfig | None = None, **kwargs: Any):
         if not isinstance(args, SequenceParallelDPOConfig):
             raise ValueError("SequenceParallelDPOTrainer needs args=SequenceParallelDPOConfig(...)")
         if args.precompute_ref_log_probs and args.sp_size > 1:
             raise ValueError("precompute_ref_log_probs is not supported under SP (its pass splits the data by rank): "
                              "the reference model runs under SP in each step instead")
+        model = _from_path(model, args, kwargs)
+        ref_model = _from_path(ref_model, args, kwargs, like=model)
         self._check_router_loss(args, model)
         super().__init__(model=model, ref_model=ref_model, args=args, **kwargs)
         self._switch_reference_and_heads()
@@ -346,8 +375,8 @@ class SequenceParallelGRPOTrainer(_FusedHeadTrainer, GRPOTrainer):
     The data are split by DP group, not by rank.
 
     Args:
-        model: A model object; loaded ``from_pretrained`` when ``beta != 0`` (TRL loads the
-            reference model from its path).
+        model: A model, or a hub id or directory loaded as TRL loads it (``model_init_kwargs``);
+            loaded ``from_pretrained`` when ``beta != 0`` (TRL loads the reference model from its path).
         reward_funcs: TRL's reward functions or models.
         args: The GRPO config with the SP fields.
         **kwargs: ``trl.GRPOTrainer``'s other arguments.
@@ -364,7 +393,7 @@ class SequenceParallelGRPOTrainer(_FusedHeadTrainer, GRPOTrainer):
     prediction_step = GRPOTrainer.prediction_step
     _get_train_sampler = GRPOTrainer._get_train_sampler
 
-    def __init__(self, model: torch.nn.Module | None = None, reward_funcs: Any = None, args: SequenceParallelGRPOConfig | None = None,
+    def __init__(self, model: torch.nn.Module | str | None = None, reward_funcs: Any = None, args: SequenceParallelGRPOConfig | None = None,
                  **kwargs: Any):
         if not isinstance(args, SequenceParallelGRPOConfig):
             raise ValueError("SequenceParallelGRPOTrainer needs args=SequenceParallelGRPOConfig(...)")
@@ -377,6 +406,7 @@ class SequenceParallelGRPOTrainer(_FusedHeadTrainer, GRPOTrainer):
         refused = [name for name, on in refused.items() if on and args.sp_size > 1]
         if refused:
             raise ValueError(f"SequenceParallelGRPOTrainer under SP does not support: {', '.join(refused)}")
+        model = _from_path(model, args, kwargs)
         self._check_router_loss(args, model)
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, **kwargs)
         self._switch_reference_and_heads()
