@@ -194,7 +194,9 @@ def _autocast(q, k, v) -> torch.dtype | None:
     device, where it is on and the inputs are eligible (floating-point, not fp64); else None. The SP
     attention then runs on inputs cast to it with autocast off, so kernels and fp32 merges see one dtype."""
     tensors = (q, k, v)
-    if not all(isinstance(t, torch.Tensor) for t in tensors) or not torch.is_autocast_enabled(q.device.type):
+    if not all(isinstance(t, torch.Tensor) for t in tensors) or q.device.type not in ("cpu", "cuda", "xpu", "mps"):
+        return None  # the meta device of the memory model has no autocast
+    if not torch.is_autocast_enabled(q.device.type):
         return None
     if any(not t.is_floating_point() or t.dtype == torch.float64 for t in tensors):
         return None
