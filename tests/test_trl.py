@@ -1,7 +1,8 @@
 """ulysses_sp.integrations.trl: TRL's SFT, DPO and GRPO trainers under SP (2 and 3 ranks) and DP2 x SP2
 against the TRL trainer on one process, on a tiny Llama and a hybrid (Qwen3.5: Gated DeltaNet and
 attention). Cases in tests/trl_cases.py; the SP runs of each world size in one call on the session's
-pool of ranks, the references on the 1-rank pool. fp32, two optimizer steps of two accumulated
+pool of ranks, the references on the 1-rank pool. TRL's defaults but fp32 (gradient checkpointing on:
+its recompute runs after the SP fused head's other forwards), two optimizer steps of accumulated
 micro-batches; SGD without clipping (an SGD step shows a gradient off by a constant factor, Adam's
 would not) and one AdamW case. Negative control: each rank summing its own tokens' log-probabilities
 (a per-rank loss) moves the DPO loss far beyond the tolerance.
@@ -19,7 +20,8 @@ from .trl_cases import SP_CASES, STEPS, run_references, run_sp_cases  # noqa: E4
 TOL = 1e-5
 EXACT = [(world, name) for world, cases in SP_CASES.items() for name in cases if "per-rank" not in name and "mis-scaled" not in name]
 COMPARED = {"dpo": ("loss", "rewards/chosen", "rewards/rejected", "rewards/margins", "logps/chosen", "logps/rejected", "entropy"),
-            "sft": ("loss",), "grpo": ("loss", "kl", "entropy", "reward", "clip_ratio/region_mean")}
+            "sft": ("loss", "entropy", "mean_token_accuracy"),
+            "grpo": ("loss", "kl", "entropy", "reward", "reward_std", "rewards/_reward/std", "clip_ratio/region_mean")}
 
 
 NAMED = {"test_per_rank_sums_are_far_off": (2, "dpo-llama/sp2/per-rank-sums"),
@@ -84,7 +86,7 @@ def test_trl_trainer_equals_one_process(runs, world, name):
         got = [h for h in r["logged"] if "loss" in h]
         # TRL shuffles each generation batch and logs its micro-batches' means: under DP the micro-batches
         # hold other samples than on one process, so only the window's loss and reward compare there
-        keys = ("loss", "reward") if trainer == "grpo" and world == 4 else COMPARED[trainer]
+        keys = ("loss", "reward", "reward_std", "rewards/_reward/std") if trainer == "grpo" and world == 4 else COMPARED[trainer]
         for key in keys:
             for a, b in zip(steps, got):
                 if key in a:

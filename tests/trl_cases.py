@@ -86,7 +86,7 @@ def _common(case: dict, out: str, world: int = 1) -> dict:
         output_dir=out, per_device_train_batch_size=case.get("batch", 2) * (case.get("dp", 1) if world == 1 else 1),
         gradient_accumulation_steps=case.get("ga", GA), max_steps=STEPS, learning_rate=case.get("lr", LR), lr_scheduler_type="constant",
         optim=case.get("optim", "sgd"), max_grad_norm=0.0, weight_decay=0.0, logging_steps=1, save_strategy="no", report_to=[],
-        use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0, bf16=False, fp16=False, gradient_checkpointing=False,
+        use_cpu=True, disable_tqdm=True, seed=0, dataloader_num_workers=0, bf16=False, fp16=False,
     )
 
 

@@ -21,6 +21,7 @@ import functools
 import inspect
 import re
 
+import torch
 from torch import nn
 
 __all__ = ["Finding", "ATTENTION_LAYER_TYPES", "MIXER", "attention_modules", "find_uncovered", "check_coverage", "other_modalities", "install_guards", "remove_guards"]
@@ -283,7 +284,9 @@ def mark_called(module, kwargs) -> None:
         return
     running = calls[0]
     running[:] = [True] * len(running)
-    if calls[1] and kwargs.get("cu_seq_lens_q") is None:
+    # not in a checkpointed layer's recompute (in the backward): checked in its forward, and the flag now is the
+    # model's last forward's (the SP fused head runs one forward per left-padding group, packed or not)
+    if calls[1] and kwargs.get("cu_seq_lens_q") is None and torch._C._current_graph_task_id() == -1:
         raise ValueError(
             f"{type(module).__name__} (layer {_layer_of('', module)}) did not receive the packed documents' boundaries "
             "(cu_seq_lens_q) that the model was given: its attention does not forward the model's keyword arguments, so "

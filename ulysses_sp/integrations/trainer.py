@@ -499,9 +499,13 @@ class SequenceParallelTrainer(Trainer):
         else:
             outputs = model(**model_inputs(local))
             loss = sp_cross_entropy(outputs.logits, local["shift_labels"], self.topo, count_group=dist.group.WORLD)
+            self._token_metrics(outputs.logits, local["shift_labels"])
         if num_items_in_batch is not None:
             loss = loss * (local[_TARGETS].clamp(min=1) / torch.as_tensor(num_items_in_batch).clamp(min=1)).to(loss.dtype)
         return (loss, outputs) if return_outputs else loss
+
+    def _token_metrics(self, logits: torch.Tensor, shift_labels: torch.Tensor) -> None:
+        """Per-token metrics of this rank's shard of the micro-batch (the TRL SFT trainer logs some)."""
 
     def _gradient_scale(self, model) -> float:
         """What undoes the reduction's averaging, so the applied gradient is the plain sum over ranks."""

@@ -37,7 +37,7 @@ from transformers import Trainer
 
 try:
     from trl import DPOConfig, DPOTrainer, GRPOConfig, GRPOTrainer, SFTConfig, SFTTrainer
-    from trl.trainer.utils import FusedCausalLMOutput, create_model_from_path
+    from trl.trainer.utils import FusedCausalLMOutput, create_model_from_path, nanstd
 except ImportError as e:  # pragma: no cover - the trl extra
     raise ImportError("ulysses_sp.integrations.trl needs TRL: pip install 'ulysses-sp[trl]'") from e
 
@@ -303,7 +303,9 @@ class SequenceParallelSFTTrainer(SequenceParallelTrainer, SFTTrainer):
     """``trl.SFTTrainer`` with every sequence split over the SP group.
 
     The loss is the token-weighted NLL (``loss_type="nll"``) of `SequenceParallelTrainer`; TRL's
-    collators decide the targets (completion-only and assistant-only loss). Packed rows
+    collators decide the targets (completion-only and assistant-only loss). TRL's ``entropy`` and
+    ``mean_token_accuracy`` are logged over every rank's tokens (not with ``tiled_loss``, which
+    builds no logits). Packed rows
     (``packing=True``, ``padding_free=True``) use the balanced layout under ``sp_layout="auto"``.
 
     Args:
@@ -326,6 +328,20 @@ class SequenceParallelSFTTrainer(SequenceParallelTrainer, SFTTrainer):
         elif args is not None:
             raise ValueError("SequenceParallelSFTTrainer needs args=SequenceParallelSFTConfig(...)")
         super().__init__(model=model, args=args, **kwargs)
+
+    def _token_metrics(self, logits: torch.Tensor, shift_labels: torch.Tensor) -> None:
+        """TRL's ``entropy`` and ``mean_token_accuracy`` of the micro-batch: sums over the target tokens of
+        every rank (each holds other tokens: its shard of its DP group's rows), as TRL gathers them."""
+        with torch.no_grad():
+            mask = shift_labels != IGNORE_INDEX
+            log_p = torch.log_softmax(logits.float(), dim=-1)
+            entropy = -(log_p.exp() * log_p).sum(-1)
+            sums = torch.stack([mask.sum(), entropy[mask].sum(), (logits.argmax(-1) == shift_labels)[mask].sum()]).double()
+            dist.all_reduce(sums)
+        count, entropy_sum, correct = sums.tolist()
+        metrics = self._metrics["train" if self.model.training else "eval"]
+        metrics["entropy"].append(entropy_sum / count if count else 0.0)
+        metrics["mean_token_accuracy"].append(correct / count if count else 0.0)
 
 
 class SequenceParallelDPOTrainer(_FusedHeadTrainer, DPOTrainer):
@@ -430,6 +446,26 @@ class SequenceParallelGRPOTrainer(_FusedHeadTrainer, GRPOTrainer):
         with self._whole_sequences():
             got = super()._generate_single_turn(*args, **kwargs)
         return self._from_first_sp_rank(got)
+
+    def _calculate_rewards(self, inputs, prompts, completions, completion_ids_list):
+        """TRL's rewards of every rank, kept for `_generate_and_score_completions`."""
+        self._gathered_rewards = super()._calculate_rewards(inputs, prompts, completions, completion_ids_list)
+        return self._gathered_rewards
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's, with the logged reward spreads (``reward_std``, ``rewards/*/std``) over each sample once: the
+        rewards TRL gathers hold each sample once per SP rank (the means are unchanged by that, the spreads not)."""
+        out = super()._generate_and_score_completions(inputs)
+        if self.topo.sp_size > 1:
+            gathered = self._gathered_rewards
+            once = gathered.view(self.topo.world_size, -1, gathered.shape[1])[:: self.topo.sp_size].flatten(0, 1)  # SP groups: consecutive ranks
+            metrics = self._metrics["train" if self.model.training else "eval"]
+            for i, name in enumerate(self.reward_func_names):
+                metrics[f"rewards/{name}/std"][-1] = nanstd(once[:, i]).item()
+            rewards = (once * self.reward_weights.to(once.device)).nansum(dim=1)
+            rewards[torch.isnan(once).all(dim=1)] = torch.nan  # unscorable rows, as TRL leaves them out
+            metrics["reward_std"][-1] = nanstd(rewards).item()
+        return out
 
     def _prepare_inputs(self, generation_batch):
         """The micro-batch of the group's first rank on every rank of the group: TRL shuffles each
