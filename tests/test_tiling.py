@@ -253,3 +253,33 @@ def test_tiled_norms_bad_option_and_no_norm_raise():
     model.model.norm = torch.nn.Identity()
     with pytest.raises(ValueError, match="tiled_norms: LlamaForCausalLM has no norm"):
         apply_sequence_parallel(model, topo=None, tiled_norms=True)
+
+
+def test_tiling_and_checkpointing_survive_kernelize(tmp_path):
+    """transformers' Hub kernels (on from from_pretrained when `kernels` is installed) re-kernelize at every
+    train()/eval() and drop the instance forward of a kernel-decorated class: the norms are such classes in
+    transformers 5.25, and here the decoder layers are made one too. The tiles counted in the forward and
+    again in the checkpoint's recompute show that tiling and checkpointing are still there."""
+    kernels = pytest.importorskip("kernels")
+    from transformers import AutoModelForCausalLM
+
+    from ulysses_sp.testing.tiny_checkpoint import write_tiny_llama
+
+    write_tiny_llama(str(tmp_path))
+    model = AutoModelForCausalLM.from_pretrained(str(tmp_path), dtype=torch.float32)
+    assert model.use_kernels, "from_pretrained should turn the Hub kernels on"
+    layer_class = type(model.model.layers[0])
+    decorated = kernels.use_kernel_forward_from_hub("UlyssesSpTestDecoderLayer")(type("KernelDecoratedDecoderLayer", (layer_class,), {}))
+    for layer in model.model.layers:
+        layer.__class__ = decorated
+    tiled = tiling.tile_mlp(model, 4) + tiling.tile_norms(model, 4)
+    tiling.checkpoint_layers(model, "layers")
+    model.eval()
+    model.train()  # each a kernelize: the decorated layers' instance forwards are dropped
+    assert all("forward" not in layer.__dict__ for layer in model.model.layers)
+    ids = torch.randint(0, model.config.vocab_size, (1, 16))
+    model(input_ids=ids, labels=ids).loss.backward()
+    n = tiling.tile_count(16, 4)
+    final_norm = model.model._modules["norm"]  # outside the checkpointed layers: no recompute
+    assert [list(t.counts) for t in tiled] == [[n] if t.module is final_norm else [n, n] for t in tiled], \
+        "a tile count per forward, and per recompute within the layers"

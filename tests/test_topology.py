@@ -58,3 +58,31 @@ def test_bad_init_raises_on_every_rank(ranks, world):
         assert set(got) == set(EXPECTED) - ({"sp_size differs per rank"} if world == 1 else set())
         for case, message in got.items():
             assert message.startswith("ValueError") and EXPECTED[case] in message, f"rank {rank}, {case}: {message}"
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+import torch.distributed as dist
+atexit.register(lambda: print("initialized at exit:", dist.is_initialized()))  # runs after ulysses_sp's (last in, first out)
+dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+import ulysses_sp
+ulysses_sp.init_sequence_parallel(1)
+if sys.argv[1] == "raise":
+    raise RuntimeError("this rank failed")
+"""
+
+
+def test_gloo_groups_are_destroyed_at_a_clean_exit_only():
+    """A script that ends without destroy_process_group: init_sequence_parallel has the groups destroyed
+    at exit (gloo's threads otherwise abort some exits: benchmarks/clean_exit.py measures that), but not
+    after an uncaught exception, where other ranks may still be in a collective."""
+    import subprocess
+    import sys
+
+    runs = {how: subprocess.Popen([sys.executable, "-c", _EXIT_SCRIPT, how], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for how in ("clean", "raise")}
+    got = {how: p.communicate(timeout=120) for how, p in runs.items()}
+    assert runs["clean"].returncode == 0, got["clean"][1]
+    assert "initialized at exit: False" in got["clean"][0], got["clean"]
+    assert runs["raise"].returncode == 1 and "this rank failed" in got["raise"][1], got["raise"]
+    assert "initialized at exit: True" in got["raise"][0], got["raise"]

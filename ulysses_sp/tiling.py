@@ -88,6 +88,8 @@ _TILED = "_ulysses_sp_tiled_mlp"
 _CKPT = "_ulysses_sp_checkpoint"
 _COMPILED = "_ulysses_sp_compiled"
 _STORE = "_ulysses_sp_offload_store"
+_FORWARD = "_ulysses_sp_forward"  # the forward a layer was given here (checkpointed or compiled)
+_KEEP = "_ulysses_sp_keep_forwards"
 
 
 def validate_options(tiled_mlp: bool | int | None, checkpoint_mode: str) -> int | None:
@@ -438,10 +440,35 @@ def checkpoint_layers(model, mode: str) -> OffloadStore | None:
     if not layers:
         raise ValueError(f"checkpoint={mode!r}: {type(model).__name__} has no decoder layers to checkpoint")
     for layer in layers:
-        layer.__dict__["forward"] = _checkpointed_forward(layer, mode, store)
+        _set_forward(layer, _checkpointed_forward(layer, mode, store))
         layer.__dict__[_CKPT] = mode
     model.__dict__[_STORE] = store
+    _keep_forwards(model)
     return store
+
+
+def _set_forward(layer, forward) -> None:
+    if forward is None:
+        layer.__dict__.pop("forward", None)
+        layer.__dict__.pop(_FORWARD, None)
+    else:
+        layer.__dict__["forward"] = layer.__dict__[_FORWARD] = forward
+
+
+def _keep_forwards(model) -> None:
+    """Give each layer its forward of `_set_forward` back at every model forward: transformers' Hub
+    kernels re-kernelize at each ``train()``/``eval()``, which drops or replaces the instance forward
+    of a kernel-decorated class (no decoder layer is one in transformers 5.25; the mixers are)."""
+    if _KEEP in model.__dict__:
+        return
+
+    def hook(module, args):
+        for layer in decoder_layers(module):
+            forward = layer.__dict__.get(_FORWARD)
+            if forward is not None and layer.__dict__.get("forward") is not forward:
+                layer.__dict__["forward"] = forward
+
+    model.__dict__[_KEEP] = model.register_forward_pre_hook(hook)
 
 
 def uncheckpoint_layers(model) -> None:
@@ -452,9 +479,7 @@ def uncheckpoint_layers(model) -> None:
     """
     for layer in decoder_layers(model):
         if layer.__dict__.pop(_CKPT, None) is not None:
-            layer.__dict__.pop("forward", None)
-            if _COMPILED in layer.__dict__:
-                layer.__dict__["forward"] = layer.__dict__[_COMPILED]
+            _set_forward(layer, layer.__dict__.get(_COMPILED))
     model.__dict__.pop(_STORE, None)
 
 
@@ -483,7 +508,8 @@ def compile_layers(model, **compile_options) -> None:
     for layer in layers:
         layer.__dict__[_COMPILED] = functools.partial(compiled, layer)
         if _CKPT not in layer.__dict__:
-            layer.__dict__["forward"] = layer.__dict__[_COMPILED]
+            _set_forward(layer, layer.__dict__[_COMPILED])
+    _keep_forwards(model)
 
 
 def offload_store(model) -> OffloadStore | None:

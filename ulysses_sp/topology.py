@@ -11,8 +11,10 @@ the hybrid backend can run at any Ulysses degree, chosen per layer.
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import numbers
+import sys
 from dataclasses import dataclass, field
 
 import torch
@@ -279,6 +281,22 @@ def _my_group(rank_lists: list[list[int]], rank: int, timeout: datetime.timedelt
 SHAPE_CHECKS = ("once", "always")
 
 
+def _destroy_after_a_clean_exit() -> None:
+    if dist.is_initialized() and getattr(sys, "last_exc", getattr(sys, "last_value", None)) is None:
+        dist.destroy_process_group()
+
+
+def destroy_gloo_groups_at_exit() -> None:
+    """Destroy every process group when the interpreter exits, unless it exits on an uncaught
+    exception (other ranks may be in a collective) or they are destroyed already. Scripts that end
+    without ``dist.destroy_process_group()``, as the Trainer, TRL and many DeepSpeed scripts do,
+    otherwise leave gloo's worker threads to the interpreter's teardown, which aborts some runs
+    after their work is done ("terminate called without an active exception": torch issue 190489,
+    in a plain gloo ``all_reduce`` script too). Registered once however often it is called."""
+    atexit.unregister(_destroy_after_a_clean_exit)
+    atexit.register(_destroy_after_a_clean_exit)
+
+
 def init_sequence_parallel(
     sp_size: int, *, ulysses_degree: int | None = None, layout: str = "zigzag", timeout: float | datetime.timedelta | None = None,
     shape_check: str = "once", profile: Profile | str | None = None, ranks_per_node: int | None = None,
@@ -346,6 +364,8 @@ def init_sequence_parallel(
 
     sp_rank = rank % sp_size
     made = {} if "gloo" in str(dist.get_backend()).lower() else None
+    if made is not None:
+        destroy_gloo_groups_at_exit()
     sp_group = _my_group(sp_lists, rank, timeout, made)
     dp_group = _my_group(dp_lists, rank, timeout, made)
     ulysses_group = _my_group(ulysses_lists, rank, timeout, made)

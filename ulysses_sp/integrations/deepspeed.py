@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from .. import comm
-from ..topology import Topology
+from ..topology import Topology, destroy_gloo_groups_at_exit
 
 if TYPE_CHECKING:
     import deepspeed
@@ -169,6 +169,8 @@ class DistributedAttention(nn.Module):
         if scatter_idx != 2:
             raise ValueError(f"DistributedAttention scatters heads (scatter_idx=2), got scatter_idx={scatter_idx}")
         self.local_attn, self.spg = local_attention, sequence_process_group
+        if "gloo" in str(dist.get_backend(sequence_process_group)).lower():
+            destroy_gloo_groups_at_exit()
         self.gather_idx = gather_idx
 
     def forward(self, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, batch_dim_idx: int, rotary_pos_emb: None = None,
