@@ -6,9 +6,10 @@ attention on its heads; one all-to-all brings the output back to sequence
 shards. Needs the q heads to divide by P. For GQA/MQA the KV heads are
 scattered when P divides them, and otherwise each KV head is replicated
 P / kv_heads times (the minimum that gives every rank the one KV head its q
-heads use); autograd sums the replicas' gradients. ``ulysses-g{G}`` pipelines the
-all-to-alls over G head groups (:class:`_Pipelined`) so that transfers run while
-attention computes; ``ulysses`` takes G from the profile (1 in the built-in ones).
+heads use); autograd sums the replicas' gradients. ``ulysses-g{G}`` runs G head
+groups one after another (`_Pipelined`), each group's head shards alive only while
+it runs, so that the attention's transient memory falls with G; ``ulysses`` takes G
+from the profile (1 in the built-in ones).
 """
 
 from __future__ import annotations
@@ -69,18 +70,25 @@ def _finish_all_but_last(sent: list) -> None:
 
 
 class _Pipelined(torch.autograd.Function):
-    """Ulysses over G head groups of each rank's heads, with the all-to-alls of one group in
-    flight while another group's attention computes.
+    """Ulysses over G head groups of each rank's heads, each group's head shards alive only while
+    it runs (UPipe's schedule): the attention's transient memory falls with G.
 
-    Forward: group g+1's q, k, v all-to-all is posted before group g's attention runs, and
-    group g's output all-to-all right after it; the backward runs the same pipeline on dout
-    and dq, dk, dv. KV heads travel with their group when a rank's KV heads divide into G
-    groups; else every group's q heads share one KV head, and the KV heads travel whole with
-    the first group (their gradient with the last one, summed over the groups in fp32).
-    The same bytes as one fused all-to-all each way, in G calls. ``into`` and ``back`` (see
-    ``streams.CommStream``) carry the transfers to the attention and back from it: on CUDA two
-    side streams, so that group g+1's unpacking does not queue behind group g's output, which
-    waits for group g's kernel.
+    Forward: group g+1's q, k, v all-to-all is posted before group g's attention runs, and group
+    g's output all-to-all right after it; a group's head shards are dropped once its output is
+    sent. Kept for the backward: copies of q (and of K and V when they split) as sequence shards,
+    which the backward overwrites with the gradients group by group. Backward, one group after
+    another (no transfer beside another's buffers): q and dout (and the group's K/V heads) go to
+    head layout, the group's output is recomputed, the kernel's backward runs, and dq (dk, dv) go
+    back. The backward so moves q once more and runs the attention's forward once more than plain
+    Ulysses; it holds no group's head shards beyond its turn, nor the output, which the output
+    projection would otherwise free before this backward.
+
+    KV heads travel with their group when a rank's KV heads divide into G groups (kept as
+    sequence shards); else every group's q heads share one KV head, and the KV heads travel whole
+    with the first group and are kept as head shards; their gradient is summed over the groups in
+    fp32 and sent once the groups are done. ``into`` and ``back`` (see ``streams.CommStream``)
+    carry the transfers to the attention and back from it: on CUDA two side streams, so that
+    group g+1's unpacking does not queue behind group g's output, which waits for group g's kernel.
     """
 
     @staticmethod
@@ -94,82 +102,100 @@ class _Pipelined(torch.autograd.Function):
             with into.side():
                 return comm.seq_to_heads_start([comm.heads_view(q, p, groups, g), *kv], group, table)
 
-        out, posted, sent, saved, kv_all = torch.empty_like(q), [stage(0)], [], [], None
+        out, posted, sent, kv_all = torch.empty_like(q), [stage(0)], [], (k, v)
         with _drained_on_error(posted, sent):
             for g in range(groups):
                 if g + 1 < groups:
                     posted.append(stage(g + 1))
                 with into.side():
-                    q_h, *kv_h = posted[g]()
+                    q_h, *kv_h = posted.pop(0)()
                 into.join(q_h, *kv_h)
-                kv_all = kv_h or kv_all
                 if not split_kv:  # the one KV head of this group's q heads
+                    kv_all = kv_h or kv_all
                     j = g * q_h.shape[2] // per_kv
                     kv_h = [t[:, :, j:j + 1] for t in kv_all]
                 out_h, lse = kernel.block_forward(q_h, *kv_h, **options)
                 with back.side():
                     sent.append(comm.heads_to_seq_start([out_h], group, table, [comm.heads_view(out, p, groups, g)]))
                     _finish_all_but_last(sent)
-                saved += [q_h, *kv_h, out_h, lse]
+                del q_h, kv_h, out_h, lse
             with back.side():
-                sent[-1]()
+                sent.pop()()
         back.join()
-        ctx.save_for_backward(*saved)
-        ctx.args, ctx.kv_shape = (kernel, options, group, table, groups, into, back, split_kv, per_kv), k.shape
+        # copies of q (and of K, V kept as sequence shards): the backward writes each group's gradient over the group's
+        # slice once it is sent, so the gradients take no memory of their own; the caller's q, k, v are freed as usual
+        ctx.save_for_backward(*(t.clone(memory_format=torch.contiguous_format) for t in (q, *kv_all[: 2 * split_kv])), *kv_all[2 * split_kv:])
+        ctx.args, ctx.done = (kernel, options, group, table, groups, into, back, split_kv, per_kv), False
         return out
 
     @staticmethod
     def backward(ctx, dout):
         kernel, options, group, table, groups, into, back, split_kv, per_kv = ctx.args
-        p, saved = comm.group_size(group), ctx.saved_tensors
+        if ctx.done:
+            raise RuntimeError("ulysses-g{G}'s backward runs once (its gradients take the saved q's memory): backward with "
+                               "retain_graph=True through it is not supported; use backend='ulysses'")
+        ctx.done = True
+        p = comm.group_size(group)
+        q, k, v = ctx.saved_tensors  # k, v: sequence shards if split, else the rank's whole KV head shards
         needs = ctx.needs_input_grad[:3]
         dout = dout.contiguous()  # head group views of it are split from its head dim
-        grads = [torch.empty(shape, dtype=dout.dtype, device=dout.device) if need else None
-                 for shape, need in zip((dout.shape, ctx.kv_shape, ctx.kv_shape), needs)]
-        # not split: a rank's dK, dV summed over the groups, sent with the last one
-        dkv_sum = [None if split_kv or not need else
-                   dout.new_zeros(ctx.kv_shape[0], dout.shape[1] * p, ctx.kv_shape[2] // p, dout.shape[3],
-                                  dtype=kernels.accumulator_dtype(dout.dtype)) for need in needs[1:]]
+        dq = q if needs[0] else None  # group g's slice written once group g's q is sent
+        dkv = [t if need and split_kv else None for t, need in zip((k, v), needs[1:])]
+        dkv_sum = [torch.zeros_like(t, dtype=kernels.accumulator_dtype(dout.dtype)) if need and not split_kv else None
+                   for t, need in zip((k, v), needs[1:])]
 
         def stage(g):
+            kv = [comm.heads_view(t, p, groups, g) for t in (k, v)] if split_kv else []
             with into.side():
-                return comm.seq_to_heads_start([comm.heads_view(dout, p, groups, g)], group, table)
+                return comm.seq_to_heads_start([comm.heads_view(t, p, groups, g) for t in (q, dout)] + kv, group, table)
 
-        posted, sent = [stage(0)], []
+        posted, sent = [], []
         with _drained_on_error(posted, sent):
             for g in range(groups):
-                if g + 1 < groups:
-                    posted.append(stage(g + 1))
+                with back.side():  # group g-1's gradients, before group g's inputs take their buffers
+                    while sent:
+                        sent.pop(0)()
+                posted.append(stage(g))
                 with into.side():
-                    (dout_h,) = posted[g]()
-                into.join(dout_h)
-                d_h = kernel.block_backward(dout_h, *saved[5 * g:5 * g + 5], **options)
+                    q_h, dout_h, *kv_h = posted.pop(0)()
+                into.join(q_h, dout_h, *kv_h)
+                j = g * q_h.shape[2] // per_kv
+                if not split_kv:
+                    kv_h = [t[:, :, j:j + 1] for t in (k, v)]
+                out_h, lse = kernel.block_forward(q_h, *kv_h, **options)  # recomputed: the output is not kept
+                d_h = kernel.block_backward(dout_h, q_h, *kv_h, out_h, lse, **options)
+                del q_h, out_h, lse, dout_h, kv_h
                 srcs, dests = [], []
-                for i, need in enumerate(needs):
-                    if not need:
-                        continue
-                    if i == 0 or split_kv:
-                        srcs.append(d_h[i]), dests.append(comm.heads_view(grads[i], p, groups, g))
-                        continue
-                    j = g * dout_h.shape[2] // per_kv
-                    dkv_sum[i - 1][:, :, j:j + 1] += d_h[i]
-                    if g == groups - 1:
-                        srcs.append(dkv_sum[i - 1].to(dout.dtype)), dests.append(comm.heads_view(grads[i], p))
-                with back.side():
-                    if srcs:
+                for d, whole, acc in zip(d_h, (dq, *dkv), (None, *dkv_sum)):
+                    if whole is not None:
+                        srcs.append(d), dests.append(comm.heads_view(whole, p, groups, g))
+                    elif acc is not None:
+                        acc[:, :, j:j + 1] += d
+                del d_h, d
+                if srcs:
+                    with back.side():
                         sent.append(comm.heads_to_seq_start(srcs, group, table, dests))
-                    _finish_all_but_last(sent)
+                del srcs
             with back.side():
                 if sent:
-                    sent[-1]()
+                    sent.pop()()
+                if any(acc is not None for acc in dkv_sum):  # the shared KV heads' gradients, summed over the groups
+                    srcs = []
+                    for i, acc in enumerate(dkv_sum):
+                        if acc is not None:
+                            dkv_sum[i] = None  # its fp32 buffer freed before the next one is cast
+                            srcs.append(acc.to(dout.dtype))
+                    del acc
+                    got = iter(comm.heads_to_seq_start(srcs, group, table)())
+                    dkv = [next(got).flatten(2, 3) if need else None for need in needs[1:]]
         back.join()
-        return (*grads, None, None, None, None, None, None, None)
+        return (dq, *dkv, None, None, None, None, None, None, None)
 
 
 class UlyssesBackend:
-    """``head_groups``: pipeline the all-to-alls over this many head groups (see :class:`_Pipelined`;
-    1: one fused all-to-all each way); None: the topology's profile says
-    (``Profile.ulysses_head_groups``). Either is cut to what a rank's heads allow (:func:`head_groups_for`)."""
+    """``head_groups``: run this many head groups one after another (see `_Pipelined`; 1: one fused
+    all-to-all each way); None: the topology's profile says (``Profile.ulysses_head_groups``).
+    Either is cut to what a rank's heads allow (`head_groups_for`)."""
 
     def __init__(self, head_groups: int | None = None):
         if head_groups is not None and head_groups < 1:
@@ -189,20 +215,27 @@ class UlyssesBackend:
     def estimate(self, spec: AttnSpec, topo, profile: Profile) -> Estimate:
         p, groups = topo.sp_size, self.groups(spec, topo, profile)
         comm_bytes = comm.head_scatter_bytes(spec, p)
-        # forward and backward: two all-to-alls each per head group, of the same volume in all
-        transfer = profile.link("all_to_all", topo.spans_nodes("sp")).seconds(2 * comm_bytes, calls=4 * groups) if p > 1 else 0.0
-        efficiency = profile.efficiency(self.name, spec.seq_len)  # one call over the whole sequence
-        compute = profile.attention_fwd_bwd_seconds(spec, p, efficiency)
-        # pipelined, one group's transfers in and out wait; the rest run alongside the attention
-        seconds = transfer / groups + profile.overlapped(compute, transfer * (groups - 1) / groups, "all_to_all")
         hkv = comm.kv_heads_sent(spec.kv_heads, p)
-        peak = spec.shard_bytes + spec.head_bytes * (2 * spec.q_heads + 2 * hkv)  # and the head-sharded copies
-        peak += spec.kernel_workspace_bytes(spec.q_heads // p, spec.seq_len, spec.seq_len)
-        if groups > 1:  # the backward holds every group's head shards until its last send, and sums dK, dV in fp32 unless split
-            peak += spec.head_bytes * (2 * spec.q_heads + 2 * hkv)
-            peak += int(2 * spec.head_bytes * hkv * spec.accumulator_ratio) if (hkv // p) % groups else 0
-        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=comm_bytes,  # dout in, dq dk dv out
-                        kernel_efficiency=efficiency)
+        split_kv = (hkv // p) % groups == 0
+        bwd_bytes = comm_bytes  # dout in, dq dk dv out; over head groups q (and K/V when split) in again
+        if groups > 1:
+            bwd_bytes += spec.head_bytes * (spec.q_heads + 2 * hkv * split_kv) * (p - 1) // p
+        link = profile.link("all_to_all", topo.spans_nodes("sp"))
+        fwd_transfer, bwd_transfer = (link.seconds(b, calls=2 * groups) if p > 1 else 0.0 for b in (comm_bytes, bwd_bytes))
+        efficiency = profile.efficiency(self.name, spec.seq_len)  # one call over the whole sequence
+        flops = spec.attention_flops(p)
+        fwd, bwd = (profile.attention_seconds(flops, spec.dtype, backward=b) / efficiency for b in (False, True))
+        # forward: one group's transfers in and out wait, the rest run alongside the attention; backward: one group after
+        # another, each output recomputed (with G = 1: both exposed, no recompute)
+        seconds = fwd_transfer / groups + profile.overlapped(fwd, fwd_transfer * (groups - 1) / groups, "all_to_all")
+        seconds += bwd_transfer + bwd + (fwd if groups > 1 else 0.0)
+        # the head-sharded copies: all at once, or a group's (and the next one's in flight) and unsplit K/V whole
+        peak = spec.shard_bytes + (spec.head_bytes * (2 * spec.q_heads + 2 * hkv) if groups == 1 else
+                                   2 * spec.head_bytes * (2 * spec.q_heads + 2 * hkv * split_kv) // groups + 2 * spec.head_bytes * hkv * (not split_kv))
+        peak += spec.kernel_workspace_bytes(spec.q_heads // p // groups, spec.seq_len, spec.seq_len)
+        if not split_kv:  # dK, dV summed over the groups in fp32
+            peak += int(2 * spec.head_bytes * hkv * spec.accumulator_ratio)
+        return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=bwd_bytes, kernel_efficiency=efficiency)
 
     def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
         p = topo.sp_size

@@ -1027,6 +1027,20 @@ def raise_mid_exchange(env: Env) -> dict:
     return result
 
 
+@case("errors/head-groups-backward-twice", (2,))
+def head_groups_backward_twice(env: Env) -> dict:
+    """ulysses-g2's gradients take its saved q's memory: a second backward (retain_graph) raises, never silently wrong."""
+    topo = _topo_for(env, Parity(), "zigzag")
+    q, k, v = (torch.randn(1, 8, h, 4, dtype=torch.float64, requires_grad=True) for h in (4, 4, 4))
+    out = usp.sp_attention(q, k, v, topo, backend="ulysses-g2")
+    out.sum().backward(retain_graph=True)
+    try:
+        out.sum().backward()
+    except RuntimeError as e:
+        return {"second": str(e)}
+    return {"second": None}
+
+
 @case("errors/non-finite")
 def non_finite_input(env: Env) -> dict:
     """NaN in k, Inf in q: NaN wherever one-process attention has NaN, on every rank; no hang."""

@@ -10,7 +10,9 @@ Per rank, forward, with per = B * N/P * D * b (one head of the local shard):
   the U-times-longer, U-times-fewer-headed K/V: 2 * per * Hkv' * (R-1).
 
 Backward: ulysses sends dout (Hq) and the gradients of the inputs that need
-one (Hq; 2*Hkv'), so with all trainable it equals the forward. allgather
+one (Hq; 2*Hkv'), so with all trainable it equals the forward; over G > 1 head
+groups it also sends q (Hq), and K/V (2*Hkv') when they split into the groups,
+so that no group's head shards outlive it. allgather
 re-gathers K/V and reduce-scatters dK, dV (per * Hkv * (P-1) each). ring passes
 K/V again (P-1 hops) and the dK/dV accumulators P hops (they return to their
 owner); accumulators are fp32, here the same width as the float32 inputs.
@@ -45,7 +47,12 @@ def expected_bytes(backend, world, hq, hkv, grads):
     if backend.startswith("ulysses"):
         if hkv % world and world % hkv:
             return None
-        return a2a(world, hkv if hkv % world == 0 else world)
+        hkv_sent = hkv if hkv % world == 0 else world
+        fwd, bwd = a2a(world, hkv_sent)
+        groups = head_groups_for(2, hq // world, hkv_sent // world) if backend == "ulysses-g2" else 1
+        if groups > 1:  # the backward sends each group's q again, and its K/V heads when they split into the groups
+            bwd += per * (hq + 2 * hkv_sent * ((hkv_sent // world) % groups == 0)) * (world - 1) // world
+        return fwd, bwd
     if backend == "allgather":
         fwd = 2 * per * hkv * (world - 1)
         return fwd, fwd + 2 * per * hkv * (world - 1) * need_kv

@@ -68,3 +68,8 @@ def test_non_finite_input_gives_nan_on_every_rank(ranks, world):
                 assert 0 < got["reference nan count"][0] < 1 * 48 * 12 * 8, got
             if where.endswith("nan in k"):  # every query sees key 0: all of out and every gradient is NaN
                 assert got["local out has nan"] and all(got["grads have nan"]), f"rank {rank}, {where}: {got}"
+
+
+def test_a_second_backward_through_head_groups_raises(ranks):
+    for r in values(ranks(2), "errors/head-groups-backward-twice"):
+        assert r["second"] and "retain_graph" in r["second"], r

@@ -12,7 +12,7 @@ import sys
 
 import pytest
 
-BACKENDS = ("ulysses", "ulysses-g2", "allgather", "ring", "hybrid")
+BACKENDS = ("ulysses", "ulysses-g2", "ulysses-g4", "allgather", "ring", "hybrid")
 
 
 def _measure(seq: int) -> dict:
@@ -31,10 +31,8 @@ def bound(r: dict) -> tuple[int, int]:
     """(forward, backward) bytes allowed: c x (Q + 2 KV), plus for the all-gather its gathered chunks."""
     q, kv = r["q_shard_bytes"], r["kv_shard_bytes"]
     shards = q + 2 * kv
-    if r["backend"] == "ulysses":
+    if r["backend"].startswith("ulysses"):  # over head groups: one group's head shards (and the next one's in flight), fp32 dK/dV sums
         return 4.5 * shards, 4.5 * shards
-    if r["backend"] == "ulysses-g2":  # out and the next group in flight; backward: every group's head shards held, fp32 dK/dV sums
-        return 6 * shards, 9 * shards
     if r["backend"] == "allgather":  # gathered, put in global order, the next chunk's in flight; backward: fp32 dK/dV twice
         g = r["gathered_chunk_bytes"]
         return 4 * shards + 3 * g, 4 * shards + 6 * g
@@ -57,3 +55,12 @@ def test_no_quadratic_term(at_128k):
     for backend in BACKENDS:
         for phase in ("forward_peak_bytes", "backward_peak_bytes"):
             assert at_256k[backend][phase] <= 2.01 * at_128k[backend][phase], (backend, phase)
+
+
+def test_head_groups_lower_the_transient(at_128k):
+    """Ulysses over 4 head groups (one q head a group here) holds no group's head shards beyond its turn and writes
+    the gradients over its saved copies: both peaks fall well below plain Ulysses' (the results are equal:
+    tests/test_parity.py's ulysses-g2 and g3 cases)."""
+    plain, grouped = at_128k["ulysses"], at_128k["ulysses-g4"]
+    assert grouped["forward_peak_bytes"] < 0.8 * plain["forward_peak_bytes"], (grouped, plain)
+    assert grouped["backward_peak_bytes"] < 0.7 * plain["backward_peak_bytes"], (grouped, plain)

@@ -279,10 +279,12 @@ def heads_to_seq_start(tensors_bshd, group, table, dests_bsphd=None):
     allocated once the send buffer is freed) and returns them. Not differentiable."""
     p, k = group_size(group), len(table[0])
     wait = _fused_all_to_all_start(tensors_bshd, group, lambda t, rows: _pack_to_seq(t, rows, table))
+    shapes = [(t.shape, t.dtype, t.device) for t in tensors_bshd]  # not the tensors: they are freed once packed
 
     def finish() -> list:
         received = wait()
-        dests = dests_bsphd or [heads_view(t.new_empty(t.shape[0], t.shape[1] // p, p * t.shape[2], t.shape[3]), p) for t in tensors_bshd]
+        dests = dests_bsphd or [heads_view(torch.empty(s[0], s[1] // p, p * s[2], s[3], dtype=dtype, device=device), p)
+                                for s, dtype, device in shapes]
         for dest, rows in zip(dests, received):
             _unpack_seq(rows, dest, k)
         return dests
