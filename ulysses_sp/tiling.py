@@ -88,7 +88,7 @@ _TILED = "_ulysses_sp_tiled_mlp"
 _CKPT = "_ulysses_sp_checkpoint"
 _COMPILED = "_ulysses_sp_compiled"
 _STORE = "_ulysses_sp_offload_store"
-_FORWARD = "_ulysses_sp_forward"  # the forward a layer was given here (checkpointed or compiled)
+_FORWARD = "_ulysses_sp_forward"  # the checkpointed forward a layer was given here
 _KEEP = "_ulysses_sp_keep_forwards"
 
 
@@ -479,8 +479,12 @@ def uncheckpoint_layers(model) -> None:
     """
     for layer in decoder_layers(model):
         if layer.__dict__.pop(_CKPT, None) is not None:
-            _set_forward(layer, layer.__dict__.get(_COMPILED))
+            _set_forward(layer, None)
+            if _COMPILED in layer.__dict__:
+                layer.__dict__["forward"] = layer.__dict__[_COMPILED]
     model.__dict__.pop(_STORE, None)
+    if _KEEP in model.__dict__:
+        model.__dict__.pop(_KEEP).remove()
 
 
 def _call_forward(layer, *args, **kwargs):
@@ -508,8 +512,7 @@ def compile_layers(model, **compile_options) -> None:
     for layer in layers:
         layer.__dict__[_COMPILED] = functools.partial(compiled, layer)
         if _CKPT not in layer.__dict__:
-            _set_forward(layer, layer.__dict__[_COMPILED])
-    _keep_forwards(model)
+            layer.__dict__["forward"] = layer.__dict__[_COMPILED]
 
 
 def offload_store(model) -> OffloadStore | None:
