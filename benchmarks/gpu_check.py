@@ -123,6 +123,32 @@ def backend_checks() -> None:
                 return f"kernel {usp.attention.make_spec(q, k, v, topo, kernel=kernel).kernel}; errors " + " ".join(f"{e:.1e}" for e in errs)
 
 
+def autocast_checks() -> None:
+    """Attention as a model under CUDA bf16 autocast hands it over (fp32 q and k after RoPE, a bf16 v): computed
+    in bf16 with the installed kernel, as SDPA computes it under autocast."""
+    topo = usp.init_sequence_parallel(1)
+    for backend in usp.list_backends():
+
+        @check(f"autocast bf16: {backend} P=1 on fp32 q, k and a bf16 v == SDPA under autocast")
+        def _():
+            q, k, v, dout = inputs(1024, 1024, 16, 4, 128, torch.float32, seed=2)
+            window = 256 if backend == "halo" else None
+            leaves = [q.clone().requires_grad_(), k.clone().requires_grad_(), v.bfloat16().requires_grad_()]
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                out = usp.sp_attention(*leaves, topo, backend=backend, window=window)
+            assert out.dtype == torch.bfloat16, f"output {out.dtype}"
+            out.backward(dout.bfloat16())
+            ref_leaves = [t.detach().clone().requires_grad_() for t in leaves]
+            mask = None if window is None else torch.ones(1024, 1024, dtype=torch.bool, device="cuda").tril().triu(-(window - 1))
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                ref = torch.nn.functional.scaled_dot_product_attention(
+                    *(t.transpose(1, 2) for t in ref_leaves), attn_mask=mask, is_causal=mask is None, enable_gqa=True).transpose(1, 2)
+            ref.backward(dout.bfloat16())
+            errs = [rel(out.float(), ref.float())] + [rel(a.grad.float(), b.grad.float()) for a, b in zip(leaves, ref_leaves)]
+            assert max(errs) < TOL[torch.bfloat16], f"errors {errs}"
+            return "errors " + " ".join(f"{e:.1e}" for e in errs)
+
+
 def mla_checks() -> None:
     """Multi-head latent attention at DeepSeek-V3's head dims (query/key 192, value 128): V padded to 192
     for the real kernels (flash-attn takes one head dim), bf16 against fp64 math; and
@@ -520,6 +546,7 @@ def main() -> int:
     dist.init_process_group("nccl", rank=0, world_size=1)
     kernel_checks()
     backend_checks()
+    autocast_checks()
     mla_checks()
     hybrid_checks()
     vlm_checks()

@@ -198,10 +198,11 @@ def _reward(completions, **kwargs) -> list[float]:
     return [float(sum(int(w[1:]) % 2 == 0 for w in c.split() if w[1:].isdigit())) for c in completions]
 
 
-def fixed_generate(model, rank_noise: bool):
-    """``model.generate`` replaced by completions drawn from a generator seeded by each prompt's tokens and
-    its occurrence in the batch (the same completions however the batch is split over ranks); with
-    ``rank_noise``, ranks other than 0 draw others (what sampling on diverging RNG streams would do)."""
+def fixed_generate(model, rank_noise: bool, length: int = 10):
+    """``model.generate`` replaced by completions of 1 to ``length - 1`` words and end-of-sequence padding to
+    ``length``, drawn from a generator seeded by each prompt's tokens and its occurrence in the batch (the same
+    completions however the batch is split over ranks); with ``rank_noise``, ranks other than 0 draw others
+    (what sampling on diverging RNG streams would do)."""
     import torch.distributed as dist
 
     def generate(input_ids=None, attention_mask=None, **kwargs):
@@ -211,8 +212,8 @@ def fixed_generate(model, rank_noise: bool):
             key = tuple(i for i, keep in zip(ids, m) if keep)
             seen[key] = seen.get(key, -1) + 1
             g = torch.Generator().manual_seed(hash(key) % (1 << 31) + 1000 * seen[key] + 7919 * extra)
-            n = int(torch.randint(2, 10, (1,), generator=g))
-            rows.append(torch.cat([torch.randint(3, WORDS + 3, (n,), generator=g), torch.tensor([2] * (10 - n))]))
+            n = int(torch.randint(2, length, (1,), generator=g))
+            rows.append(torch.cat([torch.randint(3, WORDS + 3, (n,), generator=g), torch.tensor([2] * (length - n))]))
         return torch.cat([input_ids, torch.stack(rows).to(input_ids.device)], dim=1)
 
     model.generate = generate
@@ -223,7 +224,8 @@ def _grpo(case: dict, sp: bool, out: str, path: str) -> dict:
 
     model, tok = _tiny(case["family"], path)
     initial = _params(model)
-    kwargs = dict(_common(case, out, 2 if sp else 1), num_generations=2, max_completion_length=10, beta=case.get("beta", 0.1),
+    kwargs = dict(_common(case, out, 2 if sp else 1), num_generations=2, max_completion_length=case.get("length", 10),
+                  beta=case.get("beta", 0.1),
                   loss_type=case.get("loss_type", "grpo"), shuffle_dataset=False, **case.get("args", {}))
     data = Dataset.from_list(prompt_rows(_rows(case)))
     evaluation = Dataset.from_list(prompt_rows(4, seed=5))  # 2 prompts x 2 generations: batches of 2 rows (a prompt) per DP group
@@ -246,7 +248,7 @@ def _grpo(case: dict, sp: bool, out: str, path: str) -> dict:
 
     trainer = Recording(model=path if case.get("by_path") else model, reward_funcs=_reward, args=args, train_dataset=data,
                         eval_dataset=evaluation, processing_class=tok)
-    fixed_generate(trainer.model, case.get("rank_noise", False) and sp)
+    fixed_generate(trainer.model, case.get("rank_noise", False) and sp, case.get("length", 10))
     trainer.train()
     seen_in_training = list(seen)
     return {"logged": _logged(trainer), "params": _params(trainer.model), "initial": initial, "completions": seen_in_training,
@@ -320,6 +322,7 @@ def _cases() -> tuple[dict, dict]:
         "dpo-qwen3_5": {"trainer": "dpo", "family": "qwen3_5"},
         "sft-qwen3_5": {"trainer": "sft", "family": "qwen3_5"},
         "grpo-llama-dapo-dp2": {"trainer": "grpo", "family": "llama", "loss_type": "dapo", "dp": 2},
+        **{f"grpo-llama-{loss}-uneven": {"trainer": "grpo", "family": "llama", "loss_type": loss, "length": 40} for loss in ("dapo", "dr_grpo")},
     }
     sp = {2: {}, 3: {}, 4: {}}
     for name in refs:
