@@ -62,5 +62,7 @@ def test_head_groups_lower_the_transient(at_128k):
     the gradients over its saved copies: both peaks fall well below plain Ulysses' (the results are equal:
     tests/test_parity.py's ulysses-g2 and g3 cases)."""
     plain, grouped = at_128k["ulysses"], at_128k["ulysses-g4"]
+    for phase in ("forward_peak_bytes", "backward_peak_bytes"):
+        assert plain[phase] >= at_128k["ulysses-g2"][phase] >= grouped[phase], f"{phase} must fall with the head groups"
     assert grouped["forward_peak_bytes"] < 0.8 * plain["forward_peak_bytes"], (grouped, plain)
     assert grouped["backward_peak_bytes"] < 0.7 * plain["backward_peak_bytes"], (grouped, plain)
