@@ -199,7 +199,7 @@ def _reward(completions, **kwargs) -> list[float]:
 
 
 def fixed_generate(model, rank_noise: bool, length: int = 10):
-    """``model.generate`` replaced by completions of 1 to ``length - 1`` words and end-of-sequence padding to
+    """``model.generate`` replaced by completions of 2 to ``length - 1`` words and end-of-sequence padding to
     ``length``, drawn from a generator seeded by each prompt's tokens and its occurrence in the batch (the same
     completions however the batch is split over ranks); with ``rank_noise``, ranks other than 0 draw others
     (what sampling on diverging RNG streams would do)."""
