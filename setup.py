@@ -36,8 +36,8 @@ setup(
     python_requires=">=3.10",
     # `backends/`, `mixers/` and `cli/` sit at the top of the repository but install inside the package,
     # so nothing named plainly `backends`, `mixers` or `cli` lands in site-packages.
-    packages=["ulysses_sp", "ulysses_sp.integrations", "ulysses_sp.job", "ulysses_sp.kernels", "ulysses_sp.testing", "ulysses_sp.backends", "ulysses_sp.mixers",
-              "ulysses_sp.cli"],
+    packages=["ulysses_sp", "ulysses_sp.models", "ulysses_sp.models.adapters", "ulysses_sp.integrations", "ulysses_sp.job", "ulysses_sp.kernels",
+              "ulysses_sp.testing", "ulysses_sp.backends", "ulysses_sp.mixers", "ulysses_sp.cli"],
     package_dir={"ulysses_sp.backends": "backends", "ulysses_sp.mixers": "mixers", "ulysses_sp.cli": "cli"},
     # A range, not a pin: on a CPU machine install the CPU build first
     # (`pip install torch==2.13.0` here); this requirement is then already met.

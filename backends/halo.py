@@ -4,7 +4,7 @@ A query at position i sees the keys i - W < j <= i. So the only keys a rank lack
 the W - 1 before each of its chunks, held by the ranks that own the preceding tokens
 (several, when W exceeds a chunk; none for a chunk whose predecessor is local, as
 under zigzag on the middle rank). Those ranges are fixed by the layout, P, the chunk
-size and W (:func:`halo_ranges`), so every rank knows what to send to whom without a
+size and W (`halo_ranges`), so every rank knows what to send to whom without a
 handshake: one point-to-point exchange of K/V forward, and the same tokens' dK/dV (fp32
 accumulators) sent back to their owners in the backward. Bytes per rank are O(W),
 independent of the sequence length. The received halo is kept for the backward

@@ -27,8 +27,8 @@ def _rank(rank: int, world: int, backend: str, names: list) -> dict:
 
     import ulysses_sp as usp
     from tests.model_families import FAMILIES, config
-    from ulysses_sp.integrations.coverage import find_uncovered
-    from ulysses_sp.integrations.mixers import install_mixers
+    from ulysses_sp.models.coverage import find_uncovered
+    from ulysses_sp.models.token_mixers import install_mixers
 
     topo = usp.init_sequence_parallel(world, timeout=120)
     out = {}

@@ -26,7 +26,7 @@ IMAGES, STEPS = 16, 5
 def rank_main(rank: int, world: int, hidden: int) -> dict:
     import ulysses_sp as usp
     from tests.vlm_cases import _qwen2_vl, embed_memory_row
-    from ulysses_sp.integrations.multimodal import text_decoder
+    from ulysses_sp.models.image_text import text_decoder
     from ulysses_sp.testing.memory import peak_until
 
     torch.manual_seed(0)

@@ -1,4 +1,4 @@
-"""``sp-bench calibrate``: measure a :class:`~ulysses_sp.profile.Profile` on this machine.
+"""``sp-bench calibrate``: measure a `Profile` on this machine.
 
 On N spawned gloo ranks (CPU, one thread each), or inside an existing
 torchrun/deepspeed launch (NCCL on GPUs): latency (small messages) and
@@ -125,7 +125,7 @@ def _backend_times(backends: dict, spec, topo, q, k, v, dout, profile: Profile, 
 
 
 def _excess_over(times: dict, ref: str) -> dict:
-    """Per backend of :func:`_backend_times`, seconds beyond its estimate less ``ref``'s: the
+    """Per backend of `_backend_times`, seconds beyond its estimate less ``ref``'s: the
     median over rounds of the difference within a round, where the two ran one after the
     other, so that the machine's drift between rounds cancels (a difference of two medians
     keeps it)."""
@@ -135,8 +135,8 @@ def _excess_over(times: dict, ref: str) -> dict:
 
 
 def _over_leanest(times: dict) -> tuple[str, dict]:
-    """(the backend of :func:`_backend_times` with the smallest excess over its estimate, every
-    backend's :func:`_excess_over` it, 0 where below 0)."""
+    """(the backend of `_backend_times` with the smallest excess over its estimate, every
+    backend's `_excess_over` it, 0 where below 0)."""
     leanest = min(times, key=lambda name: times[name]["measured_s"] - times[name]["estimated_s"])
     return leanest, {name: max(x, 0.0) for name, x in _excess_over(times, leanest).items()}
 
@@ -178,11 +178,11 @@ def _windowed_overhead(leanest: str, window: int, q, k, v, dout, topo, profile: 
 
 def _backend_overhead(profile: Profile, seq: int, repeat: int, device, step=lambda *_: None) -> tuple[dict, dict, dict]:
     """(``backend_overhead``, ``backend_overhead_kv``, the raw measured and estimated seconds).
-    Every backend runs at each of :data:`REFERENCE_HEADS`; what it takes beyond its estimate,
-    less the leanest backend's at that shape (round by round: :func:`_excess_over`; 0 where
+    Every backend runs at each of `REFERENCE_HEADS`; what it takes beyond its estimate,
+    less the leanest backend's at that shape (round by round: `_excess_over`; 0 where
     that is below 0), is fitted per byte of q and output shards
-    and per byte of k and v shards (:func:`_fit`). Backends that run only sliding-window
-    layers (halo) get one figure per shard byte from the MHA shape (:func:`_windowed_overhead`)."""
+    and per byte of k and v shards (`_fit`). Backends that run only sliding-window
+    layers (halo) get one figure per shard byte from the MHA shape (`_windowed_overhead`)."""
     import ulysses_sp as usp
 
     topo = usp.init_sequence_parallel(dist.get_world_size(), timeout=3600)

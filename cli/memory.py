@@ -1,6 +1,6 @@
 """``sp-bench plan --max-seq-len``: the longest sequence one training step of a model fits in on a
 world of GPUs, where the memory goes at that length, and what each switch buys
-(:mod:`ulysses_sp.step_memory`, which runs the model on the meta device)."""
+(`ulysses_sp.step_memory`, which runs the model on the meta device)."""
 
 from __future__ import annotations
 

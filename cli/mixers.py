@@ -25,7 +25,7 @@ LAYERS = {
 def _layer(kind: str):
     import transformers
 
-    from ulysses_sp.integrations import mixers  # noqa: F401 - the layers' adapters and reaches, registered
+    from ulysses_sp.models import adapters  # noqa: F401 - the layers' adapters and reaches, registered
 
     torch.manual_seed(0)
     if kind == "gdn":

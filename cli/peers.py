@@ -2,7 +2,7 @@
 
 Every peer takes this rank's shards in ``[B, S/P, H, D]`` and returns the local
 output, differentiably, so it is timed exactly like a backend. A peer that
-cannot run here says why (:meth:`Peer.problem`) and is listed with that reason.
+cannot run here says why (`Peer.problem`) and is listed with that reason.
 
 - ``deepspeed``: DeepSpeed-Ulysses' ``DistributedAttention`` around the same
   local kernel our Ulysses backend uses; three all-to-alls in, one out. Its

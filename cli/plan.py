@@ -1,7 +1,7 @@
 """``sp-bench plan``: which backend ``auto`` would pick for every layer of a model, and why (and, for
 a hybrid model's other token mixers, the mixer strategy and what it moves).
 
-Needs no ranks: it builds each layer's :class:`AttnSpec` from a Hugging Face
+Needs no ranks: it builds each layer's `AttnSpec` from a Hugging Face
 config (or flags) and asks every backend's ``check()`` and ``estimate()`` on a
 planning topology, with a profile (built-in or measured by ``calibrate``).
 """
@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ulysses_sp.integrations.coverage import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
+from ulysses_sp.models.coverage import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
 from ulysses_sp.mixers import AUTO_ORDER, MIXERS, get_mixer
 from ulysses_sp.profile import Profile
 from ulysses_sp.registry import choose_backend
@@ -95,8 +95,8 @@ def _mixer_modules(config: dict) -> dict:
         return {}
     import transformers
 
-    from ulysses_sp.integrations.coverage import find_uncovered
-    from ulysses_sp.integrations.mixers import install_mixers  # noqa: F401 - the mixer classes' adapters, registered
+    from ulysses_sp.models.coverage import find_uncovered
+    from ulysses_sp.models.token_mixers import install_mixers  # noqa: F401 - the mixer classes' adapters, registered
 
     try:
         with torch.device("meta"):
@@ -149,7 +149,7 @@ def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_d
 
 
 def _mixer_estimates(shape: LayerShape, topo, batch: int, seq_len: int, dtype) -> dict:
-    """Each mixer strategy's :class:`MixerEstimate` for the layer, or why it cannot run it."""
+    """Each mixer strategy's `MixerEstimate` for the layer, or why it cannot run it."""
     out = {}
     for name in AUTO_ORDER:
         strategy = MIXERS[name](topo)

@@ -1,5 +1,5 @@
 """``sp-bench plan --images N`` on an image-text model's config: the vision tower's share of work per
-rank. Each image is encoded on one rank of the SP group (``multimodal.owners``: by patches, the
+rank. Each image is encoded on one rank of the SP group (``ulysses_sp.models.image_text.owners``: by patches, the
 largest first to the least loaded rank) and its feature rows go to the ranks holding its tokens.
 
 FLOPs are 6 per vision parameter (tower and projector, counted on a meta-device build) per patch,
@@ -44,7 +44,7 @@ def vision_share(config: dict, *, images: int, image_size: str | None, sp_size: 
     import torch
     import transformers
 
-    from ulysses_sp.integrations.multimodal import STYLES, owners, text_decoder
+    from ulysses_sp.models.image_text import STYLES, owners, text_decoder
 
     model_type = config.get("model_type")
     if model_type not in STYLES:

@@ -1,6 +1,6 @@
 """Sequence-parallel strategies for token mixers other than softmax attention (the Gated
 DeltaNet, Mamba2 and short-convolution layers of hybrid models), one file per strategy, the
-way :mod:`ulysses_sp.backends` holds attention's. A strategy runs one mixer call: it gets the
+way `ulysses_sp.backends` holds attention's. A strategy runs one mixer call: it gets the
 mixer's own forward and the call's arguments as this rank holds them (``[B, S_local, ...]``)
 and returns this rank's rows of what one process would compute on the whole sequence.
 
@@ -31,7 +31,7 @@ MIXER_CHOICES = ("auto", *MIXERS, "none")
 
 
 def get_mixer(name: str, topo, module=None):
-    """The strategy ``name`` for ``topo``; ``auto``: the first of :data:`AUTO_ORDER` that can run
+    """The strategy ``name`` for ``topo``; ``auto``: the first of `AUTO_ORDER` that can run
     ``module``. A named strategy that cannot run ``module`` raises ``ValueError`` with the reason."""
     if name not in MIXERS and name != "auto":
         raise ValueError(f"mixer must be 'auto', 'none' or one of {sorted(MIXERS)}, got {name!r}")

@@ -16,7 +16,7 @@ from ulysses_sp.spec import MixerEstimate
 
 FINAL_STATE: set[str] = set()
 """Mixer classes whose forward returns its output and its final state (a recurrence's), which its
-callers discard in training: :func:`register_final_state`, called by ``ulysses_sp.integrations``."""
+callers discard in training: `register_final_state`, called by ``ulysses_sp.integrations``."""
 
 
 def register_final_state(names) -> None:
@@ -99,7 +99,7 @@ def _concat(outs: list):
 
 
 def _check_output(out, module) -> None:
-    """A tensor, or a tuple of one and Nones; or, for a class registered with :func:`register_final_state`,
+    """A tensor, or a tuple of one and Nones; or, for a class registered with `register_final_state`,
     a tuple of one tensor and its final state (passed on as the whole run gives it, of the row or of its
     last document)."""
     rest = out[1:] if isinstance(out, (tuple, list)) else ()

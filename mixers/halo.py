@@ -7,7 +7,7 @@ whom: one point-to-point exchange of the mixer's input forward, its gradient sen
 backward. The mixer's own forward then runs on each chunk with its halo in front, document by
 document when the batch is packed (no window crosses a document boundary), and the halo's rows
 are dropped. Bytes per rank: O(reach), independent of the sequence length; compute: the chunk
-plus ``reach`` rows. Each mixer class needs its reach registered (:func:`register_reach`, called
+plus ``reach`` rows. Each mixer class needs its reach registered (`register_reach`, called
 by the model integrations in ``ulysses_sp.integrations``), since only its code says how far it looks back.
 """
 

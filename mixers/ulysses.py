@@ -5,7 +5,7 @@ Exact by construction, 1/P of the mixer's compute per rank, and the bytes of Uly
 over the tensors moved. Inputs shared by a group of heads (Gated DeltaNet's key heads, Mamba2's
 B/C groups) are split by group, or replicated when there are fewer groups than ranks, as
 Ulysses attention does with KV heads. Each mixer class needs an adapter that splits its forward
-at those boundaries (:func:`register_adapter`, called by the model integrations in
+at those boundaries (`register_adapter`, called by the model integrations in
 ``ulysses_sp.integrations``, as backends register with the registry); a mixer without
 one, or whose heads P does not divide, is not taken (``auto`` gives it the allgather fallback).
 """

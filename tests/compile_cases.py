@@ -186,7 +186,7 @@ def _model_grads(ref, topo, data, compiler, **apply) -> tuple[float, dict, int]:
     import copy
 
     from ulysses_sp import tiling
-    from ulysses_sp.integrations.mixers import mixer_layers
+    from ulysses_sp.models.token_mixers import mixer_layers
 
     model = usp.apply_sequence_parallel(copy.deepcopy(ref), topo, **apply)
     if compiler is not None:

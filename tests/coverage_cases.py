@@ -12,7 +12,7 @@ from torch import nn
 
 import ulysses_sp as usp
 from ulysses_sp import kernels
-from ulysses_sp.integrations import mixers as _adapters  # noqa: F401 - registers the adapters of transformers' mixers
+from ulysses_sp.models import adapters as _adapters  # noqa: F401 - registers the adapters of transformers' mixers
 from ulysses_sp.mixers import MIXERS
 
 from .model_families import EXACT, HYBRID, REFUSED, REFUSED_AT_FORWARD, REFUSED_WITHOUT_MIXER, config
@@ -136,7 +136,7 @@ def ulysses_all_or_none(topo) -> dict:
     causal convolution) has no adapter: refused, with no layer left switched."""
     import transformers
 
-    from ulysses_sp.integrations.mixers import mixer_layers
+    from ulysses_sp.models.token_mixers import mixer_layers
 
     model = transformers.AutoModelForCausalLM.from_config(config("qwen3_next_12kh"))
     model.model.layers[1].token_mix = _CausalConv(32, 4)
@@ -483,7 +483,7 @@ def verify_references(topo) -> dict:
     one-process runs (the one-process loss made to raise shows none ran) and reports what a fresh
     call reports; another seed, or a rank that lost them (all run them then, no hang), does not; a
     backend that sees only its shard is still caught."""
-    from ulysses_sp.integrations import verify
+    from ulysses_sp.models import verify
 
     from .cases import raised
 
@@ -521,7 +521,7 @@ def verify_planted(topo) -> dict:
 
     big = transformers.LlamaConfig(num_hidden_layers=32, hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
                                    num_key_value_heads=8, vocab_size=128256)
-    from ulysses_sp.integrations import verify
+    from ulysses_sp.models import verify
 
     def failing(ref, data, device):  # one reference run fails, on the one rank that runs it
         raise ValueError("planted")

@@ -184,7 +184,7 @@ def hf_errors(topo) -> dict:
         usp.apply_sequence_parallel(model, topo, backend="ring")
         out[name] = raised(lambda m=model: m(input_ids=data["input_ids"], position_ids=data["position_ids"]))
     # an additive bias passed as the mask (ALiBi-style): dropping it would be silently wrong
-    from ulysses_sp.integrations.transformers import sp_attention_forward
+    from ulysses_sp.models.switch import sp_attention_forward
 
     layer = usp.apply_sequence_parallel(tiny_model("llama"), topo, backend="ring").model.layers[0].self_attn
     q = torch.randn(1, 4, data["input_ids"].shape[1], 8)

@@ -72,7 +72,8 @@ def test_hybrid_family_is_exact(ranks, world, lay, name):
     """Gated DeltaNet (Qwen3-Next, Qwen3.5), short convolutions (LFM2), Mamba2 (Bamba, Mamba2, Zamba2's
     Mamba2 layers and the Mamba2 decoder inside its hybrid layers), Kimi Delta Attention (Kimi Linear)
     and RWKV under the strategy auto takes, with the float32 their own code casts to lifted to float64
-    (test-only), so the comparison is at fp64's rounding: loss and every gradient, unpacked and packed."""
+    (test-only), so the comparison is at fp64's rounding: loss and every gradient, unpacked and packed.
+    The strategies are put around the mixers by ulysses_sp/models/token_mixers.py."""
     for r in values(ranks(world), f"hybrids{'-contiguous' if lay == 'contiguous' else ''}/{name}"):
         _assert_exact(r, name, HYBRID_TOL)
         assert r["mixers"] and set(r["mixers"].values()) == {auto_mixer(name, world)}, r["mixers"]
@@ -146,8 +147,8 @@ def test_mixer_bf16_error_does_not_grow_with_ranks(ranks, world, strategy, name,
     and input gradient at P ranks within 1.3x that at P=1 (the strategies compute each token as one
     process does), and within bf16's epsilon (observed 0.0051-0.0062 at P = 1, 2 and 4, Gated DeltaNet the
     highest: its own code rounds to bf16 inside). The layers go through their adapters:
-    integrations/gated_deltanet.py (Qwen3-Next), integrations/mamba2.py (Bamba),
-    integrations/kimi_delta.py (Kimi Linear) and integrations/short_conv.py (LFM2)."""
+    models/adapters/gated_deltanet.py (Qwen3-Next), models/adapters/mamba2.py (Bamba),
+    models/adapters/kimi_delta.py (Kimi Linear) and models/adapters/short_conv.py (LFM2)."""
     one = values(ranks(1), f"mixers-bf16/{strategy}/{name}")[0]
     for r in values(ranks(world), f"mixers-bf16/{strategy}/{name}"):
         for what in ("out", "dx"):
@@ -280,7 +281,7 @@ def test_shrink_keeps_every_kind_of_layer():
     types and layer_types entry), with small widths and multi-head latent attention's unequal dims."""
     import transformers
 
-    from ulysses_sp.integrations.verify import shrink_config
+    from ulysses_sp.models.verify import shrink_config
 
     def shrunk(cls):
         small = shrink_config(getattr(transformers, cls)())

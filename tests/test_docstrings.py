@@ -34,7 +34,7 @@ PUBLIC = {
         "pad_to_multiple", "CommCounter", "comm", "register_backend", "get_backend", "list_backends", "AttnSpec", "Estimate", "Profile",
         "LinkCost", "load_profile", "CPU_GLOO_PROFILE", "CPU_GLOO_PROFILE_P4", "default_profile", "NVLINK_PROFILE",
     ],
-    "ulysses_sp.integrations.transformers": [
+    "ulysses_sp.models.switch": [
         "ATTN_IMPLEMENTATION", "apply_sequence_parallel", "chosen_backends", "remove_sequence_parallel", "sp_attention_forward", "switched_model",
     ],
     "ulysses_sp.integrations.trainer": ["SequenceParallelTrainingArguments", "SequenceParallelTrainer", "PREDICT_LOGITS"],
@@ -44,8 +44,8 @@ PUBLIC = {
         "SequenceParallelSFTConfig", "SequenceParallelSFTTrainer", "SequenceParallelDPOConfig", "SequenceParallelDPOTrainer",
         "SequenceParallelGRPOConfig", "SequenceParallelGRPOTrainer", "sequence_parallel_fused_head",
     ],
-    "ulysses_sp.integrations.verify": ["SequenceParallelMismatch", "VerifyReport", "shrink_config", "verify_sequence_parallel"],
-    "ulysses_sp.integrations.multimodal": ["STYLES", "TESTED", "decoder_to_switch", "is_split", "text_decoder", "split_at_decoder", "unsplit"],
+    "ulysses_sp.models.verify": ["SequenceParallelMismatch", "VerifyReport", "shrink_config", "verify_sequence_parallel"],
+    "ulysses_sp.models.image_text": ["STYLES", "TESTED", "decoder_to_switch", "is_split", "text_decoder", "split_at_decoder", "unsplit"],
     "ulysses_sp.step_memory": ["ENGINES", "Breakdown", "Engine", "Switches", "World", "estimate", "max_seq_len", "model_states"],
     "ulysses_sp.tiling": [
         "CHECKPOINT_MODES", "OffloadStore", "TiledMLP", "TiledMLPFunction", "checkpoint_layers", "compile_layers", "default_tile_tokens",

@@ -1,4 +1,4 @@
-"""Image- and video-text models under SP (ulysses_sp/integrations/multimodal.py): only the text
+"""Image- and video-text models under SP (ulysses_sp/models/image_text.py): only the text
 decoder is switched, the sequence is split at its input. Cases in tests/vlm_cases.py: fp64, loss
 within 1e-12 and every gradient (vision tower included) within 1e-7 of one process running each
 packed document on its own (observed: loss 9e-16; gradients 1.3e-15, and 3.7e-12 on CLIP's key
@@ -91,11 +91,11 @@ def test_verify_checks_image_text_models_with_random_images(ranks, world):
 
 @pytest.mark.quick
 def test_verify_shrinks_an_image_text_config_to_a_small_model():
-    """ulysses_sp.integrations.verify_image_text on Qwen2.5-VL's default config (a 75B model): one of
+    """ulysses_sp.models.verify_image_text on Qwen2.5-VL's default config (a 75B model): one of
     1.5 million parameters whose multimodal RoPE sections fill the small head dim and whose
     placeholder ids lie in the small vocabulary; its rows hold 16 tokens an image."""
-    from ulysses_sp.integrations.verify import _shrink_text
-    from ulysses_sp.integrations.verify_image_text import rows, shrink_image_text_config
+    from ulysses_sp.models.verify import _shrink_text
+    from ulysses_sp.models.verify_image_text import rows, shrink_image_text_config
 
     small = shrink_image_text_config(transformers.Qwen2_5_VLConfig(), _shrink_text)
     text = small.text_config
@@ -157,7 +157,7 @@ def test_audio_text_models_are_refused_by_name_and_left_as_they_were():
 
 
 def test_text_models_have_no_other_inputs():
-    from ulysses_sp.integrations.coverage import other_modalities
+    from ulysses_sp.models.coverage import other_modalities
 
     for cls in (transformers.LlamaForCausalLM, transformers.Gemma3ForCausalLM, transformers.WhisperForCausalLM, transformers.MoshiForCausalLM):
         assert other_modalities(cls.__new__(cls)) == [], cls
@@ -171,7 +171,7 @@ def test_every_other_image_text_family_is_refused_by_name():
 
     from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
 
-    from ulysses_sp.integrations.multimodal import TESTED
+    from ulysses_sp.models.image_text import TESTED
 
     assert sorted([*FAMILIES, *VERIFIED_ONLY]) == sorted(TESTED)
     refused = []

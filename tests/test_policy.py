@@ -9,7 +9,7 @@ import torch
 from click.testing import CliRunner
 
 import ulysses_sp as usp
-from ulysses_sp.integrations.transformers import _backend_per_layer
+from ulysses_sp.models.switch import _backend_per_layer
 from ulysses_sp.profile import COLLECTIVES, CPU_GLOO_PROFILE, CPU_GLOO_PROFILE_P4, NVLINK_PROFILE, LinkCost, Profile, default_profile
 from ulysses_sp.registry import choose_backend, get_backend
 from ulysses_sp.spec import AttnSpec, Estimate, MixerEstimate

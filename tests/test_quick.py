@@ -1,7 +1,7 @@
 """The quick slice (``python -m pytest -m quick``) stands for the whole suite: it holds a test of every
 backend, layout, mixer strategy, model family and integration module.
 
-What must be covered is read from the code (the backends/, mixers/ and integrations/ folders, the
+What must be covered is read from the code (the backends/, mixers/, integrations/ and models/ folders, the
 layouts, tests/model_families.py), so a new one fails here until a quick test stands for it; what is
 covered is read from the ``quick`` markers of the collected tests (tests/conftest.py).
 """
@@ -59,9 +59,11 @@ def test_every_backend_layout_mixer_and_family_has_a_quick_case(quick, kind, nam
 
 
 @pytest.mark.quick
-@pytest.mark.parametrize("module", _modules("ulysses_sp/integrations"))
-def test_every_integration_module_has_a_quick_test(quick, module):
+@pytest.mark.parametrize("folder,module", [(folder, m) for folder in ("integrations", "models", "models/adapters")
+                                           for m in _modules(f"ulysses_sp/{folder}")])
+def test_every_integration_and_model_module_has_a_quick_test(quick, folder, module):
     """Named by a quick test's node id or its source (an import, or its docstring naming the module)."""
-    named = [nodeid for nodeid, source in quick.items() if module in nodeid or f"integrations.{module}" in source
-             or f"integrations/{module}.py" in source]
-    assert named, f"no quick test names ulysses_sp/integrations/{module}.py"
+    dotted = folder.replace("/", ".")
+    named = [nodeid for nodeid, source in quick.items() if module in nodeid or f"{dotted}.{module}" in source
+             or f"{folder}/{module}.py" in source]
+    assert named, f"no quick test names ulysses_sp/{folder}/{module}.py"

@@ -112,7 +112,7 @@ def test_bad_options_raise(tiled_mlp, checkpoint, match):
 
 def test_bad_options_raise_before_touching_the_model():
     pytest.importorskip("transformers")
-    from ulysses_sp.integrations.transformers import apply_sequence_parallel
+    from ulysses_sp.models.switch import apply_sequence_parallel
 
     from .hf_cases import tiny_model
 
@@ -241,7 +241,7 @@ def test_norms_found_in_and_beside_the_layers(family, found):
 
 def test_tiled_norms_bad_option_and_no_norm_raise():
     pytest.importorskip("transformers")
-    from ulysses_sp.integrations.transformers import apply_sequence_parallel
+    from ulysses_sp.models.switch import apply_sequence_parallel
 
     from .hf_cases import tiny_model
 

@@ -51,7 +51,7 @@ def test_no_mask_is_built_for_full_or_sliding_layers():
     import torch
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, create_causal_mask, create_sliding_window_causal_mask
 
-    from ulysses_sp.integrations.transformers import ATTN_IMPLEMENTATION
+    from ulysses_sp.models.switch import ATTN_IMPLEMENTATION
 
     from .hf_cases import SEQ, WINDOWED, batch, tiny_model
 

@@ -14,7 +14,8 @@ import torch.distributed as dist
 
 import ulysses_sp as usp
 from ulysses_sp import tiling
-from ulysses_sp.integrations.transformers import apply_sequence_parallel, remove_sequence_parallel
+from ulysses_sp.decoder_layers import decoder_layers
+from ulysses_sp.models.switch import apply_sequence_parallel, remove_sequence_parallel
 
 from .cases import Parity, _topo_for, case
 
@@ -66,7 +67,7 @@ def tiling_parity(topo, backend: str, checkpoint: str, packed=False, tiled_norms
         "loss_rel": abs(loss.item() - ref_loss.item()) / abs(ref_loss.item()),
         "grad_rel": grad_rel, "worst_param": worst,
         "counts": counts, "counts_all_ranks": all_counts, "offload": stats,
-        "restored": all("mlp" not in layer.__dict__ and "forward" not in layer.__dict__ for layer in tiling.decoder_layers(tiled))
+        "restored": all("mlp" not in layer.__dict__ and "forward" not in layer.__dict__ for layer in decoder_layers(tiled))
         and not any(isinstance(v, tiling.TiledMLP) for m in tiled.modules() for v in m.__dict__.values()),
         "norm_calls": norm_calls,
         "attn_restored": tiled.config._attn_implementation == base.config._attn_implementation,

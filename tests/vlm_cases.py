@@ -1,4 +1,4 @@
-"""Image-text models under SP (ulysses_sp/integrations/multimodal.py), inside the pool's ranks;
+"""Image-text models under SP (ulysses_sp/models/image_text.py), inside the pool's ranks;
 assertions in tests/test_multimodal.py. Each case builds a tiny fp64 model of one family, a row of
 text with images (and, where the family has them, a video) placed so that one straddles a shard
 boundary at every P, and compares the loss and every gradient (vision tower included) with one
@@ -179,7 +179,7 @@ def _encoded(model):
 @contextlib.contextmanager
 def _decoder_positions(model):
     """The position ids each call of the text decoder gets (after ulysses_sp's split: its hook runs first)."""
-    from ulysses_sp.integrations.multimodal import text_decoder
+    from ulysses_sp.models.image_text import text_decoder
 
     seen = []
 
@@ -316,7 +316,7 @@ def embed_memory(env: Env) -> dict:
     """Per-rank peak bytes (``peak_until``) from the model's call to its text decoder's input, with
     autograd recording, for a row of 16 images (256 image tokens among 512), and the images each
     rank's vision tower encodes."""
-    from ulysses_sp.integrations.multimodal import text_decoder
+    from ulysses_sp.models.image_text import text_decoder
     from ulysses_sp.testing.memory import peak_until
 
     torch.manual_seed(0)
@@ -351,11 +351,13 @@ def vlm_verify(env: Env) -> dict:
     out = {name: str(usp.verify_sequence_parallel(getattr(transformers, name)(**(_HYBRID_TEXT if name.startswith("Qwen3_5") else {})), topo))
            for name in VERIFIED[env.world]}
     if env.world == 2:
-        planted = usp.model_inputs
-        usp.model_inputs = lambda local: {k: v for k, v in planted(local).items() if k != "cu_seq_lens_q"}
+        from ulysses_sp.models import verify
+
+        planted = verify.model_inputs
+        verify.model_inputs = lambda local: {k: v for k, v in planted(local).items() if k != "cu_seq_lens_q"}
         try:
             report = usp.verify_sequence_parallel(transformers.Qwen2VLConfig(), topo, raise_on_mismatch=False)
         finally:
-            usp.model_inputs = planted
+            verify.model_inputs = planted
         out["planted"] = (report.passed, report.loss_error, report.worst)
     return out

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from torch import nn
     from transformers import PretrainedConfig
 
-    from .integrations.verify import VerifyReport
+    from .models.verify import VerifyReport
 
 __version__ = "0.1.0"
 
@@ -50,7 +50,7 @@ def apply_sequence_parallel(model: nn.Module, topo: Topology, backend: str | lis
     the previous attention implementation is kept for `remove_sequence_parallel`, and the KV cache
     is turned off (training and evaluation, not generation). Feed the model
     ``model_inputs(shard_batch(batch, topo))``. Of an image- or video-text model of the families
-    ``ulysses_sp.integrations.multimodal.TESTED`` names only the text decoder is switched, and the
+    ``ulysses_sp.models.image_text.TESTED`` names only the text decoder is switched, and the
     sequence is split at its input. The first forward checks that every attention layer called
     the SP attention and that global ``position_ids`` were passed. Needs the ``hf`` extra.
 
@@ -84,7 +84,7 @@ def apply_sequence_parallel(model: nn.Module, topo: Topology, backend: str | lis
             of the wrong length, or invalid ``tiled_mlp``, ``checkpoint`` or ``tiled_norms``
             (including ``checkpoint`` with transformers' own gradient checkpointing on).
     """
-    from .integrations.transformers import apply_sequence_parallel as apply
+    from .models.switch import apply_sequence_parallel as apply
 
     return apply(model, topo, backend=backend, profile=profile, kernel=kernel, tiled_mlp=tiled_mlp, checkpoint=checkpoint, mixer=mixer,
                  tiled_norms=tiled_norms)
@@ -96,13 +96,13 @@ def verify_sequence_parallel(model_or_config: nn.Module | PretrainedConfig, topo
     A small copy of the architecture (every kind of layer kept, small widths, float64, random
     weights) runs one forward and backward in one process and under SP on ``topo``, unpacked
     and packed, and the loss and every parameter's gradient are compared. Every rank of the SP
-    group must call it. Needs the ``hf`` extra; see `ulysses_sp.integrations.verify`.
+    group must call it. Needs the ``hf`` extra; see `ulysses_sp.models.verify`.
 
     Args:
         model_or_config: A transformers model or config.
         topo: The topology from `init_sequence_parallel`.
         **options: Keyword arguments of
-            ``ulysses_sp.integrations.verify.verify_sequence_parallel``: ``backend``, ``kernel``
+            ``ulysses_sp.models.verify.verify_sequence_parallel``: ``backend``, ``kernel``
             and ``mixer`` (as `apply_sequence_parallel`'s), ``shrink``, ``seq_len``,
             ``tolerance``, ``packed``, ``seed``, ``raise_on_mismatch``.
 
@@ -114,7 +114,7 @@ def verify_sequence_parallel(model_or_config: nn.Module | PretrainedConfig, topo
             worst parameters.
         ValueError: A model SP does not cover.
     """
-    from .integrations.verify import verify_sequence_parallel as verify
+    from .models.verify import verify_sequence_parallel as verify
 
     return verify(model_or_config, topo, **options)
 
@@ -132,7 +132,7 @@ def remove_sequence_parallel(model: nn.Module) -> nn.Module:
     Returns:
         ``model``.
     """
-    from .integrations.transformers import remove_sequence_parallel as remove
+    from .models.switch import remove_sequence_parallel as remove
 
     return remove(model)
 

@@ -25,7 +25,7 @@ from .kernels import check_options, get_kernel, resolve_kernel, sliding_band
 from .registry import choose_backend, get_backend
 from .profile import Profile
 from .spec import AttnSpec
-from .topology import Topology
+from .topology import Topology, register_attention
 
 __all__ = ["SequenceParallelAttention", "sp_attention", "make_spec"]
 
@@ -340,3 +340,6 @@ def sp_attention(
                      softcap=softcap)
     _check_ranks_agree(spec, backend, topo, (q, k, v))
     return _resolve(backend, spec, topo, profile, None).forward(q, k, v, spec, topo)
+
+
+register_attention(sp_attention)

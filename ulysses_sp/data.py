@@ -150,7 +150,7 @@ def shard_batch(batch: dict, topo: Topology, *, pad_token_id: int = 0) -> dict:
             given; ``cu_seqlens`` (global, the same on every rank) for packed input and always
             under ``balanced``, whose placement they carry (pass them to `gather_sequence`); and,
             for a batch with images or videos, ``multimodal``: what `model_inputs` hands an
-            image-text model whole (`ulysses_sp.integrations.multimodal`).
+            image-text model whole (`ulysses_sp.models.image_text`).
 
     Raises:
         ValueError: ``input_ids`` that is not 2-D, or an ``attention_mask`` with padding before

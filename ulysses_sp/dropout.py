@@ -28,6 +28,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.overrides import TorchFunctionMode, _get_current_function_mode_stack
 
+from .decoder_layers import decoder_layers
+
 __all__ = ["RankDropout", "install_rank_dropout", "remove_rank_dropout", "rank_dropout"]
 
 _DROPOUTS = {fn: (1, 2) for fn in (F.dropout, F.dropout1d, F.dropout2d, F.dropout3d, F.alpha_dropout, F.feature_alpha_dropout, torch.dropout)}
@@ -127,10 +129,8 @@ def _wrap_checkpointing(layer, args):
 
 
 def _layers(model) -> list:
-    """The modules a checkpointing may call again: ``ulysses_sp.tiling``'s decoder layers and every
+    """The modules a checkpointing may call again: `ulysses_sp.decoder_layers` and every
     layer transformers' gradient checkpointing wraps (GPT-2's blocks too)."""
-    from .tiling import decoder_layers
-
     try:
         from transformers.modeling_layers import GradientCheckpointingLayer
     except ImportError:  # pragma: no cover

@@ -63,6 +63,10 @@ __all__ = ["sp_linear_cross_entropy", "causal_lm_loss", "default_chunk_tokens", 
 TILE_ELEMENTS = 2**26
 """Logits per tile by default: 64 Mi fp32 elements, 256 MiB."""
 
+SPLIT_AT_DECODER = "_ulysses_sp_image_text"
+"""The key in an image-text model's ``__dict__`` while `ulysses_sp.models.image_text` splits it at
+its text decoder: the fused loss then runs the inner model (which merges the images) and its head."""
+
 LOGIT_TRANSFORMS = (
     "final_logit_softcapping",  # Gemma 2/3: cap * tanh(logits / cap)
     "logit_scale",  # Cohere: logits * scale
@@ -232,9 +236,7 @@ def _logit_transforms(model) -> list[str]:
 
 
 def _decoder(model):
-    from .integrations import multimodal  # a Hugging Face model's: transformers is there
-
-    if multimodal.is_split(model):  # an image-text model: its inner model merges the images, then runs the text decoder
+    if SPLIT_AT_DECODER in model.__dict__:  # an image-text model: its inner model merges the images, then runs the text decoder
         return model.model
     get = getattr(model, "get_decoder", None)
     if get is not None:

@@ -35,7 +35,9 @@ from dataclasses import dataclass
 import torch
 
 from .testing.memory import PeakMemory
-from .tiling import decoder_layers
+from .data import shard_batch, sp_cross_entropy
+from .decoder_layers import decoder_layers
+from .loss import causal_lm_loss
 
 __all__ = ["ENGINES", "Breakdown", "Engine", "Switches", "World", "estimate", "max_seq_len", "model_states"]
 
@@ -359,21 +361,20 @@ def _step(config, layers: int | None, seq_len: int, sp: int, switches: Switches,
     forward, at the peak, the gradients at that peak, and the host's offloaded checkpoints."""
     import transformers.masking_utils
 
-    import ulysses_sp as usp
-
+    from .models.switch import apply_sequence_parallel
     from .testing.memory import _topology
     from .tiling import offload_store
 
     topo = _topology(sp, None)
     model = _build(config, layers, dtype, seq_len)
-    usp.apply_sequence_parallel(model, topo, backend=switches.backend_name, tiled_mlp=switches.tiled_mlp, checkpoint=switches.checkpoint,
-                                tiled_norms=switches.tiled_norms)
+    apply_sequence_parallel(model, topo, backend=switches.backend_name, tiled_mlp=switches.tiled_mlp, checkpoint=switches.checkpoint,
+                            tiled_norms=switches.tiled_norms)
     host = _HostStore()
     store = offload_store(model)
     if store is not None:
         store.pack, store.unpack = host.pack, host.unpack
     ids = torch.zeros(1, seq_len, dtype=torch.long)
-    local = usp.shard_batch({"input_ids": ids, "labels": ids}, dataclasses.replace(topo, device=torch.device("cpu")))
+    local = shard_batch({"input_ids": ids, "labels": ids}, dataclasses.replace(topo, device=torch.device("cpu")))
     batch = {k: v.to("meta") if isinstance(v, torch.Tensor) else v for k, v in local.items()}
     grads = {"live": 0}
     at_peak = {"grads": 0}
@@ -408,10 +409,10 @@ def _step(config, layers: int | None, seq_len: int, sp: int, switches: Switches,
     try:
         with memory:
             if switches.tiled_loss:
-                loss = usp.causal_lm_loss(model, batch, topo)
+                loss = causal_lm_loss(model, batch, topo)
             else:
                 logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
-                loss = usp.sp_cross_entropy(logits, batch["shift_labels"], topo)
+                loss = sp_cross_entropy(logits, batch["shift_labels"], topo)
                 del logits
             kept = memory.live
             loss.backward()

@@ -57,6 +57,7 @@ import torch
 import torch.distributed as dist
 from torch.utils.checkpoint import checkpoint
 
+from .decoder_layers import decoder_layers
 from .dropout import rank_dropout
 from .eager_ops import EagerCall, compiled_tiled_mlp
 
@@ -237,17 +238,6 @@ class TiledMLP:
 class _NoCtx:
     def save_for_backward(self, *tensors):
         pass
-
-
-def decoder_layers(model) -> list:
-    """The modules that hold one transformer block: transformers' GradientCheckpointingLayer
-    subclasses, else classes named ``*DecoderLayer``."""
-    try:
-        from transformers.modeling_layers import GradientCheckpointingLayer
-    except ImportError:  # pragma: no cover
-        GradientCheckpointingLayer = ()
-    found = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer) and type(m).__name__.endswith("Layer")]
-    return found or [m for m in model.modules() if type(m).__name__.endswith("DecoderLayer")]
 
 
 def tile_mlp(model, tile_tokens: int, sp_size: int = 1) -> list:

@@ -125,9 +125,7 @@ class Topology:
         self.eager_attention = EagerCall(self._sp_attention)
 
     def _sp_attention(self, q, k, v, **options):
-        from .attention import sp_attention
-
-        return sp_attention(q, k, v, self, **options)
+        return _ATTENTION["sp_attention"](q, k, v, self, **options)
 
     def cached(self, key, make):
         """``cache[key]``, made by ``make()`` the first time (the cache is cleared past 4096 entries)."""
@@ -284,6 +282,16 @@ SHAPE_CHECKS = ("once", "always")
 def _destroy_after_a_clean_exit() -> None:
     if dist.is_initialized() and getattr(sys, "last_exc", getattr(sys, "last_value", None)) is None:
         dist.destroy_process_group()
+
+
+_ATTENTION: dict = {}
+"""What `Topology.eager_attention` calls: `ulysses_sp.attention.sp_attention`, registered there on
+import (the attention sits above the topology, which does not import it)."""
+
+
+def register_attention(sp_attention) -> None:
+    """Set the function `Topology.eager_attention` calls (``ulysses_sp.attention`` does, on import)."""
+    _ATTENTION["sp_attention"] = sp_attention
 
 
 def destroy_gloo_groups_at_exit() -> None:

@@ -72,7 +72,7 @@ def apply_fsdp2(model: torch.nn.Module, topo: Topology, *, mesh: DeviceMesh | No
         topo: The topology from `init_sequence_parallel`.
         mesh: The mesh to shard over (default: `device_mesh`, flattened); a 1-D mesh is used as
             it is.
-        layers: The units to shard (default: ``ulysses_sp.tiling.decoder_layers(model)``).
+        layers: The units to shard (default: ``ulysses_sp.decoder_layers.decoder_layers(model)``).
         gradient_divide_factor: What the summed gradient is divided by (default: the DP size,
             right for ``sp_cross_entropy(..., topo)``; 1 for a loss normalised over the whole
             global batch, ``count_group=WORLD``).
@@ -87,7 +87,7 @@ def apply_fsdp2(model: torch.nn.Module, topo: Topology, *, mesh: DeviceMesh | No
     """
     from torch.distributed.fsdp import FSDPModule, fully_shard
 
-    from ..tiling import decoder_layers
+    from ..decoder_layers import decoder_layers
 
     factor = float(topo.dp_size if gradient_divide_factor is None else gradient_divide_factor)
     if factor <= 0:

@@ -61,11 +61,11 @@ from ..tiling import CHECKPOINT_MODES
 from ..layout import LAYOUTS
 from ..topology import init_sequence_parallel
 from .deepspeed import SequenceParallelMPU, gradient_scale, use_cpu_accelerator_if_needed
-from .multimodal import decoder_to_switch
-from .transformers import _attention_layers, _backend_per_layer, apply_sequence_parallel, remove_sequence_parallel, switched_model
+from ..models.image_text import decoder_to_switch
+from ..models.switch import _attention_layers, _backend_per_layer, apply_sequence_parallel, remove_sequence_parallel, switched_model
 from ..mixers import MIXER_CHOICES
-from .coverage import find_uncovered
-from .verify import verify_sequence_parallel
+from ..models.coverage import find_uncovered
+from ..models.verify import verify_sequence_parallel
 
 __all__ = ["SequenceParallelTrainingArguments", "SequenceParallelTrainer", "PREDICT_LOGITS"]
 

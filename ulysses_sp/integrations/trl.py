@@ -43,8 +43,8 @@ except ImportError as e:  # pragma: no cover - the trl extra
 
 from ..data import IGNORE_INDEX, gather_sequence, model_inputs, shard_batch, shard_sequence
 from .trainer import SequenceParallelTrainer, SequenceParallelTrainingArguments, _base_model, backend_names
-from .coverage import FUSED_HEAD as _FUSED, SHARD_CALL
-from .transformers import _PREVIOUS, ATTN_IMPLEMENTATION, apply_sequence_parallel, remove_sequence_parallel, switched_model
+from ..models.coverage import FUSED_HEAD as _FUSED, SHARD_CALL
+from ..models.switch import _PREVIOUS, ATTN_IMPLEMENTATION, apply_sequence_parallel, remove_sequence_parallel, switched_model
 
 if TYPE_CHECKING:
     from ..topology import Topology

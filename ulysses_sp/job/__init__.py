@@ -6,7 +6,8 @@ DeepSpeed: seconds per rank), so ``train.py --help`` and a bad flag answer at on
 import os
 import sys
 
-from .config import JobError, TrainConfig, check_launch, memory_options, parse_args
+from .config import TrainConfig, check_launch, memory_options, parse_args
+from .errors import JobError
 from .ds_config import precision_config, resolve_dtype
 
 __all__ = ["Job", "JobError", "TrainConfig", "main", "memory_options", "parse_args", "precision_config", "resolve_dtype", "train"]

@@ -12,7 +12,7 @@ their manifest's sizes (a size check: cheap for GB files), saying which ones it 
 Rotation (``--keep-last``) deletes only complete checkpoints of this run, never the one just
 written or the one ``latest`` names, and reports what it could not delete.
 
-Every function that touches the file system runs on rank 0 only, except :func:`save_rng`; the
+Every function that touches the file system runs on rank 0 only, except `save_rng`; the
 job broadcasts rank 0's decisions (``run.Job``), so all ranks agree.
 """
 
@@ -70,7 +70,7 @@ def _files(root: str) -> dict[str, int]:
 
 def save_rng(directory: str, step: int, rank: int) -> None:
     """This rank's RNG states (torch, CUDA, Python, NumPy) beside its checkpoint files, as tensors,
-    numbers and tuples only: :func:`load_rng` reads them with ``weights_only=True``, which runs no code."""
+    numbers and tuples only: `load_rng` reads them with ``weights_only=True``, which runs no code."""
     state = {"torch": torch.get_rng_state(), "python": random.getstate(),
              "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
     try:
@@ -111,7 +111,7 @@ def load_rng(directory: str, tag: str, rank: int) -> bool:
 
 
 def finish(directory: str, step: int, state: dict) -> str:
-    """Rank 0, after every rank wrote step ``step`` under :func:`partial_tag`: flush, manifest,
+    """Rank 0, after every rank wrote step ``step`` under `partial_tag`: flush, manifest,
     rename to a new tag, point ``latest`` at it. Returns the tag."""
     root = os.path.join(directory, partial_tag(step))
     for folder, _, names in os.walk(root):

@@ -17,7 +17,7 @@ import json
 import torch
 
 from ..data import IGNORE_INDEX
-from .config import JobError
+from .errors import JobError
 
 __all__ = ["CompletionRows", "REPLIES"]
 

@@ -14,12 +14,9 @@ from ..layout import LAYOUTS, required_multiple
 from ..mixers import MIXER_CHOICES
 from ..registry import get_backend, list_backends
 from ..tasks import cross_shard_depths, passkey_sample
+from .errors import JobError
 
-__all__ = ["JobError", "TrainConfig", "parse_args", "check_launch", "job_layout", "memory_options", "DEFAULT_LR", "ENGINES"]
-
-
-class JobError(ValueError):
-    """A mistake in the job's input (flags, files, DeepSpeed config); ``main`` prints it as one line."""
+__all__ = ["TrainConfig", "parse_args", "check_launch", "job_layout", "memory_options", "DEFAULT_LR", "ENGINES"]
 
 
 ENGINES = ("deepspeed", "fsdp2")
@@ -102,7 +99,7 @@ class TrainConfig:
     layout: str = "auto"
     """How each sequence's tokens lie across the SP ranks; auto: balanced for rows packed from --data, else zigzag."""
     tiled_loss: bool | None = None
-    """The LM head and the loss over tiles of tokens; None: :func:`memory_options` decides."""
+    """The LM head and the loss over tiles of tokens; None: `memory_options` decides."""
     tiled_mlp: bool | None = None
     tiled_norms: bool | None = None
     """The layers' and the final norm over tiles (their fp32 intermediates one tile at a time); None: by length."""
@@ -266,7 +263,7 @@ def job_layout(cfg: TrainConfig) -> str:
 
 
 def check_launch(cfg: TrainConfig, world_size: int) -> int:
-    """The SP size, after checking what the launch can take; raises :class:`JobError` naming the fix."""
+    """The SP size, after checking what the launch can take; raises `JobError` naming the fix."""
     sp = cfg.sp_size or world_size
     if world_size % sp:
         raise JobError(f"--sp-size {sp} does not divide the {world_size} ranks launched; use a divisor of {world_size} "

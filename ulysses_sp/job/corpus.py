@@ -1,12 +1,12 @@
 """The job's data: local files tokenized once with the model's tokenizer (into a memory-mapped
-token file, :mod:`.tokens`), packed or padded into ``seq_len`` rows as they are drawn, and
+token file, `.tokens`), packed or padded into ``seq_len`` rows as they are drawn, and
 handed out per DP group by micro-batch index (so a resumed run picks up mid-epoch where it
 stopped).
 
 Packing (the default) concatenates documents, each ended by EOS, and cuts the stream into
 rows of ``seq_len`` tokens. Position ids restart at 0 at every document start and at every
 row start (a document cut by a row boundary continues as a new one), so attention never
-crosses a document; :func:`ulysses_sp.shard_batch` also drops the target across each
+crosses a document; `ulysses_sp.shard_batch` also drops the target across each
 boundary, so a document's first token is never the previous one's target. ``--no-packing``
 gives each document (or each ``seq_len`` piece of a long one) its own row, right-padded.
 """
@@ -21,7 +21,8 @@ import torch
 from ..data import IGNORE_INDEX, SequenceParallelSampler
 from ..tasks import PAD_ID, passkey_batch, passkey_eval_batch
 from ..topology import Topology
-from .config import JobError, TrainConfig
+from .config import TrainConfig
+from .errors import JobError
 from .tokens import default_cache, token_file
 
 __all__ = ["Rows", "load_tokenizer", "pack", "pad_each", "pad_id", "build_rows", "TrainBatches", "eval_batches", "passkey_eval_batches"]
@@ -126,7 +127,7 @@ def build_rows(path: str, tokenizer, cfg: TrainConfig, *, progress: bool) -> Row
 
 class TrainBatches:
     """Micro-batch ``m`` of this DP group, for ``m = step * accumulation + j``: epochs in the
-    order of a seeded :class:`SequenceParallelSampler` (reshuffled per epoch), so the same
+    order of a seeded `SequenceParallelSampler` (reshuffled per epoch), so the same
     ``m`` gives the same rows on every run, resumed or not."""
 
     def __init__(self, rows: Rows, topo: Topology, micro_batch: int, seed: int):
@@ -151,7 +152,7 @@ class TrainBatches:
 
 
 def passkey_train_batches(cfg: TrainConfig, topo: Topology, micro_batch: int, accumulation: int):
-    """Micro-batch ``m`` of the passkey task, whose documents grow with ``m`` (:mod:`ulysses_sp.tasks`)."""
+    """Micro-batch ``m`` of the passkey task, whose documents grow with ``m`` (`ulysses_sp.tasks`)."""
     return lambda m: passkey_batch(cfg.seq_len, seed=cfg.seed, step=m, dp_rank=topo.dp_rank, batch_size=micro_batch,
                                    steps=cfg.steps * accumulation)
 
@@ -173,7 +174,7 @@ def eval_batches(rows: Rows, topo: Topology, micro_batch: int) -> list[dict]:
 
 def passkey_eval_batches(cfg: TrainConfig, topo: Topology) -> list[dict]:
     """Held-out passkey prompts (never drawn in training; each key on other SP ranks than its
-    answer), shared out like :func:`eval_batches`.
+    answer), shared out like `eval_batches`.
     Each batch also holds ``answer_labels``: the labels with everything but the key ignored."""
     prompt = lambda i: passkey_eval_batch(cfg.seq_len, seed=cfg.seed, index=i, sp_size=topo.sp_size, layout=topo.layout)  # noqa: E731
     mine = [prompt(i) for i in range(topo.dp_rank, cfg.eval_samples, topo.dp_size)]

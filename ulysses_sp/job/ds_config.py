@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .config import DEFAULT_LR, JobError, TrainConfig
+from .config import DEFAULT_LR, TrainConfig
+from .errors import JobError
 
 __all__ = ["DTYPES", "ResolvedConfig", "load_ds_config", "resolve_ds_config", "resolve_dtype", "precision_config"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from ..integrations.transformers import remove_sequence_parallel
+from ..models.switch import remove_sequence_parallel
 
 __all__ = ["export_hf"]
 
@@ -29,7 +29,7 @@ def _groups(params) -> list[list]:
 def export_hf(engine, path: str, tokenizer=None, wait_group=None) -> None:
     """Write ``save_pretrained`` weights (in the dtype the engine computes in), config and
     tokenizer (or an image-text model's processor) to ``path`` on rank 0. Collective: every rank calls it (ZeRO-3 gathers the
-    partitions group by group, :data:`GATHER_BYTES` at a time, and rank 0 copies each to host
+    partitions group by group, `GATHER_BYTES` at a time, and rank 0 copies each to host
     memory). Switches the model back from SP attention; it is not trained further. The ranks
     wait for rank 0's writing on ``wait_group`` (default: the world's)."""
     model = remove_sequence_parallel(engine.module)

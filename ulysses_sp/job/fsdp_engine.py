@@ -1,8 +1,8 @@
 """``--engine fsdp2``: what the job uses of a DeepSpeed engine, over a model sharded with FSDP2.
 
-The model is sharded by :func:`ulysses_sp.integrations.fsdp.apply_fsdp2` over every rank with
+The model is sharded by `ulysses_sp.integrations.fsdp.apply_fsdp2` over every rank with
 gradient divide factor 1: the job's loss is counted over the world, so the exact gradient is the
-plain sum (``gradient_scale`` is 1). Like DeepSpeed's engine, :meth:`FSDP2Engine.step` is called
+plain sum (``gradient_scale`` is 1). Like DeepSpeed's engine, `FSDP2Engine.step` is called
 after every micro-step and steps the optimizer (after clipping) and the scheduler at the last one
 of each accumulation window. bf16 trains with bf16 parameters in compute and fp32 reductions and
 master weights (``MixedPrecisionPolicy``); fp16, which needs a loss scaler, is DeepSpeed's only.

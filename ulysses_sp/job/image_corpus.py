@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 
 from ..data import IGNORE_INDEX
-from .config import JobError
+from .errors import JobError
 
 __all__ = ["is_image_text", "load_processor", "ImageRows"]
 

@@ -1,7 +1,7 @@
 """The main job: train a Hugging Face causal LM with sequence parallelism under DeepSpeed
 (or, with ``--engine fsdp2``, under FSDP2: ``job.fsdp_engine``).
 
-``train.py`` at the repository root calls :func:`main`. Runs under the ``deepspeed``
+``train.py`` at the repository root calls `main`. Runs under the ``deepspeed``
 launcher or ``torchrun``; on a machine without CUDA it uses DeepSpeed's CPU accelerator and
 gloo. With no ``--model`` / ``--data`` it trains the embedded default: a small Llama-style
 model (random init, config below) on byte-level passkey retrieval (``ulysses_sp.tasks``),
@@ -41,7 +41,8 @@ from ..tasks import KEY_LENGTH, PAD_ID, VOCAB_SIZE
 from ..tiling import compile_layers
 from ..topology import init_sequence_parallel
 from . import checkpoint, completion_corpus, corpus, image_corpus
-from .config import JobError, TrainConfig, check_launch, job_layout, memory_options
+from .config import TrainConfig, check_launch, job_layout, memory_options
+from .errors import JobError
 from .ds_config import load_ds_config, resolve_ds_config
 from .export import export_hf
 from .metrics import MetricsFile, count_params, flops_per_token, peak_tflops
@@ -138,16 +139,16 @@ def key_scores(logits_local: torch.Tensor, answers_local: torch.Tensor, topo) ->
 
 class Job:
     """One training run: set up in the constructor (checks first, then process groups, model,
-    engine), then :meth:`fit`, :meth:`evaluate`, :meth:`export`, :meth:`close`."""
+    engine), then `fit`, `evaluate`, `export`, `close`."""
 
     def __init__(self, cfg: TrainConfig):
         fsdp2 = cfg.engine == "fsdp2"
         if not fsdp2:
             use_cpu_accelerator_if_needed()
 
-        from ..integrations.transformers import apply_sequence_parallel
-        from ..integrations.mixers import check_supported, mixer_layers
-        from ..integrations.verify import SequenceParallelMismatch, verify_sequence_parallel
+        from ..models.switch import apply_sequence_parallel
+        from ..models.token_mixers import check_supported, mixer_layers
+        from ..models.verify import SequenceParallelMismatch, verify_sequence_parallel
 
         self.cfg = cfg
         on_gpu = torch.cuda.is_available()
@@ -291,7 +292,7 @@ class Job:
 
     def _pair_logps(self, batch: dict, local: dict) -> tuple[torch.Tensor, torch.Tensor]:
         """(chosen, rejected) summed log-probabilities of the row's pairs ``[pairs]``, the same on every rank
-        of the SP group; differentiable to this rank's tokens (:func:`ulysses_sp.rl.sequence_logprobs`)."""
+        of the SP group; differentiable to this rank's tokens (`ulysses_sp.rl.sequence_logprobs`)."""
         from .. import rl
 
         logps, _ = rl.sequence_logprobs(self._logits(local), local, self.topo)
@@ -390,8 +391,8 @@ class Job:
             seconds = time.perf_counter() - t0
             peaks = [m[0] for m in comm.all_gather_ints((_peak_memory_bytes(topo.device) // 2**20,), dist.group.WORLD, topo.device)]
             if step == self.start:
-                from ..integrations.mixers import mixer_layers
-                from ..integrations.transformers import chosen_backends
+                from ..models.token_mixers import mixer_layers
+                from ..models.switch import chosen_backends
 
                 say(f"layout: {self.layout}" + (" (packed documents placed by work)" if self.layout == "balanced" else ""))
                 say("backend per layer: " + ", ".join(f"{i}: {','.join(b)}" for i, b in sorted(chosen_backends(self.engine.module).items())))

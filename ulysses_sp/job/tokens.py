@@ -25,7 +25,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from ..tasks import EOS_ID
-from .config import JobError
+from .errors import JobError
 
 __all__ = ["TokenFile", "default_cache", "token_file"]
 

@@ -3,7 +3,7 @@
 A backend decides *which* blocks of attention a rank computes and where the data
 goes; a kernel decides *how* one block is computed. Backends never branch on the
 device, the dtype or the installed packages: they name a kernel (``AttnSpec.kernel``,
-resolved once per call signature by :func:`resolve_kernel`) and call its contract,
+resolved once per call signature by `resolve_kernel`) and call its contract,
 all in the ``[B, S, H, D]`` layout, q heads a multiple of kv heads (GQA):
 
 * ``block_forward(q, k, v, *, causal, scale, varlen=None, window=None, softcap=0.0) -> (out, lse)``:
@@ -14,21 +14,21 @@ all in the ``[B, S, H, D]`` layout, q heads a multiple of kv heads (GQA):
   -> (dq, dk, dv)`` from the *final* out and lse of every query row (so a block's share of
   the gradient comes out right however many blocks the row was merged from), in the
   input dtype.
-* :func:`attend` makes the pair one differentiable call (whole sequences: Ulysses, P=1).
+* `attend` makes the pair one differentiable call (whole sequences: Ulysses, P=1).
 
 The mask is flash-attn's, aligned to the bottom right: query i of Sq sees key j of Sk iff
 ``(left < 0 or j >= i + Sk - Sq - left) and (right < 0 or j <= i + Sk - Sq + right) and
 (not causal or j <= i + Sk - Sq)``, ``window = (left, right)`` (ints >= -1, -1 unbounded;
 None is (-1, -1)), so causal alone is the usual lower triangle for Sq == Sk. Empty rows
 can only be the top ones (the last query always sees the last key unless Sk = 0).
-``varlen`` (:class:`Varlen`) packs independent sequences into one call: sequence n holds
+``varlen`` (`Varlen`) packs independent sequences into one call: sequence n holds
 ``lens_q[n]`` consecutive queries and ``lens_k[n]`` consecutive keys, masked within
 itself only (its own Sq, Sk in the formula); a length may be 0. ``softcap`` > 0 replaces
 a score s = scale * q.k by ``softcap * tanh(s / softcap)`` before the mask and softmax
 (flash-attn's and Gemma 2's soft-capping); 0 is off.
 
 Inputs reach the kernel in their own dtype (never upcast); only the backends' merges
-accumulate in fp32 (:func:`merge_into`, in place; :func:`merge_partials`). Kernels:
+accumulate in fp32 (`merge_into`, in place; `merge_partials`). Kernels:
 
 * ``flash_attn``: flash-attn 2.x (2.6 and 2.7+ private signatures), native varlen,
   bottom-right masks, windows and soft-capping; imported at use, so a fake in
@@ -116,7 +116,7 @@ def attend(q_bshd, k_bshd, v_bshd, *, kernel: str, causal: bool, scale: float, v
 
 def local_attention(q_bshd, k_bshd, v_bshd, *, causal: bool, scale: float | None = None, kernel: str = "auto",
                     window: int | None = None, softcap: float = 0.0, cu_seqlens=None) -> torch.Tensor:
-    """:func:`attend` with the default scale 1/sqrt(D) and ``auto`` resolved for these tensors.
+    """`attend` with the default scale 1/sqrt(D) and ``auto`` resolved for these tensors.
     ``window``: Hugging Face's sliding window W (query i sees key j iff i - W < j <= i; causal
     only), the contract's ``(W - 1, 0)``. ``cu_seqlens``: document boundaries of a packed
     sequence (0, ..., S), each document attending within itself; None: one."""

@@ -25,7 +25,7 @@ class Varlen:
 
     ``lens_q[n]`` / ``lens_k[n]``: queries and keys of sequence n (0 allowed). ``cu_q`` /
     ``cu_k`` are flash-attn's int32 offsets over the batch flattened into tokens
-    (``batch * len(lens) + 1`` entries), built once on the device (:meth:`build`) so no
+    (``batch * len(lens) + 1`` entries), built once on the device (`build`) so no
     call uploads or reads them back."""
 
     lens_q: tuple[int, ...]
@@ -60,7 +60,7 @@ def merge_partials(out, lse, block_out, block_lse):
 
     ``out`` is ``[B, S, H, D]``, ``lse`` is ``[B, H, S]``; ``out``/``lse`` may be None for
     the first block. Accumulates in fp32 (fp64 for fp64) and returns new accumulators
-    (:func:`merge_into` updates them in place); cast the final ``out`` back to the input
+    (`merge_into` updates them in place); cast the final ``out`` back to the input
     dtype once. A row with ``lse = -inf`` (no visible key) contributes nothing.
     """
     acc = accumulator_dtype(block_out.dtype)
@@ -72,7 +72,7 @@ def merge_partials(out, lse, block_out, block_lse):
 
 
 def merge_into(out, lse, block_out, block_lse) -> None:
-    """:func:`merge_partials` into the fp32 accumulators ``out`` ``[B, S, H, D]`` / ``lse``
+    """`merge_partials` into the fp32 accumulators ``out`` ``[B, S, H, D]`` / ``lse``
     ``[B, H, S]`` (views allowed) in place: one fused scale-and-add over ``out``, no
     out-sized temporary beyond ``block_out``'s fp32 copy."""
     new_lse = torch.logaddexp(lse, block_lse.to(lse.dtype))
@@ -160,7 +160,7 @@ def _tiles(sq: int, sk: int, causal: bool, window, tile):
 
 
 def _plan(q, k, causal, window, varlen, tile):
-    """Per sequence of the block: its bounds ``(q0, q1, k0, k1)`` and its :func:`_tiles`; and
+    """Per sequence of the block: its bounds ``(q0, q1, k0, k1)`` and its `_tiles`; and
     the only tile ``(q0, q1, k0, k1, window)`` if there is one and it sees every key (then
     nothing is sliced or copied but rows, and with every row too not even those: nor on
     a device whose tensors cannot be sliced here, FakeTensorMode CUDA)."""
@@ -186,7 +186,7 @@ def tiled_forward(square, tile, q, k, v, causal, scale, varlen, window, softcap)
 
 
 def tiled_backward(square, tile, dout, q, k, v, out, lse, causal, scale, varlen, window, softcap):
-    """Backward of :func:`tiled_forward` from ``square(dout, q, k, v, out, lse, window, scale,
+    """Backward of `tiled_forward` from ``square(dout, q, k, v, out, lse, window, scale,
     softcap) -> (dq, dk, dv)``; dK/dV of a sequence cut in several tiles add up in fp32."""
     plan, single = _plan(q, k, causal, window, varlen, tile)
     if single is not None:  # dK, dV straight from the kernel

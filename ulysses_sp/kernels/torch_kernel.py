@@ -16,14 +16,14 @@ queries is a visible prefix and a square diagonal, merged, and rows that see no 
 never handed to an op (it would write lse 0 on CPU, where the contract says -inf).
 
 Windows: on CPU and for CUDA fp32 the ops take an additive mask, so the queries go in
-tiles of :data:`TILE` rows, each with the contiguous keys its rows can see and a
+tiles of `TILE` rows, each with the contiguous keys its rows can see and a
 ``[TILE, keys]`` mask (padded to 16 keys for the memory-efficient op, which reads its
 rows aligned); memory O(TILE x (TILE + window)). CUDA fp16/bf16 pass the window to
 ``_flash_attention_forward``/``_backward`` (``window_size_left/right``: flash-attn's
 own, which clips a side >= Sk and so is only exact for Sq <= Sk + 1 in a block:
 ``common.tiled_forward`` cuts taller blocks into tiles of Sk + 1 rows). Soft-capping:
 no fused op has it, so soft-capped blocks run the math kernel's square over tiles of
-:data:`TILE` query rows (fp32 scores of one tile at a time).
+`TILE` query rows (fp32 scores of one tile at a time).
 
 Meta tensors take the CUDA path (those ops have meta kernels), so a meta-device run
 shows the CUDA calls' shapes and memory without a GPU. Only a GPU confirms the numbers:

@@ -2,7 +2,7 @@
 
 One process plays rank 0 of ``sp_size`` ranks: torch's fake process group (collectives
 return at once) on meta tensors (shapes, no data), with the torch kernel's CUDA ops
-(``kernels.torch_kernel`` sends meta tensors down its CUDA path). :class:`PeakMemory`, a
+(``kernels.torch_kernel`` sends meta tensors down its CUDA path). `PeakMemory`, a
 dispatch mode, adds up the bytes of every storage an op allocates and subtracts them
 when the storage dies, as a caching allocator's "allocated" figure would.
 
@@ -73,7 +73,7 @@ class _Reached(Exception):
 
 
 def peak_until(module: torch.nn.Module, fn) -> tuple[int, dict]:
-    """The peak bytes (:class:`PeakMemory`) of ``fn()`` up to ``module``'s first call, which is not run,
+    """The peak bytes (`PeakMemory`) of ``fn()`` up to ``module``'s first call, which is not run,
     and the keyword arguments that call got (after ``module``'s own pre-hooks)."""
     seen: dict = {}
 
@@ -96,11 +96,11 @@ def _topology(sp_size: int, ulysses_degree: int | None):
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    import ulysses_sp as usp
+    from ..topology import init_sequence_parallel
 
     if not dist.is_initialized():
         dist.init_process_group("cpu:fake,meta:fake", store=FakeStore(), rank=0, world_size=sp_size)
-    topo = usp.init_sequence_parallel(sp_size, ulysses_degree=ulysses_degree)
+    topo = init_sequence_parallel(sp_size, ulysses_degree=ulysses_degree)
     return dataclasses.replace(topo, device=torch.device("meta"))
 
 
@@ -108,14 +108,15 @@ def measure(backend: str, *, seq: int = 131072, sp: int = 8, heads: int = 32, kv
             dtype=torch.bfloat16, ulysses_degree: int | None = None, kernel: str = "auto", cu_seqlens=None) -> dict:
     """Rank 0's transient bytes (allocated beyond its q, k, v shards) at the peak of the
     forward and of the backward of ``backend``, with the local shard sizes to compare."""
-    import ulysses_sp as usp
+    from ..attention import make_spec
+    from ..registry import get_backend
 
     topo = _topology(sp, ulysses_degree)
     local = seq // sp
     q = torch.empty(1, local, heads, head_dim, dtype=dtype, device="meta", requires_grad=True)
     k, v = (torch.empty(1, local, kv_heads, head_dim, dtype=dtype, device="meta", requires_grad=True) for _ in range(2))
-    spec = usp.attention.make_spec(q, k, v, topo, kernel=kernel, cu_seqlens=cu_seqlens)  # local checks only: no handshake
-    impl = usp.get_backend(backend)
+    spec = make_spec(q, k, v, topo, kernel=kernel, cu_seqlens=cu_seqlens)  # local checks only: no handshake
+    impl = get_backend(backend)
     with PeakMemory() as fwd:
         out = impl.forward(q, k, v, spec, topo)
     with PeakMemory() as bwd:

@@ -49,7 +49,7 @@ _ROUTED = ("ALL_ATTENTION_FUNCTIONS",)
 _CALLS = "_ulysses_sp_calls"
 _HOOKS = "_ulysses_sp_coverage_hooks"
 MIXER = "_ulysses_sp_mixer"
-"""Where `ulysses_sp.integrations.mixers` keeps a covered mixer's strategy (in the module's ``__dict__``)."""
+"""Where `ulysses_sp.models.token_mixers` keeps a covered mixer's strategy (in the module's ``__dict__``)."""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -94,7 +94,7 @@ def _owner(key: str, sources: list[str], modules: dict) -> str:
     hybrid layer: ``mamba_decoder.mamba``), that mixer, the innermost module holding every source."""
     from ..mixers.halo import REACH
     from ..mixers.ulysses import ADAPTERS
-    from . import mixers  # noqa: F401 - registers the adapters
+    from . import adapters  # noqa: F401 - the families register their classes
 
     common = []
     for parts in zip(*[p.split(".") for p in sources]):

@@ -21,8 +21,8 @@ import sys
 import torch
 import torch.nn.functional as F
 
-from .. import comm, layout
-from ..mixers.ulysses import Adapter, rank_groups, register_adapter
+from ... import comm, layout
+from ...mixers.ulysses import Adapter, rank_groups, register_adapter
 
 
 def _channels(module, key_heads: range, rank: int, p: int, device) -> torch.Tensor:

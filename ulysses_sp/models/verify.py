@@ -21,8 +21,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from .. import comm
+from ..data import model_inputs, shard_batch, sp_cross_entropy
 from ..devices import move_batch
-from .mixers import check_supported, mixer_layers
+from .switch import apply_sequence_parallel, chosen_backends, remove_sequence_parallel
+from .token_mixers import check_supported, mixer_layers
 
 if TYPE_CHECKING:
     import transformers
@@ -267,11 +269,11 @@ def _image_text(config):
     model's; raises ``ValueError`` naming any other model with inputs besides text."""
     if getattr(config, "vision_config", None) is None and getattr(config, "audio_config", None) is None:
         return None
-    from . import multimodal, verify_image_text
+    from . import image_text, verify_image_text
 
-    if getattr(config, "audio_config", None) is not None or config.model_type not in multimodal.TESTED:
+    if getattr(config, "audio_config", None) is not None or config.model_type not in image_text.TESTED:
         raise ValueError(f"verify_sequence_parallel checks text causal LMs and the image-text families ulysses_sp switches "
-                         f"({', '.join(multimodal.TESTED)}); {type(config).__name__} ({config.model_type}) is neither")
+                         f"({', '.join(image_text.TESTED)}); {type(config).__name__} ({config.model_type}) is neither")
     return verify_image_text
 
 
@@ -420,22 +422,18 @@ def _rel(a, b, floor: float) -> float:
 
 def _one_run(ref, topo, data, reference, backend, kernel, mixer) -> tuple[float, dict[str, float], dict[int, list[str]], dict[str, str]]:
     """SP on a copy of ``ref``, against ``reference``: the one-process loss and gradients on ``data``."""
-    import ulysses_sp as usp
-
-    from .transformers import chosen_backends
-
     device = topo.device
     sp_model = copy.deepcopy(ref)
     ref_loss, ref_grads = reference
 
-    usp.apply_sequence_parallel(sp_model, topo, backend=backend, kernel=kernel, mixer=mixer)
+    apply_sequence_parallel(sp_model, topo, backend=backend, kernel=kernel, mixer=mixer)
     try:
-        local = move_batch(usp.shard_batch(data, topo), device)
-        loss = usp.sp_cross_entropy(sp_model(**usp.model_inputs(local)).logits, local["shift_labels"], topo)
+        local = move_batch(shard_batch(data, topo), device)
+        loss = sp_cross_entropy(sp_model(**model_inputs(local)).logits, local["shift_labels"], topo)
         loss.backward()
     finally:
         chosen, mixers = chosen_backends(sp_model), mixer_layers(sp_model)
-        usp.remove_sequence_parallel(sp_model)
+        remove_sequence_parallel(sp_model)
     names, params = zip(*sp_model.named_parameters())
     # every parameter, on every rank alike: a rank encoding no image has zero gradients where another has none
     mine = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
@@ -455,7 +453,7 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
     packed (the packed reference runs each document alone), in fp64, and compares the loss and
     every parameter's gradient. Every rank of the SP group must call it.
 
-    An image-text model of the families ulysses_sp switches (``multimodal.TESTED``) runs with random
+    An image-text model of the families ulysses_sp switches (``image_text.TESTED``) runs with random
     images (`.verify_image_text`: one across a shard boundary; packed, a document without any);
     other models with inputs besides text are refused by name.
 

@@ -1,5 +1,5 @@
 """What ``verify_sequence_parallel`` needs for an image-text model of the tested families
-(``multimodal.STYLES``): a small copy of its architecture, and random images placed in token rows
+(``image_text.STYLES``): a small copy of its architecture, and random images placed in token rows
 so that one straddles a shard boundary and, packed, a document holds none.
 
 The copy keeps the families' grouping sizes (patch, merge, temporal patch) and shrinks the widths,
@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from .multimodal import STYLES
+from .image_text import STYLES
 
 __all__ = ["shrink_image_text_config", "build", "rows", "one_process_loss", "noise_part"]
 

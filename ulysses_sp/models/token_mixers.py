@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from .. import mixers as _mixers
-from . import gated_deltanet, kimi_delta, mamba2, minimax, short_conv  # noqa: F401 - they register their classes with the mixer strategies
+from . import adapters  # noqa: F401 - the families register their classes with the mixer strategies
 from .coverage import MIXER, check_coverage, find_uncovered
 
 __all__ = ["check_supported", "install_mixers", "remove_mixers", "mixer_layers"]

@@ -4,6 +4,6 @@ causal convolution, so each output sees its token and the ``kernel - 1`` before 
 
 from __future__ import annotations
 
-from ..mixers.halo import register_reach
+from ...mixers.halo import register_reach
 
 register_reach(("Lfm2ShortConv", "Lfm2MoeShortConv", "Lfm3ShortConv"), lambda module: module.conv_kernel_size - 1)

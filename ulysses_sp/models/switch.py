@@ -27,7 +27,8 @@ from ..dropout import install_rank_dropout, remove_rank_dropout
 from ..profile import Profile
 from ..topology import Topology
 from .. import tiling
-from . import coverage, mixers, multimodal
+from ..decoder_layers import decoder_layers
+from . import coverage, image_text, token_mixers
 
 __all__ = ["ATTN_IMPLEMENTATION", "apply_sequence_parallel", "chosen_backends", "remove_sequence_parallel", "sp_attention_forward",
            "switched_model"]
@@ -182,30 +183,30 @@ def apply_sequence_parallel(model: nn.Module, topo: Topology, backend: str | lis
                             profile: Profile | None = None, kernel: str = "auto", tiled_mlp: bool | int = False, checkpoint: str = "none",
                             mixer: str = "auto", tiled_norms: bool = False) -> nn.Module:
     """Switch a model to SP attention and token mixers: documented at `ulysses_sp.apply_sequence_parallel`."""
-    decoder = multimodal.decoder_to_switch(model)
+    decoder = image_text.decoder_to_switch(model)
     if decoder is not None:
         apply_sequence_parallel(decoder, topo, backend, profile, kernel, tiled_mlp, checkpoint, mixer, tiled_norms)
-        multimodal.split_at_decoder(model, decoder, topo)
+        image_text.split_at_decoder(model, decoder, topo)
         return model
-    mixers.install_mixers(model, topo, mixer)
+    token_mixers.install_mixers(model, topo, mixer)
     try:
         coverage.check_coverage(model)
         tile_tokens = tiling.validate_options(tiled_mlp, checkpoint)
         if checkpoint != "none" and tiling.hf_checkpointing(model):
             raise ValueError(f"checkpoint={checkpoint!r} replaces transformers' gradient checkpointing; call model.gradient_checkpointing_disable() "
                              "first or pass checkpoint='none'")
-        if tile_tokens is not None and not any("mlp" in layer._modules for layer in tiling.decoder_layers(model)):
+        if tile_tokens is not None and not any("mlp" in layer._modules for layer in decoder_layers(model)):
             raise ValueError(f"tiled_mlp: {type(model).__name__} has no decoder layer with an `mlp` module to tile")
         if not isinstance(tiled_norms, bool):
             raise ValueError(f"tiled_norms must be True or False, got {tiled_norms!r}")
         if tiled_norms and not tiling.norms(model):
             raise ValueError(f"tiled_norms: {type(model).__name__} has no norm (a module named *Norm) in or beside its decoder layers")
         layers = _attention_layers(model)
-        if not layers and not mixers.mixer_layers(model):
+        if not layers and not token_mixers.mixer_layers(model):
             raise ValueError(f"{type(model).__name__} has no attention layers with a layer_idx and no token mixer; ulysses_sp cannot switch it")
         per_layer = _backend_per_layer(backend, layers)
     except ValueError:
-        mixers.remove_mixers(model)
+        token_mixers.remove_mixers(model)
         raise
     if _PREVIOUS not in model.__dict__:
         model.__dict__[_PREVIOUS] = (model.config._attn_implementation, model.config.use_cache)
@@ -238,7 +239,7 @@ def switched_model(model: nn.Module) -> nn.Module | None:
     Returns:
         The model itself, or an image-text model's text decoder; None when not switched.
     """
-    switched = multimodal.text_decoder(model) if multimodal.is_split(model) else model
+    switched = image_text.text_decoder(model) if image_text.is_split(model) else model
     return switched if switched is not None and _PREVIOUS in switched.__dict__ else None
 
 
@@ -261,8 +262,8 @@ def chosen_backends(model: nn.Module) -> dict[int, list[str]]:
 
 def remove_sequence_parallel(model: nn.Module) -> nn.Module:
     """Undo `apply_sequence_parallel`: documented at `ulysses_sp.remove_sequence_parallel`."""
-    if multimodal.unsplit(model):
-        remove_sequence_parallel(multimodal.text_decoder(model))
+    if image_text.unsplit(model):
+        remove_sequence_parallel(image_text.text_decoder(model))
         return model
     previous = model.__dict__.pop(_PREVIOUS, None)
     if previous is None:
@@ -271,7 +272,7 @@ def remove_sequence_parallel(model: nn.Module) -> nn.Module:
         layer.__dict__.pop(_STATE, None)
     coverage.remove_guards(model)
     remove_rank_dropout(model)
-    mixers.remove_mixers(model)
+    token_mixers.remove_mixers(model)
     tiling.untile_mlp(model)
     tiling.uncheckpoint_layers(model)
     attn_implementation, use_cache = previous

@@ -20,8 +20,8 @@ import sys
 
 import torch
 
-from .. import comm, layout
-from ..mixers.ulysses import Adapter, register_adapter
+from ... import comm, layout
+from ...mixers.ulysses import Adapter, register_adapter
 
 
 def _run(module, hidden_states, topo, cu_seqlens):

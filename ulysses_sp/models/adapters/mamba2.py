@@ -18,8 +18,8 @@ import sys
 
 import torch
 
-from .. import comm, layout
-from ..mixers.ulysses import Adapter, rank_groups, register_adapter
+from ... import comm, layout
+from ...mixers.ulysses import Adapter, rank_groups, register_adapter
 
 
 def _projections(module, hidden_states):

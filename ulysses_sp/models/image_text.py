@@ -27,12 +27,13 @@ from transformers.utils import ModelOutput
 from .. import comm
 from .. import layout as _layout
 from ..data import shard_sequence
+from ..loss import SPLIT_AT_DECODER
 from ..topology import Topology
 from . import coverage
 
 __all__ = ["STYLES", "TESTED", "decoder_to_switch", "is_split", "text_decoder", "split_at_decoder", "unsplit"]
 
-_HOOKS = "_ulysses_sp_multimodal"
+_HOOKS = SPLIT_AT_DECODER
 
 
 _AUDIO = re.compile(r"^audio_|^input_features$|^input_values$")

@@ -6,6 +6,6 @@ an adapter could call on a slice of the heads.)"""
 
 from __future__ import annotations
 
-from ..mixers.allgather import register_final_state
+from ...mixers.allgather import register_final_state
 
 register_final_state(("MiniMaxLightningAttention",))
