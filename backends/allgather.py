@@ -28,7 +28,7 @@ from ulysses_sp import comm
 from dataclasses import dataclass
 
 from ulysses_sp.blocks import blocks_backward, blocks_forward, cached_plan, chunk_segments, first_writes
-from ulysses_sp.kernels import accumulator_dtype
+from ulysses_sp.kernels import accumulator_dtype, add_sink, sink_grad
 from ulysses_sp.profile import Profile
 from ulysses_sp.spec import AttnSpec, Estimate
 
@@ -109,7 +109,7 @@ def _gather(k, v, heads: tuple[int, int], group, tails):
 
 class _AllGatherAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, plan, kernel, spec, stride):
+    def forward(ctx, q, k, v, sinks, group, plan, kernel, spec, stride):
         groups = q.shape[2] // k.shape[2]
         acc = accumulator_dtype(q.dtype)
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -119,15 +119,18 @@ class _AllGatherAttention(torch.autograd.Function):
             blocks_forward(kernel, q[:, :, qh], k[:, :, kh], v[:, :, kh], plan.own_calls, spec, out_acc[:, :, qh], lse_acc[:, qh], plan.first[0])
             if k_full is not None:
                 blocks_forward(kernel, q[:, :, qh], k_full, v_full, plan.calls, spec, out_acc[:, :, qh], lse_acc[:, qh], plan.first[1])
+        if sinks is not None:
+            out_acc, lse_acc = add_sink(out_acc, lse_acc, sinks)
         out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse_acc)
+        ctx.save_for_backward(q, k, v, out, lse_acc, sinks)
         ctx.args = (group, plan, kernel, spec, stride)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group, plan, kernel, spec, stride = ctx.args
+        dsinks = sink_grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         groups = q.shape[2] // k.shape[2]
         acc = accumulator_dtype(q.dtype)
@@ -155,11 +158,12 @@ class _AllGatherAttention(torch.autograd.Function):
                     else:
                         mine[:, plan.tails] += summed
                 dest[:, :, kh] = mine
-        return (dq_acc.to(q.dtype) if need_q else None), dk, dv, None, None, None, None, None
+        return (dq_acc.to(q.dtype) if need_q else None), dk, dv, dsinks, None, None, None, None, None
 
 
 class AllGatherBackend:
     name = "allgather"
+    takes_sinks = True
 
     def __init__(self, heads_k_stride: int | None = None, max_gather_bytes: int = 1 << 30):
         if heads_k_stride is not None and (isinstance(heads_k_stride, bool) or not isinstance(heads_k_stride, int) or heads_k_stride < 1):
@@ -207,6 +211,6 @@ class AllGatherBackend:
                         bwd_comm_bytes=int(comm_bytes * (1 + acc)), work_imbalance=imbalance,  # re-gather K/V, reduce-scatter dK/dV
                         kernel_efficiency=efficiency)
 
-    def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
+    def forward(self, q, k, v, spec: AttnSpec, topo, sinks=None) -> torch.Tensor:
         group = topo.sp_group if topo.sp_size > 1 else None  # one rank: no collectives
-        return _AllGatherAttention.apply(q, k, v, group, _plan(q, spec, topo), spec.kernel, spec, self.stride(spec))
+        return _AllGatherAttention.apply(q, k, v, sinks, group, _plan(q, spec, topo), spec.kernel, spec, self.stride(spec))

@@ -20,7 +20,7 @@ import torch
 
 from ulysses_sp import comm
 from ulysses_sp.blocks import blocks_backward, blocks_forward, cached_plan, chunk_segments, first_writes
-from ulysses_sp.kernels import accumulator_dtype
+from ulysses_sp.kernels import accumulator_dtype, add_sink, sink_grad
 from ulysses_sp.profile import Profile
 from ulysses_sp.spec import AttnSpec, Estimate
 
@@ -108,7 +108,7 @@ def _recv_like(t, n: int, dtype=None):
 
 class _HaloAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, plan, kernel, spec):
+    def forward(ctx, q, k, v, sinks, group, plan, kernel, spec):
         sends = [(dst, t.index_select(1, idx)) for dst, idx in plan.sends for t in (k, v)]
         recvs = [(src, _recv_like(t, n)) for src, n in plan.recvs for t in (k, v)]
         received, wait = comm.exchange(sends, recvs, group, tag=_KV_TAG)
@@ -121,15 +121,18 @@ class _HaloAttention(torch.autograd.Function):
             wait()
         k_halo, v_halo = (torch.cat(received[i::2], dim=1) if received else _recv_like(t, 0) for i, t in enumerate((k, v)))
         blocks_forward(kernel, q, k_halo, v_halo, plan.halo_calls, spec, out_acc, lse_acc, plan.first[1])
+        if sinks is not None:
+            out_acc, lse_acc = add_sink(out_acc, lse_acc, sinks)
         out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, k_halo, v_halo, out, lse_acc)
+        ctx.save_for_backward(q, k, v, k_halo, v_halo, out, lse_acc, sinks)
         ctx.args = (group, plan, kernel, spec)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, k_halo, v_halo, out, lse = ctx.saved_tensors
+        q, k, v, k_halo, v_halo, out, lse, sinks = ctx.saved_tensors
         group, plan, kernel, spec = ctx.args
+        dsinks = sink_grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         acc = accumulator_dtype(q.dtype)
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
@@ -152,11 +155,12 @@ class _HaloAttention(torch.autograd.Function):
             for (_, idx), dk_part, dv_part in zip(plan.sends, received[0::2], received[1::2]):
                 dk.index_add_(1, idx, dk_part)
                 dv.index_add_(1, idx, dv_part)
-        return (dq.to(q.dtype) if need_q else None), (dk.to(k.dtype) if need_k else None), (dv.to(v.dtype) if need_v else None), None, None, None, None
+        return (dq.to(q.dtype) if need_q else None), (dk.to(k.dtype) if need_k else None), (dv.to(v.dtype) if need_v else None), dsinks, None, None, None, None
 
 
 class HaloBackend:
     name = "halo"
+    takes_sinks = True
 
     def check(self, spec: AttnSpec, topo) -> str | None:
         if spec.window is None:
@@ -191,5 +195,5 @@ class HaloBackend:
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=bwd_bytes, work_imbalance=imbalance,
                         kernel_efficiency=efficiency)
 
-    def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
-        return _HaloAttention.apply(q, k, v, topo.sp_group, _plan(q, spec, topo), spec.kernel, spec)
+    def forward(self, q, k, v, spec: AttnSpec, topo, sinks=None) -> torch.Tensor:
+        return _HaloAttention.apply(q, k, v, sinks, topo.sp_group, _plan(q, spec, topo), spec.kernel, spec)

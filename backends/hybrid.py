@@ -33,6 +33,8 @@ class HybridBackend:
     """``ulysses_degree``: None for the topology's (registered as ``hybrid``), else U
     (``hybrid-u{U}``, which ``get_backend`` makes for any U; ``check`` says whether it fits)."""
 
+    takes_sinks = True
+
     def __init__(self, ulysses_degree: int | None = None):
         if ulysses_degree is not None and (isinstance(ulysses_degree, bool) or not isinstance(ulysses_degree, int) or ulysses_degree < 1):
             raise ValueError(f"ulysses_degree must be a positive integer or None, got {ulysses_degree!r}")
@@ -78,12 +80,14 @@ class HybridBackend:
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=a2a + ring, bwd_comm_bytes=a2a + ring_bwd, work_imbalance=imbalance,
                         kernel_efficiency=efficiency)
 
-    def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
+    def forward(self, q, k, v, spec: AttnSpec, topo, sinks=None) -> torch.Tensor:
         split = self.groups(topo)
+        if sinks is not None:  # the q heads this rank's place in its Ulysses group receives
+            sinks = sinks.view(split.ulysses_degree, -1)[split.ulysses_rank]
         mine, ring_chunks = _group_chunks(spec, topo, split)
         k, v = comm.replicate_kv_for_scatter(k, v, split.ulysses_degree)
         q_h, k_h, v_h = comm.seq_to_heads([q, k, v], split.ulysses_group, mine)
         plans = ring_plans(topo, ring_chunks, split.ring_rank, spec, q_h)
-        out_h = ring_attention(q_h, k_h, v_h, split.ring_group, plans, kernel=spec.kernel, spec=spec)
+        out_h = ring_attention(q_h, k_h, v_h, split.ring_group, plans, kernel=spec.kernel, spec=spec, sinks=sinks)
         (out,) = comm.heads_to_seq([out_h], split.ulysses_group, mine)
         return out

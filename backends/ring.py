@@ -19,6 +19,7 @@ __all__ = ["RingBackend"]
 
 class RingBackend:
     name = "ring"
+    takes_sinks = True
 
     def check(self, spec: AttnSpec, topo) -> str | None:
         return None
@@ -43,6 +44,6 @@ class RingBackend:
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=bwd_bytes, work_imbalance=imbalance,
                         kernel_efficiency=efficiency)
 
-    def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
+    def forward(self, q, k, v, spec: AttnSpec, topo, sinks=None) -> torch.Tensor:
         plans = ring_plans(topo, spec.chunk_table(topo.sp_size), topo.sp_rank, spec, q)
-        return ring_attention(q, k, v, topo.sp_group, plans, kernel=spec.kernel, spec=spec)
+        return ring_attention(q, k, v, topo.sp_group, plans, kernel=spec.kernel, spec=spec, sinks=sinks)

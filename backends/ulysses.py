@@ -38,8 +38,8 @@ def _kernel_options(spec: AttnSpec, topo, device) -> dict:
                 softcap=spec.softcap)
 
 
-def _attend(q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
-    return kernels.attend(q, k, v, kernel=spec.kernel, **_kernel_options(spec, topo, q.device))
+def _attend(q, k, v, spec: AttnSpec, topo, sinks=None) -> torch.Tensor:
+    return kernels.attend(q, k, v, kernel=spec.kernel, sinks=sinks, **_kernel_options(spec, topo, q.device))
 
 
 def head_groups_for(requested: int, q_heads: int, kv_heads: int) -> int:
@@ -92,7 +92,7 @@ class _Pipelined(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, kernel, options, group, table, groups, into, back):
+    def forward(ctx, q, k, v, sinks, kernel, options, group, table, groups, into, back):
         p = comm.group_size(group)
         split_kv = (k.shape[2] // p) % groups == 0
         per_kv = q.shape[2] // k.shape[2]  # q heads per KV head
@@ -115,6 +115,8 @@ class _Pipelined(torch.autograd.Function):
                     j = g * q_h.shape[2] // per_kv
                     kv_h = [t[:, :, j:j + 1] for t in kv_all]
                 out_h, lse = kernel.block_forward(q_h, *kv_h, **options)
+                if sinks is not None:
+                    out_h, lse = kernels.add_sink(out_h, lse, sinks.view(groups, -1)[g])
                 with back.side():
                     sent.append(comm.heads_to_seq_start([out_h], group, table, [comm.heads_view(out, p, groups, g)]))
                     _finish_all_but_last(sent)
@@ -124,7 +126,8 @@ class _Pipelined(torch.autograd.Function):
         back.join()
         # copies of q (and of K, V kept as sequence shards): the backward writes each group's gradient over the group's
         # slice once it is sent, so the gradients take no memory of their own; the caller's q, k, v are freed as usual
-        ctx.save_for_backward(*(t.clone(memory_format=torch.contiguous_format) for t in (q, *kv_all[: 2 * split_kv])), *kv_all[2 * split_kv:])
+        ctx.save_for_backward(*(t.clone(memory_format=torch.contiguous_format) for t in (q, *kv_all[: 2 * split_kv])), *kv_all[2 * split_kv:],
+                              sinks)
         ctx.args, ctx.done = (kernel, options, group, table, groups, into, back, split_kv, per_kv), False
         return out
 
@@ -136,7 +139,8 @@ class _Pipelined(torch.autograd.Function):
                                "retain_graph=True through it is not supported; use backend='ulysses'")
         ctx.done = True
         p = comm.group_size(group)
-        q, k, v = ctx.saved_tensors  # k, v: sequence shards if split, else the rank's whole KV head shards
+        q, k, v, sinks = ctx.saved_tensors  # k, v: sequence shards if split, else the rank's whole KV head shards
+        dsinks = torch.zeros_like(sinks) if ctx.needs_input_grad[3] else None
         needs = ctx.needs_input_grad[:3]
         dout = dout.contiguous()  # head group views of it are split from its head dim
         dq = q if needs[0] else None  # group g's slice written once group g's q is sent
@@ -163,6 +167,10 @@ class _Pipelined(torch.autograd.Function):
                 if not split_kv:
                     kv_h = [t[:, :, j:j + 1] for t in (k, v)]
                 out_h, lse = kernel.block_forward(q_h, *kv_h, **options)  # recomputed: the output is not kept
+                if sinks is not None:
+                    out_h, lse = kernels.add_sink(out_h, lse, sinks.view(groups, -1)[g])
+                if dsinks is not None:
+                    dsinks.view(groups, -1)[g] = kernels.sink_grad(dout_h, out_h, lse, sinks.view(groups, -1)[g])
                 d_h = kernel.block_backward(dout_h, q_h, *kv_h, out_h, lse, **options)
                 del q_h, out_h, lse, dout_h, kv_h
                 srcs, dests = [], []
@@ -189,13 +197,15 @@ class _Pipelined(torch.autograd.Function):
                     got = iter(comm.heads_to_seq_start(srcs, group, table)())
                     dkv = [next(got).flatten(2, 3) if need else None for need in needs[1:]]
         back.join()
-        return (dq, *dkv, None, None, None, None, None, None, None)
+        return (dq, *dkv, dsinks, None, None, None, None, None, None, None)
 
 
 class UlyssesBackend:
     """``head_groups``: run this many head groups one after another (see `_Pipelined`; 1: one fused
     all-to-all each way); None: the topology's profile says (``Profile.ulysses_head_groups``).
     Either is cut to what a rank's heads allow (`head_groups_for`)."""
+
+    takes_sinks = True
 
     def __init__(self, head_groups: int | None = None):
         if head_groups is not None and head_groups < 1:
@@ -237,17 +247,19 @@ class UlyssesBackend:
             peak += int(2 * spec.head_bytes * hkv * spec.accumulator_ratio)
         return Estimate(seconds=seconds, peak_bytes=peak, comm_bytes=comm_bytes, bwd_comm_bytes=bwd_bytes, kernel_efficiency=efficiency)
 
-    def forward(self, q, k, v, spec: AttnSpec, topo) -> torch.Tensor:
+    def forward(self, q, k, v, spec: AttnSpec, topo, sinks=None) -> torch.Tensor:
         p = topo.sp_size
         if p == 1:
-            return _attend(q, k, v, spec, topo)
+            return _attend(q, k, v, spec, topo, sinks)
+        if sinks is not None:  # rank j runs q heads [j H/P, (j+1) H/P): their sinks
+            sinks = sinks.view(p, -1)[topo.sp_rank]
         k, v = comm.replicate_kv_for_scatter(k, v, p)
         table = spec.chunk_table(p)
         groups = self.groups(spec, topo)
         if groups > 1:
             into, back = (topo.cached((f"comm-stream-{way}", str(q.device)), lambda: CommStream(q.device)) for way in ("into", "back"))
-            return _Pipelined.apply(q, k, v, kernels.get_kernel(spec.kernel), _kernel_options(spec, topo, q.device), topo.sp_group, table,
+            return _Pipelined.apply(q, k, v, sinks, kernels.get_kernel(spec.kernel), _kernel_options(spec, topo, q.device), topo.sp_group, table,
                                     groups, into, back)
         q_h, k_h, v_h = comm.seq_to_heads([q, k, v], topo.sp_group, table)
-        (out,) = comm.heads_to_seq([_attend(q_h, k_h, v_h, spec, topo)], topo.sp_group, table)
+        (out,) = comm.heads_to_seq([_attend(q_h, k_h, v_h, spec, topo, sinks)], topo.sp_group, table)
         return out

@@ -122,6 +122,22 @@ def backend_checks() -> None:
                 assert max(errs) < TOL[torch.bfloat16], f"errors {errs}"
                 return f"kernel {usp.attention.make_spec(q, k, v, topo, kernel=kernel).kernel}; errors " + " ".join(f"{e:.1e}" for e in errs)
 
+        @check(f"backend {backend} P=1 kernel=auto bf16 packed, learned sinks (GPT-OSS)")
+        def _():
+            q, k, v, dout = inputs(2048, 2048, 16, 4, 128, torch.bfloat16, seed=2)
+            cu = torch.tensor([0, 100, 1000, 1024, 2048], device="cuda")
+            window = 128 if backend == "halo" else None
+            sinks = torch.randn(16, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3)) + 1.0
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)] + [sinks.clone().requires_grad_()]
+            out = usp.sp_attention(*leaves[:3], topo, backend=backend, cu_seqlens=cu, window=window, sinks=leaves[3])
+            out.backward(dout)
+            ref_leaves = [t.double().clone().requires_grad_() for t in (q, k, v, sinks)]
+            ref = usp.sp_attention(*ref_leaves[:3], topo, backend=backend, kernel="math", cu_seqlens=cu, window=window, sinks=ref_leaves[3])
+            ref.backward(dout.double())
+            errs = [rel(out, ref)] + [rel(a.grad, b.grad) for a, b in zip(leaves, ref_leaves)]
+            assert max(errs) < TOL[torch.bfloat16], f"errors out/dq/dk/dv/dsinks {errs}"
+            return "errors " + " ".join(f"{e:.1e}" for e in errs)
+
 
 def autocast_checks() -> None:
     """Attention as a model under CUDA bf16 autocast hands it over (fp32 q and k after RoPE, a bf16 v): computed

@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 import ulysses_sp as usp
 from ulysses_sp import kernels, layout
+from ulysses_sp.registry import problem
 
 from .calibrate import rotated
 from .peers import PEERS
@@ -69,6 +70,8 @@ class Cell:
     """The ``--docs`` spec of a packed row (``cli.docs``), None for one document."""
     cu_seqlens: tuple[int, ...] | None = None
     """The row's document boundaries drawn from ``docs``."""
+    sinks: bool = False
+    """Learned attention sinks (`sinks_of`)."""
 
     @property
     def bounds(self) -> tuple[int, ...]:
@@ -76,7 +79,7 @@ class Cell:
 
 
 def cells(seqs, heads, kv_heads, head_dims, batches, dtypes, causal: bool, layouts, windows=(None,), docs: str | None = None,
-          docs_seed: int = 0) -> tuple[list[Cell], list[str]]:
+          docs_seed: int = 0, sinks: bool = False) -> tuple[list[Cell], list[str]]:
     """The grid's cells (``layouts``: one name or several), and a note for every combination left
     out (kv heads not dividing q heads)."""
     from .docs import parse_docs
@@ -87,7 +90,7 @@ def cells(seqs, heads, kv_heads, head_dims, batches, dtypes, causal: bool, layou
         if kv > h or h % kv:
             dropped.append(f"heads {h} / kv heads {kv}: kv heads must divide q heads")
             continue
-        out.append(Cell(s, h, kv, d, b, dt, causal, lay, w, docs, parse_docs(docs, s, docs_seed) if docs else None))
+        out.append(Cell(s, h, kv, d, b, dt, causal, lay, w, docs, parse_docs(docs, s, docs_seed) if docs else None, sinks))
     return out, dropped
 
 
@@ -152,10 +155,19 @@ def _inputs(cell: Cell, device):
     return make(cell.heads), make(cell.kv_heads), make(cell.kv_heads), make(cell.heads)
 
 
+def sinks_of(cell: Cell, device):
+    """The cell's sinks (None without ``--sinks``): one float32 logit per head, drawn around 1, the same on every rank."""
+    if not cell.sinks:
+        return None
+    return (torch.randn(cell.heads, generator=torch.Generator().manual_seed(cell.heads)) + 1.0).to(device)
+
+
 def _reference(full, cell: Cell):
     """fp64 out and dq, dk, dv of the whole sequence."""
     leaves = [t.double().requires_grad_() for t in full[:3]]
-    out = kernels.local_attention(*leaves, causal=cell.causal, window=cell.window, cu_seqlens=cell.cu_seqlens)
+    sinks = sinks_of(cell, leaves[0].device)
+    out = kernels.local_attention(*leaves, causal=cell.causal, window=cell.window, cu_seqlens=cell.cu_seqlens,
+                                  sinks=None if sinks is None else sinks.double())
     out.backward(full[3].double())
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -166,6 +178,7 @@ def _entry(name: str, cell: Cell, topo_for, kernel: str = "auto"):
     if name.startswith("peer:"):
         peer = PEERS[name[5:]]
         reason = ("peers are run without a sliding window" if cell.window else
+                  "peers are run without attention sinks" if cell.sinks else
                   "peers are run on one document per row" if cell.cu_seqlens else
                   "peers run the zigzag and contiguous layouts only" if cell.layout == "balanced" else peer.problem(cell, topo))
         if reason:
@@ -175,14 +188,15 @@ def _entry(name: str, cell: Cell, topo_for, kernel: str = "auto"):
     probe = torch.empty(cell.batch, cell.seq // topo.sp_size, 1, cell.head_dim, dtype=getattr(torch, cell.dtype), device=topo.device)
     q, kv = probe.expand(-1, -1, cell.heads, -1), probe.expand(-1, -1, cell.kv_heads, -1)
     try:
-        spec = usp.attention.make_spec(q, kv, kv, topo, causal=cell.causal, kernel=kernel, window=cell.window, cu_seqlens=cell.cu_seqlens)
+        spec = usp.attention.make_spec(q, kv, kv, topo, causal=cell.causal, kernel=kernel, window=cell.window, cu_seqlens=cell.cu_seqlens,
+                                       sinks=sinks_of(cell, topo.device))
     except ValueError as e:  # the kernel cannot take this cell
         return None, None, str(e)
-    reason = usp.get_backend(name).check(spec, topo) if name != "auto" else None
+    reason = problem(usp.get_backend(name), spec, topo) if name != "auto" else None
     if reason:
         return None, None, reason
     attn = usp.SequenceParallelAttention(topo, backend=name, kernel=kernel)
-    return functools.partial(attn, window=cell.window, cu_seqlens=cell.cu_seqlens), topo, None
+    return functools.partial(attn, window=cell.window, cu_seqlens=cell.cu_seqlens, sinks=sinks_of(cell, topo.device)), topo, None
 
 
 def _payload(counter) -> int:
@@ -216,7 +230,8 @@ def _run_baseline(cell: Cell, full, device, group, kernel: str) -> float | None:
         return None
     leaves = [t.clone().requires_grad_() for t in full[:3]]
     t0 = time.perf_counter()
-    kernels.local_attention(*leaves, causal=cell.causal, kernel=kernel, window=cell.window, cu_seqlens=cell.cu_seqlens).backward(full[3])
+    kernels.local_attention(*leaves, causal=cell.causal, kernel=kernel, window=cell.window, cu_seqlens=cell.cu_seqlens,
+                            sinks=sinks_of(cell, device)).backward(full[3])
     _sync(device)
     return time.perf_counter() - t0
 
@@ -287,7 +302,8 @@ def measure_rank(cells_: list[Cell], entries: list[str], *, warmup: int, repeat:
             if name == "auto":
                 result["resolved"] = [b.name for b in fn.func._chosen.values()]
             if not name.startswith("peer:"):
-                spec = usp.attention.make_spec(*shards[:3], shard_topo, causal=cell.causal, window=cell.window, cu_seqlens=cell.cu_seqlens)
+                spec = usp.attention.make_spec(*shards[:3], shard_topo, causal=cell.causal, window=cell.window, cu_seqlens=cell.cu_seqlens,
+                                               sinks=sinks_of(cell, shard_topo.device))
                 backend = usp.get_backend(result.get("resolved", [name])[0])
                 estimate = backend.estimate(spec, shard_topo, shard_topo.profile or usp.CPU_GLOO_PROFILE)
                 result["analytic_bytes"] = (estimate.comm_bytes, estimate.bwd_comm_bytes)

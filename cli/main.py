@@ -277,6 +277,7 @@ def mixers(kinds, seq, nproc, repeat, json_path):
 @click.option("--dtype", default="float32", show_default=True, help="comma list of float32, bfloat16, float16")
 @click.option("--causal/--no-causal", default=True, show_default=True, help="causal attention (or full)")
 @click.option("--window", "windows", default="none", show_default=True, help="sliding windows, comma list (none: full attention; needs --causal)")
+@click.option("--sinks", is_flag=True, help="learned attention sinks (GPT-OSS): one logit per head in every row's softmax")
 @click.option("--layout", "layouts", default="zigzag", show_default=True, help="comma list of zigzag, contiguous, balanced: each a row of its own")
 @click.option("--docs", default=None, metavar="SPEC",
               help="pack every row with documents: a repeated pattern of lengths (12k,512x8) or lognormal:MEDIAN:SIGMA (lognormal:2k:1.5)")
@@ -300,7 +301,7 @@ def mixers(kinds, seq, nproc, repeat, json_path):
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="every field and the environment")
 @click.option("--csv", "csv_path", type=click.Path(dir_okay=False), help="also write every row as CSV here")
 @click.option("--plot", "plot_path", type=click.Path(dir_okay=False), help="PNG: time and memory against sequence length")
-def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, windows, layouts, docs, docs_seed, kernel, fake_flash_attn, nproc,
+def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, windows, sinks, layouts, docs, docs_seed, kernel, fake_flash_attn, nproc,
         ulysses_degree, warmup, repeat,
         threads_per_rank, profile_path, check, memory, baseline, json_path, csv_path, plot_path):
     """Time every backend (and peers) side by side on a grid of attention shapes."""
@@ -358,7 +359,8 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, w
     for h in heads_:
         kvs = [h if kv == "q" else int(kv) for kv in kv_raw]
         try:
-            cells, dropped = make_cells(seqs, [h], kvs, _csv(head_dim, int), _csv(batch, int), _csv(dtype), causal, layouts_, windows_, docs, docs_seed)
+            cells, dropped = make_cells(seqs, [h], kvs, _csv(head_dim, int), _csv(batch, int), _csv(dtype), causal, layouts_, windows_, docs, docs_seed,
+                                       sinks)
         except ValueError as e:
             raise click.BadParameter(str(e), param_hint="--docs") from None
         grid += [c for c in cells if c not in grid]
@@ -413,7 +415,8 @@ def run(backends, peers, seq, heads, kv_heads, head_dim, batch, dtype, causal, w
                   + ("; T1 ran on rank 0 in the same rounds, efficiency is the median of T1 / (P x T) by round" if baseline else ""),
     }
     packing = f", packed {docs} (seed {docs_seed})" if docs else ""
-    title = f"sp-bench: {world} ranks ({env['process_group']}, {threads_per_rank} thread(s) each), {'causal' if causal else 'full'}{packing}"
+    title = (f"sp-bench: {world} ranks ({env['process_group']}, {threads_per_rank} thread(s) each), {'causal' if causal else 'full'}{packing}"
+             + (", learned sinks" if sinks else ""))
     report.render(rows, title)
     if json_path:
         report.write_json(json_path, rows, env)

@@ -8,7 +8,7 @@ import json
 __all__ = ["render", "write_json", "write_csv", "write_plot", "CSV_COLUMNS"]
 
 CSV_COLUMNS = [
-    "entry", "kind", "resolved", "seq", "heads", "kv_heads", "head_dim", "batch", "dtype", "causal", "layout", "window", "docs", "work_imbalance",
+    "entry", "kind", "resolved", "seq", "heads", "kv_heads", "head_dim", "batch", "dtype", "causal", "layout", "window", "sinks", "docs", "work_imbalance",
     "fwd_s_median", "fwd_s_min", "fwd_s_max", "fwd_bwd_s_median", "fwd_bwd_s_min", "fwd_bwd_s_max",
     "t1_s", "efficiency", "peak_mem_bytes", "fwd_bytes_sent", "bwd_bytes_sent", "analytic_fwd_bytes",
     "analytic_bwd_bytes", "bytes_match", "max_error", "skipped",

@@ -16,6 +16,7 @@ import importlib.util
 import zlib
 
 import torch
+import torch.distributed as dist
 
 import ulysses_sp as usp
 from ulysses_sp import comm, layout
@@ -184,6 +185,8 @@ class Parity:
     softcap: float | None = None
     topo_ulysses: int | None = None
     """The topology's ``ulysses_degree`` (None: 2 where the SP size is even, else 1)."""
+    sinks: bool = False
+    """Learned attention sinks (GPT-OSS), drawn away from 0 so a dropped or doubled sink shows."""
     profile: Profile | None = None
     """For ``auto`` (None: the built-in one)."""
 
@@ -261,6 +264,17 @@ for _backend in WINDOW_BACKENDS:  # sliding windows: every backend, both layouts
     _parity(f"{_backend}/zigzag-window13-packed-softcap-flash_attn", Parity(
         hq=_hq, hkv=_hkv, cu_seqlens=PACKINGS["packed"], window=13, softcap=2.0, dtype=torch.bfloat16, kernel="flash_attn", backend=_backend))
 _parity("auto/zigzag-window5", Parity(window=5, backend="auto"))
+for _backend in (*WINDOW_BACKENDS, "ulysses-g2"):  # learned sinks: once per row, whatever the blocks, hops or head groups
+    _hq, _hkv = (24, 8) if _backend == "ulysses-g2" else (12, 12) if _backend == "ulysses" else (12, 4)
+    _worlds = (1, 2, 4) if _backend == "ulysses-g2" else WORLDS
+    if _backend != "halo":
+        _parity(f"{_backend}/zigzag-causal-sinks", Parity(hq=_hq, hkv=_hkv, sinks=True, backend=_backend), _worlds)
+        _parity(f"{_backend}/contiguous-causal-packed-sinks", Parity("contiguous", hq=_hq, hkv=_hkv, cu_seqlens=PACKINGS["packed"], sinks=True,
+                                                                     backend=_backend), _worlds)
+    _parity(f"{_backend}/balanced-window13-packed-sinks", Parity("balanced", hq=_hq, hkv=_hkv, cu_seqlens=PACKINGS["packed-short-docs"],
+                                                                 window=13, sinks=True, backend=_backend), _worlds)
+_parity("auto/zigzag-window5-sinks", Parity(window=5, sinks=True, backend="auto"))
+_parity("ring/zigzag-causal-sinks-flash_attn", Parity(hq=12, hkv=4, sinks=True, dtype=torch.bfloat16, kernel="flash_attn", backend="ring"))
 PIPELINED = ("ulysses-g2", "ulysses-g3")
 """Ulysses over head groups. 24 q heads leave every rank 2 or more groups at P = 1..4; a rank's
 KV heads travel with the groups where they divide into them (GQA 24/8 at P=2, G=2) and whole with
@@ -304,9 +318,10 @@ def _parity_run(env: Env, name: str, cfg: Parity) -> dict:
     q, dout = (torch.randn(shape_q, generator=gen, dtype=torch.float64) for _ in range(2))
     k, v = (torch.randn(shape_kv, generator=gen, dtype=torch.float64) for _ in range(2))
 
+    sinks = (torch.randn(cfg.hq, generator=gen, dtype=torch.float64) + 1.0).requires_grad_() if cfg.sinks else None
     leaves = {n: t.clone().requires_grad_(n in cfg.grads) for n, t in zip("qkv", (q, k, v))}
     ref = reference_attention(*leaves.values(), causal=cfg.causal, scale=cfg.scale, cu_seqlens=cfg.cu_seqlens, window=cfg.window,
-                              softcap=cfg.softcap or 0.0)
+                              softcap=cfg.softcap or 0.0, sinks=sinks)
     ref.backward(dout)
 
     docs = cfg.cu_seqlens or (0, cfg.seq)  # the balanced layout places tokens by document
@@ -318,8 +333,9 @@ def _parity_run(env: Env, name: str, cfg: Parity) -> dict:
     shards = {n: local(t).requires_grad_(n in cfg.grads) for n, t in zip("qkv", (q, k, v))}
     run_topo = dataclasses.replace(topo, layout=cfg.claim_layout) if cfg.claim_layout else topo
     attn = usp.SequenceParallelAttention(run_topo, backend=cfg.backend, layer_idx=0, kernel=cfg.kernel, profile=cfg.profile)
+    local_sinks = None if sinks is None else sinks.detach().clone().requires_grad_()  # a replicated parameter: the same on every rank
     out = attn(*shards.values(), causal=cfg.causal, softmax_scale=cfg.scale, cu_seqlens=cfg.cu_seqlens, window=cfg.window,
-               softcap=cfg.softcap)
+               softcap=cfg.softcap, sinks=local_sinks)
     (out * usp.shard_sequence(dout, topo, cu_seqlens=docs).to(cfg.dtype)).sum().backward()
 
     with torch.no_grad():
@@ -336,9 +352,14 @@ def _parity_run(env: Env, name: str, cfg: Parity) -> dict:
             result[f"d{n}_is_none"] = got is None
             result[f"d{n}_dtype"] = None if got is None else str(got.dtype)
             result[f"d{n}_scale"] = None if got is None else leaves[n].grad.abs().max().item()
+        if sinks is not None:  # each rank's rows (or heads) give their part of the replicated sinks' gradient
+            summed = local_sinks.grad.double()
+            if topo.sp_size > 1:
+                dist.all_reduce(summed, group=topo.sp_group)
+            result.update(dsinks=max_err(summed, sinks.grad), dsinks_scale=sinks.grad.abs().max().item(), dsinks_rms=rel_rms(summed, sinks.grad))
     result["chosen"] = [b.name for b in attn._chosen.values()]
     if cfg.backend == "auto":
-        _, considered = choose_backend(usp.attention.make_spec(*shards.values(), topo), topo, cfg.profile)
+        _, considered = choose_backend(usp.attention.make_spec(*shards.values(), topo, sinks=local_sinks), topo, cfg.profile)
         result["considered"] = {n: e.seconds if isinstance(e, Estimate) else e for n, e in considered.items()}
     return result
 
@@ -403,6 +424,44 @@ def halo_bytes(env: Env, lay: str, window: int) -> dict:
         fwd, bwd, estimate = _counted(topo, backend, shards, window=window)
         result[backend] = {"fwd": (fwd.bytes_sent, fwd.bytes_recv), "bwd": (bwd.bytes_sent, bwd.bytes_recv), "estimate": estimate}
     return result
+
+
+@case("bytes/sinks", WORLDS)
+def sinks_bytes(env: Env) -> dict:
+    """Learned sinks move nothing: each backend's bytes forward and backward with and without them."""
+    topo = env.topo(None, "zigzag", 2 if env.world % 2 == 0 else 1)
+    b, s, d = BYTES_SHAPE
+    gen = generator("sinks-bytes")
+    full = [torch.randn(b, s, 12, d, generator=gen) for _ in range(3)]
+    shards = [usp.shard_sequence(t, topo).requires_grad_() for t in full]
+    sinks = torch.randn(12, generator=gen).requires_grad_()
+    result = {}
+    for backend, window in (("ulysses", None), ("ulysses-g2", None), ("allgather", None), ("ring", None), ("hybrid", None), ("halo", 5)):
+        counted = [_counted(topo, backend, shards, window=window, **extra) for extra in ({}, {"sinks": sinks})]
+        result[backend] = [(fwd.bytes_sent, fwd.bytes_recv, bwd.bytes_sent, bwd.bytes_recv, estimate) for fwd, bwd, estimate in counted]
+    return result
+
+
+def planted_sink_per_ring_block(env: Env) -> dict:
+    """Control: the ring folding a sink (of logit 0) into every hop's partial result besides the one
+    per row. The parity case with sinks must see it (``blocks_forward`` of ring_pass wrapped for the call)."""
+    from ulysses_sp import ring_pass
+    from ulysses_sp.kernels import add_sink
+
+    honest = ring_pass.blocks_forward
+
+    def per_block(kernel, q, k, v, calls, spec, out_acc, lse_acc, first=None):
+        honest(kernel, q, k, v, calls, spec, out_acc, lse_acc, first)
+        out_acc[:], lse_acc[:] = add_sink(out_acc, lse_acc, lse_acc.new_zeros(out_acc.shape[2]))
+
+    ring_pass.blocks_forward = per_block
+    try:
+        return parity(env, "ring/zigzag-causal-sinks", PARITY["ring/zigzag-causal-sinks"])
+    finally:
+        ring_pass.blocks_forward = honest
+
+
+case("parity-planted/sink-per-ring-block", (2, 4))(planted_sink_per_ring_block)
 
 
 HALO_WINDOWS = (1, 5, 13, 40)

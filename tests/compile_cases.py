@@ -37,10 +37,15 @@ def _run(fn, local, cu, options, g_out):
     """fn's output and gradients (of <out, g_out>), and the bytes it sent in attention traffic (the
     first call's agreement check is not repeated)."""
     leaves = [t.detach().clone().requires_grad_() for t in local]
+    if options.get("sinks") is not None:  # a parameter of the model: its gradient is compared too
+        options = dict(options, sinks=options["sinks"].detach().clone().requires_grad_())
+        leaves_and_sinks = [*leaves, options["sinks"]]
+    else:
+        leaves_and_sinks = leaves
     with usp.CommCounter() as counter:
         out = fn(*leaves, cu_seqlens=cu, **options)
         (out * g_out).sum().backward()
-    return [out.detach()] + [t.grad for t in leaves], sum(o.sent for op, o in counter.by_op.items() if op != "handshake")
+    return [out.detach()] + [t.grad for t in leaves_and_sinks], sum(o.sent for op, o in counter.by_op.items() if op != "handshake")
 
 
 def _counting(backend) -> tuple:
@@ -97,7 +102,8 @@ def compare(env, topo, attn, name: str, options: dict, packed: bool = False, v_d
     breaks, bypassed, missed = sum(torch._dynamo.utils.counters["graph_break"].values()), _cache("bypass"), _cache("miss")
     compiled, compiled_bytes = _run(torch.compile(attn, fullgraph=True, backend=counting), local, cu, options, g_out)
     breaks = sum(torch._dynamo.utils.counters["graph_break"].values()) - breaks
-    want = reference_attention(*full, cu_seqlens=None if cu is None else cu.tolist(), window=options.get("window")) if attention else None
+    want = reference_attention(*full, cu_seqlens=None if cu is None else cu.tolist(), window=options.get("window"),
+                               sinks=options.get("sinks")) if attention else None
     return {
         "eager": max(max_err(a, b) for a, b in zip(eager, compiled)),
         "reference": None if want is None else max_err(compiled[0], usp.shard_sequence(want, topo, cu_seqlens=cu)),
@@ -133,6 +139,8 @@ def other_forms(env) -> dict:
         "auto": compare(env, topo, usp.SequenceParallelAttention(topo, kernel="torch"), "compile-forms/auto", {}),
         "functional": compare(env, topo, functional, "compile-forms/functional", {}),
         "aot_eager": compare(env, topo, ring, "compile-forms/aot", {"window": 6}, backend="aot_eager"),
+        "sinks": compare(env, topo, ring, "compile-forms/sinks", {"sinks": torch.randn(HQ, generator=generator("compile-forms/sinks")) + 1.0},
+                         packed=True),
         "surrounded": compare(env, topo, _Surrounded(ring), "compile-forms/surrounded", {}, attention=False),
         "contiguous": compare(env, env.topo(layout="contiguous"), usp.SequenceParallelAttention(env.topo(layout="contiguous"), backend="ring",
                                                                                               kernel="torch"), "compile-forms/contiguous", {}),

@@ -90,6 +90,52 @@ def adapted_default(topo, name: str) -> dict:
     return dict(_summary(report), mixers=report.mixers)
 
 
+SINK_DEFAULTS = {"granite_swa": (2, 3, 4), "granitemoe_swa": (2,), "flint": (2,), "mimo_v2_flash": (2,)}
+"""The families with learned attention sinks beside GPT-OSS, on their default configs (shrunk), and
+the worlds each runs on: Granite SWA's NoPE full layers, Flint's window of 513, MiMo-V2-Flash's
+value head dim (128) unlike its query/key one (192), sinks on its sliding layers only."""
+
+
+def sinks_default(topo, name: str, backend: str = "auto") -> dict:
+    """A sink family from its default config shrunk by verify, float32 lifted (Granite SWA's eager
+    code forces its sink scaling and softmax to float32), so the comparison is at fp64's rounding."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    with fp64_throughout():
+        report = usp.verify_sequence_parallel(CONFIG_MAPPING[name](), topo, backend=backend, raise_on_mismatch=False)
+    return _summary(report)
+
+
+LLAMA4_PLANTS = ("temperature-from-local-index", "chunks-dropped")
+"""Defects the Llama 4 cases must see: the NoPE layers' temperature from each rank's own token index
+(transformers' code left on), and the chunked layers run as full causal attention."""
+
+
+def llama4_case(topo, backend: str, plant: str | None = None) -> dict:
+    """Llama 4's chunked and temperature-tuned NoPE layers (tests/model_families.py's config, 12 heads),
+    float32 lifted, under ``backend``; ``plant``: one of `LLAMA4_PLANTS`, patched in for the call."""
+    from ulysses_sp.models import llama4
+
+    saved = llama4.scale_queries, llama4.chunked_boundaries, llama4.install
+    if plant == "temperature-from-local-index":
+        def install(model, layers):
+            saved[2](model, layers)
+            for m in layers:
+                if m.__dict__.pop("_ulysses_sp_temperature", None) is not None:
+                    m.attn_temperature_tuning = True
+
+        llama4.install = install
+    elif plant == "chunks-dropped":
+        llama4.chunked_boundaries = lambda cu, seq_len, chunk: None if cu is None else tuple(cu.tolist())
+    try:
+        with fp64_throughout():
+            report = usp.verify_sequence_parallel(config("llama4_text", num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS), topo,
+                                                  backend=backend, shrink=False, raise_on_mismatch=False)
+    finally:
+        llama4.scale_queries, llama4.chunked_boundaries, llama4.install = saved
+    return _summary(report)
+
+
 def kernelized(topo) -> dict:
     with fp64_throughout():  # the Gated DeltaNet computes its gates in float32: lifted, so the comparison is exact
         return _kernelized(topo)
@@ -615,6 +661,15 @@ def register(case, topo_for, hf: bool) -> None:
         case(f"mixers-bf16/{strategy}/{name}", (1, 2, 4))(lambda env, s=strategy, n=name: mixer_low_precision(topo_for(env), n, s))
     for name in MAMBA2_ADAPTED:
         case(f"hybrids-adapted/{name}", (2, 4))(lambda env, n=name: adapted_default(topo_for(env), n))
+    for name, worlds in SINK_DEFAULTS.items():
+        case(f"sinks/{name}", worlds)(lambda env, n=name: sinks_default(topo_for(env), n))
+    for backend in MLA_BACKENDS:  # Llama 4 text under each backend (auto: families/llama4_text)
+        case(f"llama4/{backend}", (2, 3, 4))(lambda env, be=backend: llama4_case(topo_for(env), be))
+    for plant in LLAMA4_PLANTS:
+        case(f"llama4-planted/{plant}", (2, 4))(lambda env, p=plant: llama4_case(topo_for(env), "ring", p))
+    for backend in MLA_BACKENDS:  # GPT-OSS under each backend, P = 2, 3, 4 (auto: families/gpt_oss)
+        case(f"sinks/gpt_oss/{backend}", (2, 3, 4))(lambda env, be=backend: family(topo_for(env), "gpt_oss", be, num_attention_heads=MLA_HEADS,
+                                                                                  num_key_value_heads=MLA_HEADS))
     case("mixers/ulysses/refused", (3,))(lambda env: {what: raised_on(lambda s=s: family(topo_for(env), "qwen3_next", mixer=s))
                                                       for what, s in (("heads", "ulysses"), ("halo", "halo"))})
     case("mixers/ulysses/refused-groups", (4,))(

@@ -51,12 +51,15 @@ def tiny_model(family: str, dtype=torch.float32, without: str | None = None, **o
         config_class = _CONFIGS[family]
     if family == "mistral":
         settings["sliding_window"] = None
-    if family == "gpt_oss":  # its attention sinks are what the error case needs; sdpa cannot run them
+    if family == "gpt_oss":  # learned attention sinks on sliding and full layers; sdpa cannot run them
         settings.update(num_local_experts=2, num_experts_per_tok=1, sliding_window=WINDOW, rope_parameters={"rope_type": "default", "rope_theta": 1e4})
         attn_implementation = "eager"
     config = getattr(transformers, config_class)(**{**settings, **overrides})
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation).to(dtype)
+    for module in model.modules():  # initialised near 0, a sink weighs about one key; drawn around 1, a dropped or doubled one shows
+        if isinstance(getattr(module, "sinks", None), torch.nn.Parameter):
+            torch.nn.init.normal_(module.sinks, 1.0, 1.0)
     return model.train()
 
 
@@ -94,20 +97,30 @@ def layer_backends(config, backend: str):
     return lambda i: sliding if i in slides else full
 
 
+def _one_process_logits(model, inputs):
+    """The model on the whole row, one packed document at a time (a new one where positions restart):
+    transformers' eager attention of some families (GPT-OSS) lets packed documents see each other."""
+    pos = inputs["position_ids"]
+    if pos is None:
+        return model(**inputs).logits
+    starts = [i for i in range(pos.shape[1]) if pos[0, i] == 0] + [pos.shape[1]]
+    return torch.cat([model(input_ids=inputs["input_ids"][:, a:b], position_ids=pos[:, a:b]).logits for a, b in zip(starts, starts[1:])], dim=1)
+
+
 def hf_parity(topo, family: str, backend: str, packed=False, checkpointing=False, dtype=torch.float32) -> dict:
     """Logits, loss and every parameter gradient of the SP model against the same model on one process."""
     ref = tiny_model(family, dtype)
     sp_model = copy.deepcopy(ref)
     data = batch(packed)
     inputs = dict(input_ids=data["input_ids"], position_ids=data.get("position_ids"))
-    ref_logits = ref(**inputs).logits
+    ref_logits = _one_process_logits(ref, inputs)
     # the loss by hand: transformers' own casts logits to fp32, which would blur the fp64 case
     ref_loss = F.cross_entropy(ref_logits[0, :-1], data["labels"][0, 1:], ignore_index=-100)
     ref_loss.backward()
     effects = {}  # how much the window / softcap change the one-process logits: the parity is not vacuous
     with torch.no_grad():
         for feature in WINDOWED.get(family, (None, None, None, {}))[3]:
-            effects[feature] = _rel(tiny_model(family, dtype, without=feature)(**inputs).logits, ref_logits.detach())
+            effects[feature] = _rel(_one_process_logits(tiny_model(family, dtype, without=feature), inputs), ref_logits.detach())
 
     usp.apply_sequence_parallel(sp_model, topo, backend=layer_backends(sp_model.config, backend))
     if checkpointing:
@@ -168,6 +181,12 @@ HF_CASES.update({
     "gemma3/halo+ulysses": dict(family="gemma3", backend="halo+ulysses"),
     "gemma3/auto": dict(family="gemma3", backend="auto"),
 })
+# GPT-OSS: learned attention sinks (s_aux) on alternating sliding and full layers
+HF_CASES.update({f"gpt_oss/{backend}": dict(family="gpt_oss", backend=backend) for backend in ("ulysses", "hybrid", "auto")})
+HF_CASES.update({
+    "gpt_oss/ring/packed": dict(family="gpt_oss", backend="ring", packed=True),
+    "gpt_oss/halo+allgather/packed": dict(family="gpt_oss", backend="halo+allgather", packed=True),
+})
 
 
 def hf_errors(topo) -> dict:
@@ -177,7 +196,6 @@ def hf_errors(topo) -> dict:
     data = usp.shard_batch(batch(False), topo)
     out = {}
     for name, family, overrides in (
-        ("attention sinks", "gpt_oss", {}),
         ("dropout in training", "llama", {"attention_dropout": 0.1}),
     ):
         model = tiny_model(family, **overrides)

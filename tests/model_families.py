@@ -22,6 +22,13 @@ FAMILIES = {
     "deepseek_v3": ("DeepseekV3Config", dict(_ATTN, num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
                                              n_group=1, topk_group=1, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
                                              qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)),
+    # learned attention sinks (s_aux) beside alternating sliding (window 8) and full layers
+    "gpt_oss": ("GptOssConfig", dict(_ATTN, head_dim=8, num_local_experts=2, num_experts_per_tok=1, sliding_window=8,
+                                     layer_types=["sliding_attention", "full_attention"], rope_parameters={"rope_type": "default", "rope_theta": 1e4})),
+    # Llama 4: a chunked layer (chunks of 8 tokens) and a NoPE layer whose query temperature grows with the token's index
+    # (floor_scale 4, so it changes within a row of a few dozen tokens); MoE in both
+    "llama4_text": ("Llama4TextConfig", dict(_ATTN, head_dim=8, intermediate_size_mlp=48, attention_chunk_size=8, floor_scale=4, attn_scale=0.5,
+                                             no_rope_layers=[1, 0], num_local_experts=2, num_experts_per_tok=1)),
     "opt": ("OPTConfig", dict(vocab_size=64, hidden_size=32, ffn_dim=48, num_hidden_layers=2, num_attention_heads=4, max_position_embeddings=256,
                               word_embed_proj_dim=32, dropout=0.0, attention_dropout=0.0, use_cache=False)),
     # BERT-style and Whisper decoders; BioGPT with its default dropout (verify runs without it)
@@ -79,7 +86,7 @@ FAMILIES = {
 }
 FAMILIES["kimi_linear_12h"] = (FAMILIES["kimi_linear"][0], dict(FAMILIES["kimi_linear"][1], linear_num_heads=12))
 """12 Kimi Delta Attention heads: ulysses splits them at P = 2, 3 and 4."""
-EXACT = ("llama", "gpt2", "gpt_neox", "starcoder2", "mixtral", "gemma3", "deepseek_v3", "opt", "bert-decoder", "whisper", "biogpt")
+EXACT = ("llama", "gpt2", "gpt_neox", "starcoder2", "mixtral", "gemma3", "deepseek_v3", "gpt_oss", "llama4_text", "opt", "bert-decoder", "whisper", "biogpt")
 HYBRID = ("qwen3_next", "qwen3_5", "lfm2", "bamba", "rwkv", "mamba2", "zamba2", "kimi_linear", "minimax")
 """Exact under SP through a mixer strategy for their Gated DeltaNet, short-convolution, Mamba2, RWKV, Kimi Delta Attention and
 lightning attention layers."""

@@ -105,6 +105,26 @@ def test_peers_on_the_fake_flash_attn(tmp_path):
         assert r["max_error"] < 3e-2, r  # bf16 inputs against fp64 attention
 
 
+def test_cells_with_attention_sinks(tmp_path):
+    """--sinks: every backend (halo on the windowed cells) against fp64 attention with the same sinks, on the
+    flash_attn kernel's CPU fake in bf16, with the bytes estimate() gives; the peers say why not."""
+    args = ["run", "--nproc", "2", "--seq", "64", "--heads", "4", "--kv-heads", "2", "--head-dim", "16", "--dtype", "bfloat16", "--window", "none,16",
+            "--sinks", "--warmup", "0", "--repeat", "1", "--peers", "--check", "--fake-flash-attn", "--kernel", "flash_attn", "--no-baseline",
+            "--no-memory", "--json", str(tmp_path / "b.json")]
+    result = CliRunner().invoke(sp_bench, args, catch_exceptions=False)
+    assert result.exit_code == 0, result.output
+    assert "learned sinks" in result.output
+    rows = json.loads((tmp_path / "b.json").read_text())["rows"]
+    assert {r["window"] for r in rows} == {None, 16} and all(r["sinks"] for r in rows)
+    for r in rows:
+        if r["kind"] == "peer":
+            assert r["skipped"] in ("peers are run without attention sinks", "peers are run without a sliding window"), r
+        elif r["entry"] == "halo" and r["window"] is None:
+            assert r["skipped"].startswith("halo: only for sliding-window layers"), r
+        else:
+            assert "skipped" not in r and r["max_error"] < 3e-2 and r["bytes_match"], r
+
+
 def test_environment_csv_and_plot(bench):
     out, _, data = bench
     env = data["env"]

@@ -144,3 +144,14 @@ def test_shard_and_gather_sequence(ranks, world):
     for r in values(ranks(world), "data/shard_gather"):
         for lay, got in r.items():
             assert got == {"shard_err": 0, "roundtrip_err": 0, "grad_err": 0, "dim0_err": 0}, lay
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_sinks_move_no_bytes(ranks, world):
+    """Learned sinks cost no transfer: every backend sends and receives what it does without them,
+    forward and backward, and ``estimate()`` says so (ulysses slices the replicated sinks locally)."""
+    for r in values(ranks(world), "bytes/sinks"):
+        for backend, (plain, with_sinks) in r.items():
+            assert with_sinks == plain, (backend, plain, with_sinks)
+            if world > 1 and backend != "halo":  # halo at a window of 5 may send nothing where chunks are long
+                assert plain[0] > 0, (backend, plain)

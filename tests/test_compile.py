@@ -35,7 +35,7 @@ def test_every_backend_compiles_to_one_graph_equal_to_eager(ranks, world):
 
 def test_packed_mla_auto_functional_and_aot_eager(ranks):
     for rank, result in enumerate(values(ranks(2), "compile-forms/")):
-        assert set(result) == {"packed", "mla", "auto", "functional", "aot_eager", "surrounded", "contiguous", "balanced", "traced-eager"}
+        assert set(result) == {"packed", "mla", "auto", "functional", "aot_eager", "sinks", "surrounded", "contiguous", "balanced", "traced-eager"}
         graphs, breaks = result.pop("traced-eager")
         assert breaks > 0, f"the eager call traced as it is: {graphs} graphs, {breaks} breaks"
         for name, r in result.items():

@@ -11,11 +11,11 @@ import pytest
 
 from .conftest import values
 from .coverage_cases import MLA_BACKENDS
-from .coverage_cases import BALANCED_FAMILIES, MAMBA2_ADAPTED, MIXER_LAYER_CASES, STRATEGY_FAMILIES
+from .coverage_cases import BALANCED_FAMILIES, LLAMA4_PLANTS, MAMBA2_ADAPTED, MIXER_LAYER_CASES, MLA_BACKENDS, SINK_DEFAULTS, STRATEGY_FAMILIES
 from .model_families import EXACT, HYBRID, REFUSED, REFUSED_AT_FORWARD, REFUSED_WITHOUT_MIXER, auto_mixer
 
 TOL = 1e-12
-FP32_INSIDE = {"gemma3": 1e-6, "deepseek_v3": 1e-6}
+FP32_INSIDE = {"gemma3": 1e-6, "deepseek_v3": 1e-6, "llama4_text": 1e-6}
 HYBRID_TOL = 1e-10
 """Gated DeltaNet's A_log and dt_bias gradients sum many cancelling terms: observed up to 6e-12
 at fp64 (one process's own re-association noise is of the same order)."""
@@ -103,6 +103,46 @@ def test_family_is_exact_under_the_balanced_layout(ranks, world, name):
         _assert_exact(r, name, None if name in EXACT else HYBRID_TOL)
         if r.get("mixers"):
             assert set(r["mixers"].values()) == {auto_mixer(name, world)}, r["mixers"]
+
+
+@hf
+@pytest.mark.parametrize("name,world", [(name, world) for name, worlds in SINK_DEFAULTS.items() for world in worlds])
+@pytest.mark.quick(world=2, name="granite_swa")
+def test_families_with_attention_sinks_are_exact(ranks, name, world):
+    """Learned sinks (s_aux) beyond GPT-OSS: Granite SWA (P = 2, 3, 4), GraniteMoE SWA, Flint and
+    MiMo-V2-Flash, default configs shrunk, float32 lifted: loss and every gradient, sinks' included."""
+    for r in values(ranks(world), f"sinks/{name}"):
+        _assert_exact(r, name)
+
+
+@hf
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("backend", MLA_BACKENDS)
+def test_gpt_oss_is_exact_under_every_backend(ranks, world, backend):
+    """GPT-OSS's sinks on sliding and full layers, 12 heads (every backend applies at P = 2, 3, 4),
+    unpacked and packed (verify runs both)."""
+    for r in values(ranks(world), f"sinks/gpt_oss/{backend}"):
+        _assert_exact(r, f"gpt_oss/{backend}")
+        assert r["backends"] == {0: [backend], 1: [backend]}
+
+
+@hf
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("backend", MLA_BACKENDS)
+def test_llama4_is_exact_under_every_backend(ranks, world, backend):
+    """Llama 4 text: a chunked layer (chunks of 8, cut inside each packed document) and a NoPE layer
+    whose query temperature follows the token's global index, float32 lifted, unpacked and packed."""
+    for r in values(ranks(world), f"llama4/{backend}"):
+        _assert_exact(r, f"llama4/{backend}")
+        assert r["backends"] == {0: [backend], 1: [backend]}
+
+
+@hf
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("plant", LLAMA4_PLANTS)
+def test_llama4_defects_are_caught(ranks, world, plant):
+    for r in values(ranks(world), f"llama4-planted/{plant}"):
+        assert not r["passed"] and r["worst"][2] > 1e-2, r  # a gradient off by a percent or more
 
 
 @hf

@@ -22,7 +22,8 @@ RMS_TOL = {"torch.float64": 1e-12, "torch.float32": 1e-6, "torch.bfloat16": 1e-2
 fp32 and bf16 are bounded by their rounding (observed about 2e-7 and 8e-3),
 fp64 is the mask/scale/layout check."""
 
-QUICK = {f"{b}/{lay}-causal-gqa" for b in BACKENDS for lay in LAYOUTS} | {"halo/zigzag-window5", "ulysses-g2/zigzag-causal-gqa", "auto/zigzag-causal-gqa"}
+QUICK = {f"{b}/{lay}-causal-gqa" for b in BACKENDS for lay in LAYOUTS} | {"halo/zigzag-window5", "ulysses-g2/zigzag-causal-gqa", "auto/zigzag-causal-gqa",
+                                                                    "ring/zigzag-causal-sinks"}
 """At P=2 in the quick slice: every backend under every layout."""
 PARAMS = [
     pytest.param(world, name, id=f"P{world}-{name}", marks=[pytest.mark.quick] if world == 2 and name in QUICK else [])
@@ -49,10 +50,19 @@ def test_matches_one_process_reference(ranks, world, name):
                 assert r[f"{grad}_dtype"] == dtype
             else:  # a frozen input gets no gradient at all (not zeros, not a crash)
                 assert r[f"{grad}_is_none"], f"rank {rank}: {grad} should be None for a frozen input"
+        if cfg.sinks:
+            assert r["dsinks"] < tol * max(1, r["dsinks_scale"]) and r["dsinks_rms"] < RMS_TOL[dtype], f"rank {rank}: sinks' gradient {r}"
         if cfg.backend != "auto":
             assert r["chosen"] == [cfg.backend]
         if cfg.kernel == "flash_attn":
             assert r["flash_attn_calls"] > 0, "the flash_attn kernel (CPU fake) was not called"
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_sink_per_ring_block_is_caught(ranks, world):
+    """The sink enters each row's softmax once: folded in at every hop as well, the ring's output is off."""
+    for r in values(ranks(world), "parity-planted/sink-per-ring-block"):
+        assert r["out_rms"] > 1e-2 and r["dsinks_rms"] > 1e-2, r
 
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w > 1])

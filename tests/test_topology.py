@@ -84,5 +84,6 @@ def test_gloo_groups_are_destroyed_at_a_clean_exit_only():
     got = {how: p.communicate(timeout=120) for how, p in runs.items()}
     assert runs["clean"].returncode == 0, got["clean"][1]
     assert "initialized at exit: False" in got["clean"][0], got["clean"]
-    assert runs["raise"].returncode == 1 and "this rank failed" in got["raise"][1], got["raise"]
+    # left alive, gloo's threads may abort the exit after the traceback (SIGABRT, -6: seen in 1 of 2 full-suite runs); it fails either way
+    assert runs["raise"].returncode in (1, -6) and "this rank failed" in got["raise"][1], got["raise"]
     assert "initialized at exit: True" in got["raise"][0], got["raise"]

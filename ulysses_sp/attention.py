@@ -22,7 +22,7 @@ from . import comm
 from . import layout as _layout
 from .eager_ops import EagerCall, compiled_attention
 from .kernels import check_options, get_kernel, resolve_kernel, sliding_band
-from .registry import choose_backend, get_backend
+from .registry import choose_backend, get_backend, problem
 from .profile import Profile
 from .spec import AttnSpec
 from .topology import Topology, register_attention
@@ -64,7 +64,7 @@ def _check_cu_seqlens(values: list, seq_len: int) -> tuple[int, ...]:
 
 
 def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=None, cu_seqlens=None, kernel: str = "auto",
-              window: int | None = None, softcap: float | None = None) -> AttnSpec:
+              window: int | None = None, softcap: float | None = None, sinks=None) -> AttnSpec:
     """Validate this rank's shards and describe the call, with the kernel that will run it
     (``kernels.resolve_kernel``). Local only: no communication."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -100,6 +100,10 @@ def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=Non
         )
     if softmax_scale is not None and not (math.isfinite(softmax_scale) and softmax_scale > 0):
         raise ValueError(f"softmax_scale must be a positive finite number or None, got {softmax_scale}")
+    if sinks is not None and (not isinstance(sinks, torch.Tensor) or tuple(sinks.shape) != (hq,) or not sinks.is_floating_point()
+                              or sinks.device != q.device):
+        raise ValueError(f"sinks must be one floating-point logit per query head on q's device, a [{hq}] tensor, got "
+                         f"{tuple(sinks.shape) if isinstance(sinks, torch.Tensor) else type(sinks).__name__}")
     softcap = 0.0 if softcap is None else softcap
     sliding_band(window, causal)
     check_options(None, softcap)
@@ -119,6 +123,7 @@ def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=Non
         kernel=resolve_kernel(kernel, q.dtype, q.device, d),
         window=window if window is not None and window < seq_len else None,  # a window over everything is none
         softcap=float(softcap),
+        sinks=sinks is not None,
     )
 
 
@@ -126,11 +131,11 @@ def _signature(spec: AttnSpec, backend: str, tensors) -> tuple[int, ...]:
     dtype_code = zlib.crc32(str(spec.dtype).encode())
     # which inputs need a gradient decides which tensors the backward all-to-all carries
     grads = sum(1 << i for i, t in enumerate(tensors) if t.requires_grad and torch.is_grad_enabled())
-    extras = zlib.crc32(repr((spec.cu_seqlens, backend, spec.softmax_scale, spec.kernel, spec.window, spec.softcap)).encode())
+    extras = zlib.crc32(repr((spec.cu_seqlens, backend, spec.softmax_scale, spec.kernel, spec.window, spec.softcap, spec.sinks)).encode())
     return (spec.batch, spec.local_seq_len, spec.q_heads, spec.kv_heads, spec.head_dim, dtype_code, int(spec.causal), grads, extras)
 
 
-_SIGNATURE_FIELDS = ("batch", "local_seq_len", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "requires_grad", "cu_seqlens/backend/scale/kernel/window/softcap")
+_SIGNATURE_FIELDS = ("batch", "local_seq_len", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "requires_grad", "cu_seqlens/backend/scale/kernel/window/softcap/sinks")
 
 
 def _check_ranks_agree(spec: AttnSpec, backend: str, topo: Topology, tensors) -> None:
@@ -157,7 +162,7 @@ def _check_ranks_agree(spec: AttnSpec, backend: str, topo: Topology, tensors) ->
 def _resolve(name: str, spec: AttnSpec, topo: Topology, profile: Profile | None, layer_idx):
     if name != "auto":
         backend = get_backend(name)
-        reason = backend.check(spec, topo)
+        reason = problem(backend, spec, topo)
         if reason is not None:
             raise ValueError(reason)
         return backend
@@ -236,7 +241,8 @@ class SequenceParallelAttention(nn.Module):
         self._eager = EagerCall(self._forward)  # what a compiled graph calls (ulysses_sp.eager_ops)
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, softmax_scale: float | None = None,
-                cu_seqlens: torch.Tensor | list[int] | None = None, window: int | None = None, softcap: float | None = None) -> torch.Tensor:
+                cu_seqlens: torch.Tensor | list[int] | None = None, window: int | None = None, softcap: float | None = None,
+                sinks: torch.Tensor | None = None) -> torch.Tensor:
         """Attention of this rank's query shard over the whole sequence's keys and values.
 
         Args:
@@ -252,6 +258,8 @@ class SequenceParallelAttention(nn.Module):
             window: Causal sliding window, Hugging Face's convention: query i sees keys
                 ``i - window < j <= i``.
             softcap: Caps the scaled scores at ``softcap * tanh(s / softcap)`` (Gemma 2).
+            sinks: Learned attention sinks (GPT-OSS's ``s_aux``), ``[Hq]``: one logit per head
+                added to every row's softmax denominator, with no value; the same on every rank.
 
         Returns:
             This rank's output shard, ``[B, S/P, Hq, Dv]``.
@@ -260,31 +268,32 @@ class SequenceParallelAttention(nn.Module):
             TypeError: Inputs that are not floating-point tensors of one dtype.
             ValueError: Shards of the wrong shape, device or length for the layout, ranks of
                 the group that disagree on shapes or options, a backend that cannot run the
-                call, or invalid ``cu_seqlens``, ``softmax_scale``, ``window`` or ``softcap``.
+                call, or invalid ``cu_seqlens``, ``softmax_scale``, ``window``, ``softcap`` or ``sinks``.
         """
-        options = dict(causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, softcap=softcap)
+        options = dict(causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, softcap=softcap, sinks=sinks)
         if torch.compiler.is_compiling():
             return compiled_attention(self._eager, q, k, v, **options)
         return self._forward(q, k, v, **options)
 
-    def _forward(self, q, k, v, *, causal, softmax_scale, cu_seqlens, window, softcap) -> torch.Tensor:
+    def _forward(self, q, k, v, *, causal, softmax_scale, cu_seqlens, window, softcap, sinks=None) -> torch.Tensor:
         dtype = _autocast(q, k, v)
         if dtype is not None:
             with torch.autocast(q.device.type, enabled=False):
                 return self._forward(q.to(dtype), k.to(dtype), v.to(dtype), causal=causal, softmax_scale=softmax_scale,
-                                     cu_seqlens=cu_seqlens, window=window, softcap=softcap)
+                                     cu_seqlens=cu_seqlens, window=window, softcap=softcap, sinks=sinks)
         q, k, v, softmax_scale, d_v = _same_head_dim(q, k, v, softmax_scale)
         if d_v is not None:
-            return self._forward(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, softcap=softcap)[..., :d_v]
+            return self._forward(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, softcap=softcap,
+                                 sinks=sinks)[..., :d_v]
         spec = make_spec(q, k, v, self.topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, kernel=self.kernel,
-                         window=window, softcap=softcap)
+                         window=window, softcap=softcap, sinks=sinks)
         _check_ranks_agree(spec, self.backend, self.topo, (q, k, v))
         backend = self._chosen.get(spec)
         if backend is None:
             if len(self._chosen) > 1024:  # packed batches vary cu_seqlens: keep the cache bounded
                 self._chosen.clear()
             backend = self._chosen[spec] = _resolve(self.backend, spec, self.topo, self.profile, self.layer_idx)
-        return backend.forward(q, k, v, spec, self.topo)
+        return _run(backend, q, k, v, spec, self.topo, sinks)
 
     def extra_repr(self) -> str:
         return f"backend={self.backend!r}, kernel={self.kernel!r}, layer_idx={self.layer_idx}, sp_size={self.topo.sp_size}, layout={self.topo.layout!r}"
@@ -294,7 +303,7 @@ def sp_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: Topology, *, backend: str = "auto", causal: bool = True,
     softmax_scale: float | None = None, cu_seqlens: torch.Tensor | list[int] | None = None, profile: Profile | None = None,
     kernel: str = "auto", window: int | None = None,
-    softcap: float | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Functional form of `SequenceParallelAttention`, without its per-layer cache of ``auto``'s choice.
 
@@ -312,6 +321,7 @@ def sp_attention(
         kernel: The local attention kernel: ``auto``, ``flash_attn``, ``torch`` or ``math``.
         window: Causal sliding window: query i sees keys ``i - window < j <= i``.
         softcap: Caps the scaled scores at ``softcap * tanh(s / softcap)``.
+        sinks: Learned attention sinks, ``[Hq]`` (`SequenceParallelAttention.forward`).
 
     Returns:
         This rank's output shard, ``[B, S/P, Hq, Dv]``.
@@ -326,20 +336,25 @@ def sp_attention(
             raise ValueError("sp_attention(profile=...) cannot be compiled: give the profile to init_sequence_parallel, "
                              "or use SequenceParallelAttention(topo, profile=...)")
         return compiled_attention(topo.eager_attention, q, k, v, backend=backend, kernel=kernel, causal=causal, softmax_scale=softmax_scale,
-                                  cu_seqlens=cu_seqlens, window=window, softcap=softcap)
+                                  cu_seqlens=cu_seqlens, window=window, softcap=softcap, sinks=sinks)
     dtype = _autocast(q, k, v)
     if dtype is not None:
         with torch.autocast(q.device.type, enabled=False):
             return sp_attention(q.to(dtype), k.to(dtype), v.to(dtype), topo, backend=backend, causal=causal, softmax_scale=softmax_scale,
-                                cu_seqlens=cu_seqlens, profile=profile, kernel=kernel, window=window, softcap=softcap)
+                                cu_seqlens=cu_seqlens, profile=profile, kernel=kernel, window=window, softcap=softcap, sinks=sinks)
     q, k, v, softmax_scale, d_v = _same_head_dim(q, k, v, softmax_scale)
     if d_v is not None:
         return sp_attention(q, k, v, topo, backend=backend, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, profile=profile,
-                            kernel=kernel, window=window, softcap=softcap)[..., :d_v]
+                            kernel=kernel, window=window, softcap=softcap, sinks=sinks)[..., :d_v]
     spec = make_spec(q, k, v, topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, kernel=kernel, window=window,
-                     softcap=softcap)
+                     softcap=softcap, sinks=sinks)
     _check_ranks_agree(spec, backend, topo, (q, k, v))
-    return _resolve(backend, spec, topo, profile, None).forward(q, k, v, spec, topo)
+    return _run(_resolve(backend, spec, topo, profile, None), q, k, v, spec, topo, sinks)
+
+
+def _run(backend, q, k, v, spec: AttnSpec, topo: Topology, sinks):
+    """``backend.forward``, given ``sinks=`` only when there are sinks (`registry.problem` checked that it takes them)."""
+    return backend.forward(q, k, v, spec, topo) if sinks is None else backend.forward(q, k, v, spec, topo, sinks=sinks)
 
 
 register_attention(sp_attention)

@@ -128,32 +128,35 @@ def _autograd(op, n_inputs: int, n_args: int):
 # --------------------------------------------------------------------------- attention
 
 @torch.library.custom_op("ulysses_sp::attention", mutates_args=())
-def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cu_seqlens: torch.Tensor | None, call: EagerCall,
+def _attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, sinks: torch.Tensor, cu_seqlens: torch.Tensor | None, call: EagerCall,
                causal: bool, softmax_scale: float | None, cu_seqlens_list: list[int] | None, window: int | None,
                softcap: float | None, backend: str | None, kernel: str | None, grad_mask: int) -> tuple[torch.Tensor, _Built]:
     options = dict(causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens if cu_seqlens is not None else cu_seqlens_list,
                    window=window, softcap=softcap)
     if backend is not None:  # the functional form's
         options.update(backend=backend, kernel=kernel)
-    return _run(lambda *qkv: call.fn(*qkv, **options), (q, k, v), grad_mask)
+    return _run(lambda q, k, v, s: call.fn(q, k, v, sinks=s if s.numel() else None, **options), (q, k, v, sinks), grad_mask)
 
 
 @_attention.register_fake
-def _(q, k, v, cu_seqlens, call, causal, softmax_scale, cu_seqlens_list, window, softcap, backend, kernel, grad_mask):
+def _(q, k, v, sinks, cu_seqlens, call, causal, softmax_scale, cu_seqlens_list, window, softcap, backend, kernel, grad_mask):
     return q.new_empty(*q.shape[:3], v.shape[3]), _Built()
 
 
-_autograd(_attention, 3, 13)
+_autograd(_attention, 4, 14)
 
 
 def compiled_attention(call: EagerCall, q, k, v, *, causal: bool = True, softmax_scale=None, cu_seqlens=None, window=None,
-                       softcap=None, backend: str | None = None, kernel: str | None = None) -> torch.Tensor:
+                       softcap=None, backend: str | None = None, kernel: str | None = None, sinks=None) -> torch.Tensor:
     """``call.fn(q, k, v, ...)`` as one op of the graph being compiled; ``backend`` and ``kernel``
     are passed on when given (``Topology.eager_attention``, the functional form's). ``cu_seqlens``
-    as a tensor is read inside the op; as a list it becomes part of the graph."""
+    as a tensor is read inside the op; as a list it becomes part of the graph. No ``sinks`` travel
+    as an empty tensor (the op's inputs are tensors)."""
     as_tensor = cu_seqlens if isinstance(cu_seqlens, torch.Tensor) else None
     as_list = None if cu_seqlens is None or as_tensor is not None else [int(x) for x in cu_seqlens]
-    out, _ = _attention(q, k, v, as_tensor, call, bool(causal), softmax_scale, as_list, window, softcap, backend, kernel, _grad_mask(q, k, v))
+    sinks = q.new_empty(0) if sinks is None else sinks
+    out, _ = _attention(q, k, v, sinks, as_tensor, call, bool(causal), softmax_scale, as_list, window, softcap, backend, kernel,
+                        _grad_mask(q, k, v, sinks))
     return out
 
 

@@ -25,7 +25,7 @@ from ulysses_sp.backends.ulysses import UlyssesBackend
 from ulysses_sp.profile import Profile, profile_for
 from ulysses_sp.spec import AttnSpec, Estimate
 
-__all__ = ["Backend", "register_backend", "get_backend", "list_backends", "candidates", "choose_backend"]
+__all__ = ["Backend", "register_backend", "get_backend", "list_backends", "candidates", "choose_backend", "problem"]
 
 
 @runtime_checkable
@@ -125,6 +125,14 @@ def get_backend(name: str) -> Backend:
                      "ulysses-g{G} (G: head groups)")
 
 
+def problem(backend: Backend, spec: AttnSpec, topo) -> str | None:
+    """``backend.check``, and for a call with learned sinks, whether the backend takes them
+    (``takes_sinks = True``: its ``forward`` accepts ``sinks=``, as every built-in one does)."""
+    if spec.sinks and not getattr(backend, "takes_sinks", False):
+        return f"{backend.name}: does not take attention sinks (a backend sets takes_sinks = True when its forward accepts sinks=)"
+    return backend.check(spec, topo)
+
+
 def candidates(topo) -> dict[str, Backend]:
     """What ``auto`` weighs: every registered backend, with the built-in ``hybrid`` replaced
     by ``hybrid-u{U}`` for every divisor 1 < U < sp_size. ``hybrid`` runs at the topology's
@@ -160,7 +168,7 @@ def choose_backend(spec: AttnSpec, topo, profile: Profile | None = None) -> tupl
     considered: dict[str, str | Estimate] = {}
     backends = candidates(topo)
     for name, backend in backends.items():
-        reason = backend.check(spec, topo)
+        reason = problem(backend, spec, topo)
         if reason is None:
             estimate = backend.estimate(spec, topo, profile)
             hybrid_u = _HYBRID_NAME.fullmatch(name) and name not in profile.backend_overhead

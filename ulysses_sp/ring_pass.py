@@ -27,7 +27,7 @@ import torch.distributed as dist
 
 from . import comm
 from .blocks import blocks_backward, blocks_forward, cached_plan, chunk_segments, first_writes, sees_any
-from .kernels import accumulator_dtype
+from .kernels import accumulator_dtype, add_sink, sink_grad
 
 __all__ = ["RingPlans", "ring_attention", "ring_plans", "ring_hops"]
 
@@ -63,7 +63,7 @@ def _kv_blocks(k, v, group, hops: int, posted: list):
 
 class _RingAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, group, plans, kernel, spec):
+    def forward(ctx, q, k, v, sinks, group, plans, kernel, spec):
         acc = accumulator_dtype(q.dtype)
         out_acc = torch.zeros(q.shape, dtype=acc, device=q.device)
         lse_acc = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
@@ -74,15 +74,18 @@ class _RingAttention(torch.autograd.Function):
         except BaseException:
             comm.drain(posted)
             raise
+        if sinks is not None:
+            out_acc, lse_acc = add_sink(out_acc, lse_acc, sinks)
         out = out_acc.to(q.dtype)
-        ctx.save_for_backward(q, k, v, out, lse_acc)
+        ctx.save_for_backward(q, k, v, out, lse_acc, sinks)
         ctx.args = (group, plans, kernel, spec)
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         group, plans, kernel, spec = ctx.args
+        dsinks = sink_grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
         need_q, need_k, need_v = ctx.needs_input_grad[:3]
         p, r = comm.group_size(group), dist.get_rank(group)
         acc = accumulator_dtype(q.dtype)
@@ -120,7 +123,7 @@ class _RingAttention(torch.autograd.Function):
             dk = arriving[0].to(k.dtype) if need_k else None
             dv = arriving[1].to(v.dtype) if need_v else None
         dq = dq_acc.to(q.dtype) if need_q else None
-        return dq, dk, dv, None, None, None, None
+        return dq, dk, dv, dsinks, None, None, None, None
 
 
 def ring_hops(chunk_lists, chunk: int, spec) -> int:
@@ -144,8 +147,9 @@ def ring_plans(topo, chunk_lists, rank: int, spec, q) -> RingPlans:
     return RingPlans(calls, hops, [first.get(src) for src in range(p)])
 
 
-def ring_attention(q_bshd, k_bshd, v_bshd, group, plans: RingPlans, *, kernel: str, spec) -> torch.Tensor:
+def ring_attention(q_bshd, k_bshd, v_bshd, group, plans: RingPlans, *, kernel: str, spec, sinks=None) -> torch.Tensor:
     """Attention of this rank's queries to the keys of every rank of ``group``, computing
     ``plans.calls[src]`` (``ring_plans``) against the keys of ring rank ``src`` with ``kernel``
-    (``spec`` gives the scale and soft-cap)."""
-    return _RingAttention.apply(q_bshd, k_bshd, v_bshd, group, plans, kernel, spec)
+    (``spec`` gives the scale and soft-cap). ``sinks``: the learned sink of each of ``q_bshd``'s
+    heads, folded in once per row after the last hop (`kernels.add_sink`)."""
+    return _RingAttention.apply(q_bshd, k_bshd, v_bshd, sinks, group, plans, kernel, spec)

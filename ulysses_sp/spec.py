@@ -37,6 +37,8 @@ class AttnSpec:
             ``i - window < j <= i`` (causal only); None: every earlier key.
         softcap: Logit soft-capping (Gemma 2): scores become ``softcap * tanh(scores / softcap)``;
             0: none.
+        sinks: Learned attention sinks (GPT-OSS): one logit per query head in each row's softmax
+            denominator, no value; they cost no transfer beyond the ulysses backend's slice of them.
     """
 
     batch: int
@@ -53,6 +55,7 @@ class AttnSpec:
     kernel: str = "torch"
     window: int | None = None
     softcap: float = 0.0
+    sinks: bool = False
 
     def chunk_table(self, sp_size: int) -> list[list[int]]:
         """The layout's chunk table for this call (``balanced`` reads the documents)."""

@@ -46,7 +46,7 @@ from __future__ import annotations
 
 import torch
 
-from .common import Varlen, accumulator_dtype, check_options, merge_into, merge_partials, sliding_band
+from .common import Varlen, accumulator_dtype, add_sink, check_options, merge_into, merge_partials, sink_grad, sliding_band
 from .flash_attn_kernel import FlashAttnKernel
 from .math_kernel import MathKernel
 from .torch_kernel import TorchKernel
@@ -60,6 +60,8 @@ __all__ = [
     "local_attention",
     "merge_partials",
     "merge_into",
+    "add_sink",
+    "sink_grad",
     "sliding_band",
     "accumulator_dtype",
 ]
@@ -91,35 +93,40 @@ def resolve_kernel(name: str, dtype: torch.dtype, device: torch.device, head_dim
 
 class _Attention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, kernel, options):
+    def forward(ctx, q, k, v, sinks, kernel, options):
         out, lse = kernel.block_forward(q, k, v, **options)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:
+            out, lse = add_sink(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.args = (kernel, options)
         return out
 
     @staticmethod
     def backward(ctx, dout):
         kernel, options = ctx.args
-        return *kernel.block_backward(dout, *ctx.saved_tensors, **options), None, None
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dsinks = sink_grad(dout, out, lse, sinks) if ctx.needs_input_grad[3] else None
+        return *kernel.block_backward(dout, q, k, v, out, lse, **options), dsinks, None, None
 
 
 def attend(q_bshd, k_bshd, v_bshd, *, kernel: str, causal: bool, scale: float, varlen: Varlen | None = None,
-           window: tuple[int, int] | None = None, softcap: float = 0.0) -> torch.Tensor:
+           window: tuple[int, int] | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Differentiable attention of whole (or packed) sequences with the named kernel; the
-    backward recomputes from (q, k, v, out, lse) through the same kernel."""
+    backward recomputes from (q, k, v, out, lse) through the same kernel. ``sinks``: one learned
+    logit per query head (`add_sink`)."""
     if q_bshd.shape[1] == 0 or k_bshd.shape[1] == 0:  # the CPU op dies with SIGFPE on it
         raise ValueError(f"attention needs non-empty sequences, got q {tuple(q_bshd.shape)} and k {tuple(k_bshd.shape)}")
     check_options(window, softcap)
     options = dict(causal=causal, scale=scale, varlen=varlen, window=None if window is None else tuple(window), softcap=float(softcap))
-    return _Attention.apply(q_bshd, k_bshd, v_bshd, get_kernel(kernel), options)
+    return _Attention.apply(q_bshd, k_bshd, v_bshd, sinks, get_kernel(kernel), options)
 
 
 def local_attention(q_bshd, k_bshd, v_bshd, *, causal: bool, scale: float | None = None, kernel: str = "auto",
-                    window: int | None = None, softcap: float = 0.0, cu_seqlens=None) -> torch.Tensor:
+                    window: int | None = None, softcap: float = 0.0, cu_seqlens=None, sinks=None) -> torch.Tensor:
     """`attend` with the default scale 1/sqrt(D) and ``auto`` resolved for these tensors.
     ``window``: Hugging Face's sliding window W (query i sees key j iff i - W < j <= i; causal
     only), the contract's ``(W - 1, 0)``. ``cu_seqlens``: document boundaries of a packed
-    sequence (0, ..., S), each document attending within itself; None: one."""
+    sequence (0, ..., S), each document attending within itself; None: one. ``sinks``: `attend`'s."""
     band = sliding_band(window, causal)
     name = resolve_kernel(kernel, q_bshd.dtype, q_bshd.device, q_bshd.shape[-1])
     varlen = None
@@ -127,4 +134,4 @@ def local_attention(q_bshd, k_bshd, v_bshd, *, causal: bool, scale: float | None
         lens = [b - a for a, b in zip(cu_seqlens, cu_seqlens[1:])]
         varlen = Varlen.build(lens, lens, q_bshd.shape[0], q_bshd.device)
     return attend(q_bshd, k_bshd, v_bshd, kernel=name, causal=causal, scale=scale if scale is not None else q_bshd.shape[-1] ** -0.5,
-                  varlen=varlen, window=band, softcap=softcap)
+                  varlen=varlen, window=band, softcap=softcap, sinks=sinks)

@@ -11,7 +11,7 @@ from itertools import accumulate
 
 import torch
 
-__all__ = ["Varlen", "accumulator_dtype", "last_dim_contiguous", "merge_partials", "merge_into", "repeat_kv", "sliding_band", "check_options", "visible", "tiled_forward", "tiled_backward"]
+__all__ = ["Varlen", "accumulator_dtype", "last_dim_contiguous", "merge_partials", "merge_into", "add_sink", "sink_grad", "repeat_kv", "sliding_band", "check_options", "visible", "tiled_forward", "tiled_backward"]
 
 
 def accumulator_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -81,6 +81,29 @@ def merge_into(out, lse, block_out, block_lse) -> None:
     w_new = torch.exp(block_lse - ref).transpose(1, 2).unsqueeze(-1)
     out.mul_(w_old).addcmul_(block_out.to(out.dtype), w_new)
     lse.copy_(new_lse)
+
+
+def add_sink(out, lse, sinks):
+    """Fold learned attention sinks (GPT-OSS's ``s_aux``: one logit per head, no value) into the
+    final ``out`` ``[B, S, H, D]`` and ``lse`` ``[B, H, S]`` of every query row: the sink joins each
+    row's softmax denominator once, so ``lse' = logaddexp(lse, sink)`` and ``out' = out * exp(lse - lse')``.
+    Returns ``(out', lse')`` in their dtypes. A kernel's backward from these final values is exact
+    for q, k and v: the sink's column has no value, so it adds nothing to ``dO V^T``, and the
+    row's ``rowsum(dO * O)`` is that of the sink-inclusive output (`sink_grad` gives the sink's)."""
+    new_lse = torch.logaddexp(lse, sinks.to(lse.dtype)[None, :, None])
+    scale = torch.exp(lse - new_lse).transpose(1, 2).unsqueeze(-1)
+    return (out.to(scale.dtype) * scale).to(out.dtype), new_lse
+
+
+def sink_grad(dout, out, lse, sinks):
+    """The gradient of `add_sink`'s ``sinks`` ``[H]`` from this rank's rows: the sink's softmax share
+    times the row's ``-rowsum(dO * O)``, summed over the rows, ``-sum_i exp(sink - lse_i) <dO_i, O_i>``
+    (``out`` and ``lse`` the sink-inclusive ones). Rows held by other ranks add theirs when the
+    replicated parameter's gradient is summed over the group."""
+    acc = lse.dtype
+    delta = (dout.to(acc) * out.to(acc)).sum(-1)  # [B, S, H]
+    share = torch.exp(sinks.to(acc)[None, None, :] - lse.transpose(1, 2))
+    return -(share * delta).sum((0, 1)).to(sinks.dtype)
 
 
 def last_dim_contiguous(*tensors) -> list[torch.Tensor]:

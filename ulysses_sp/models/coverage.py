@@ -26,7 +26,7 @@ from torch import nn
 
 __all__ = ["Finding", "ATTENTION_LAYER_TYPES", "MIXER", "attention_modules", "find_uncovered", "check_coverage", "other_modalities", "install_guards", "remove_guards"]
 
-ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "attention"})
+ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunked_attention", "attention"})
 """``config.layer_types`` entries that are softmax attention through the attention interface."""
 CHANNEL_LAYER_TYPES = frozenset({"mlp", "moe"})
 """``config.layer_types`` entries of layers that mix no tokens (Nemotron-H's MLP and MoE layers)."""

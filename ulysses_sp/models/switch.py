@@ -28,7 +28,7 @@ from ..profile import Profile
 from ..topology import Topology
 from .. import tiling
 from ..decoder_layers import decoder_layers
-from . import coverage, image_text, token_mixers
+from . import coverage, image_text, llama4, token_mixers
 
 __all__ = ["ATTN_IMPLEMENTATION", "apply_sequence_parallel", "chosen_backends", "remove_sequence_parallel", "sp_attention_forward",
            "switched_model"]
@@ -70,7 +70,8 @@ def sp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
             layers): query i sees keys ``i - W < j <= i``, as ``masking_utils.sliding_window_overlay``
             and flash-attn's ``window_size=(W - 1, W - 1)``.
         softcap: Gemma 2's ``attn_logit_softcapping``: scores capped at ``softcap * tanh(s / softcap)``.
-        **kwargs: What transformers passes besides; ``cu_seq_lens_q`` (packed documents) is used.
+        **kwargs: What transformers passes besides; ``cu_seq_lens_q`` (packed documents) and
+            ``s_aux`` (learned attention sinks, one logit per head: GPT-OSS and its kin) are used.
 
     Returns:
         The output ``[B, S/P, Hq, Dv]`` and None (no attention weights).
@@ -78,7 +79,7 @@ def sp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     Raises:
         RuntimeError: The module was not switched by `apply_sequence_parallel`.
         ValueError: What SP does not support, naming the layer: attention dropout in
-            training, attention sinks, an additive bias or padding mask, a KV cache with past
+            training, an additive bias or padding mask, a KV cache with past
             tokens (generation), bidirectional attention, or a mask under torch.compile.
     """
     spa = module.__dict__.get(_STATE)
@@ -89,8 +90,6 @@ def sp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
         coverage.mark_called(module, kwargs)
     if dropout and module.training:
         raise _unsupported(module, f"attention dropout ({dropout})", "set config.attention_dropout = 0 for training")
-    if kwargs.get("s_aux") is not None:
-        raise _unsupported(module, "attention sinks (s_aux, as in GPT-OSS)", "use a model without attention sinks")
     if kwargs.get("position_bias") is not None:
         raise _unsupported(module, "an additive attention (position) bias", "use a model without one")
     # a mask is dropped here, so only one that masks nothing may pass: all True, or (additive) all 0
@@ -107,20 +106,24 @@ def sp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
         raise _unsupported(module, "bidirectional self-attention (is_causal=False)",
                            "train a causal LM (BERT-style models: set config.is_decoder=True)")
     if whole:
-        return _whole_sequence_attention(query, key, value, scaling, sliding_window, softcap), None
+        return _whole_sequence_attention(query, key, value, scaling, sliding_window, softcap, kwargs.get("s_aux")), None
+    query, cu_seqlens, chunk = llama4.scale_queries(module, query), kwargs.get("cu_seq_lens_q"), llama4.chunk_size(module)
+    if chunk:  # Llama 4's chunked layers: a cut at every multiple of the chunk inside each document
+        cu_seqlens = llama4.chunked_boundaries(cu_seqlens, query.shape[2] * spa.topo.sp_size, chunk)
     out = spa(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-        causal=True, softmax_scale=scaling, cu_seqlens=kwargs.get("cu_seq_lens_q"), window=sliding_window, softcap=softcap,
+        causal=True, softmax_scale=scaling, cu_seqlens=cu_seqlens, window=sliding_window, softcap=softcap,
+        sinks=kwargs.get("s_aux"),
     )
     return out, None
 
 
-def _whole_sequence_attention(query, key, value, scaling, sliding_window, softcap):
+def _whole_sequence_attention(query, key, value, scaling, sliding_window, softcap, sinks):
     """Causal attention of an attention module that a mixer strategy runs on the whole gathered
     sequence (one document at a time when packed): ZAYA's attention, whose q/k projection holds
     a convolution over the sequence, runs under the allgather mixer. The kernels take GQA as it is."""
     return kernels.local_attention(query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2), causal=True, scale=scaling,
-                                   window=sliding_window, softcap=softcap or 0.0)
+                                   window=sliding_window, softcap=softcap or 0.0, sinks=sinks)
 
 
 def _mask_parts(fn, seen=None):
@@ -145,10 +148,9 @@ def _no_mask(*args, config=None, use_vmap=False, mask_function=None, **kwargs):
     """Masks are the backends' business: causal via the flag, sliding windows via the
     ``sliding_window`` kwarg of each layer, documents via cu_seqlens. transformers calls
     this for ``create_causal_mask`` and ``create_sliding_window_causal_mask`` alike, so no
-    S x S mask is built for either kind of layer. Masks the backends cannot reproduce
-    (chunked attention, overlays such as bidirectional or image-token blocks) raise."""
-    if config is not None and getattr(config, "attention_chunk_size", None) is not None:
-        raise ValueError(f"chunked attention (attention_chunk_size={config.attention_chunk_size}, Llama 4) is not supported by ulysses_sp")
+    S x S mask is built for either kind of layer, nor for Llama 4's chunked layers (their chunks
+    are boundaries the attention function adds). Masks the backends cannot reproduce (overlays such
+    as bidirectional or image-token blocks) raise."""
     if use_vmap:  # transformers sets it exactly when an or_mask_function / and_mask_function overlays the mask
         raise ValueError("a mask overlay (or_mask_function / and_mask_function: bidirectional attention, image-token blocks) "
                          "is not supported by ulysses_sp")
@@ -214,6 +216,7 @@ def apply_sequence_parallel(model: nn.Module, topo: Topology, backend: str | lis
         layer.__dict__[_STATE] = SequenceParallelAttention(
             topo, backend=per_layer[layer.layer_idx], layer_idx=layer.layer_idx, profile=profile, kernel=kernel
         )
+    llama4.install(model, layers)
     tiling.untile_mlp(model)
     tiling.uncheckpoint_layers(model)
     if tile_tokens is not None:
@@ -270,6 +273,7 @@ def remove_sequence_parallel(model: nn.Module) -> nn.Module:
         return model
     for layer in _attention_layers(model):
         layer.__dict__.pop(_STATE, None)
+    llama4.remove(model, _attention_layers(model))
     coverage.remove_guards(model)
     remove_rank_dropout(model)
     token_mixers.remove_mixers(model)
