@@ -96,13 +96,13 @@ the worlds each runs on: Granite SWA's NoPE full layers, Flint's window of 513, 
 value head dim (128) unlike its query/key one (192), sinks on its sliding layers only."""
 
 
-def sinks_default(topo, name: str, backend: str = "auto") -> dict:
+def sinks_default(topo, name: str, backend: str = "auto", **overrides) -> dict:
     """A sink family from its default config shrunk by verify, float32 lifted (Granite SWA's eager
     code forces its sink scaling and softmax to float32), so the comparison is at fp64's rounding."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     with fp64_throughout():
-        report = usp.verify_sequence_parallel(CONFIG_MAPPING[name](), topo, backend=backend, raise_on_mismatch=False)
+        report = usp.verify_sequence_parallel(CONFIG_MAPPING[name](**overrides), topo, backend=backend, raise_on_mismatch=False)
     return _summary(report)
 
 
@@ -663,6 +663,9 @@ def register(case, topo_for, hf: bool) -> None:
         case(f"hybrids-adapted/{name}", (2, 4))(lambda env, n=name: adapted_default(topo_for(env), n))
     for name, worlds in SINK_DEFAULTS.items():
         case(f"sinks/{name}", worlds)(lambda env, n=name: sinks_default(topo_for(env), n))
+    for backend in MLA_BACKENDS:  # Granite SWA under each backend: 12 heads, so every backend applies at P = 2, 3, 4
+        case(f"sinks/granite_swa/{backend}", (2, 3, 4))(lambda env, be=backend: sinks_default(
+            topo_for(env), "granite_swa", be, num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS, hidden_size=96))
     for backend in MLA_BACKENDS:  # Llama 4 text under each backend (auto: families/llama4_text)
         case(f"llama4/{backend}", (2, 3, 4))(lambda env, be=backend: llama4_case(topo_for(env), be))
     for plant in LLAMA4_PLANTS:

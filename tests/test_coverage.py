@@ -118,12 +118,13 @@ def test_families_with_attention_sinks_are_exact(ranks, name, world):
 @hf
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("backend", MLA_BACKENDS)
-def test_gpt_oss_is_exact_under_every_backend(ranks, world, backend):
-    """GPT-OSS's sinks on sliding and full layers, 12 heads (every backend applies at P = 2, 3, 4),
-    unpacked and packed (verify runs both)."""
-    for r in values(ranks(world), f"sinks/gpt_oss/{backend}"):
-        _assert_exact(r, f"gpt_oss/{backend}")
-        assert r["backends"] == {0: [backend], 1: [backend]}
+def test_sink_families_are_exact_under_every_backend(ranks, world, backend):
+    """GPT-OSS's sinks on sliding and full layers, and Granite SWA's beside its NoPE full layers, 12
+    heads (every backend applies at P = 2, 3, 4), unpacked and packed (verify runs both)."""
+    for family in ("gpt_oss", "granite_swa"):
+        for r in values(ranks(world), f"sinks/{family}/{backend}"):
+            _assert_exact(r, f"{family}/{backend}")
+            assert set(map(tuple, r["backends"].values())) == {(backend,)}, r["backends"]
 
 
 @hf

@@ -421,6 +421,18 @@ def test_a_hybrid_model_trains_through_its_mixers(tmp_path, run_ranks):
         assert "Qwen3_5GatedDeltaNet (layer 0" in message, message
 
 
+@pytest.mark.parametrize("family", ["gpt_oss", "llama4_text"])
+def test_attention_variants_train_through_the_job(tmp_path, run_ranks, family):
+    """GPT-OSS (learned sinks, sliding and full layers) and Llama 4 (a chunked layer, a NoPE layer's
+    query temperature) as --model configs: verified under SP before the first step, then trained."""
+    from .model_families import config
+
+    config(family, vocab_size=300).save_pretrained(tmp_path)
+    cfg = TrainConfig(sp_size=2, seq_len=SEQ, steps=2, verify=True, model=str(tmp_path / "config.json"))
+    passed, layers, worst, losses = run_ranks(_verified, 2, cfg)[0]
+    assert passed and layers == 2 and len(losses) == 2 and all(0 < loss < 10 for loss in losses), (worst, losses)
+
+
 def _reply_data(path, task: str, n: int) -> str:
     """Lines in the tiny tokenizer's words: a prompt counting up, and a reply continuing the count
     (``sft``: the completion; ``dpo``: the chosen one, the rejected one random words)."""
