@@ -300,7 +300,9 @@ def destroy_gloo_groups_at_exit() -> None:
     without ``dist.destroy_process_group()``, as the Trainer, TRL and many DeepSpeed scripts do,
     otherwise leave gloo's worker threads to the interpreter's teardown, which aborts some runs
     after their work is done ("terminate called without an active exception": torch issue 190489,
-    in a plain gloo ``all_reduce`` script too). Registered once however often it is called."""
+    in a plain gloo ``all_reduce`` script too): a worker freeing a finished collective's tensors
+    asks for the GIL while Python finalizes, Python ends that thread, and the unwinding through the
+    C++ destructor terminates the process. Registered once however often it is called."""
     atexit.unregister(_destroy_after_a_clean_exit)
     atexit.register(_destroy_after_a_clean_exit)
 
