@@ -251,12 +251,14 @@ def mixers(kinds, seq, nproc, repeat, json_path):
     except ValueError as e:
         raise click.BadParameter(str(e), param_hint="--seq") from None
     click.echo(f"hidden {HIDDEN}, fp32, forward + backward, median of {repeat} (slowest rank); a strategy's cell: time (rank 0's bytes sent, forward and backward)\n")
-    click.echo("| mixer | tokens | P | one process, whole sequence | halo | ulysses | allgather | one rank's shard alone |\n|---|---|---|---|---|---|---|---|")
+    from ulysses_sp.mixers import BUILT_IN
+
+    click.echo(f"| mixer | tokens | P | one process, whole sequence | {' | '.join(BUILT_IN)} | one rank's shard alone |\n|{'---|' * (len(BUILT_IN) + 5)}")
     measured = []
     for row in rows(kinds_, seqs, _csv(nproc, int), repeat):
         measured.append(row)
         cells = [f"{s['seconds'] * 1e3:.0f} ms ({_size(s['bytes_sent'])})" if (s := row["strategies"].get(n)) else "-"
-                 for n in ("halo", "ulysses", "allgather")]
+                 for n in BUILT_IN]
         click.echo(f"| {row['mixer']} | {row['tokens']} | {row['ranks']} | {row['one_process_s'] * 1e3:.0f} ms | {' | '.join(cells)} "
                    f"| {row['shard_s'] * 1e3:.0f} ms |")
     click.echo("\n" + "\n".join(f"- {kind}: {LAYERS[kind]}" for kind in kinds_))

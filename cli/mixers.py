@@ -70,14 +70,14 @@ def _rank(rank: int, world: int, kind: str, seq: int, repeat: int) -> dict:
     import torch.distributed as dist
 
     import ulysses_sp as usp
-    from ulysses_sp.mixers import AUTO_ORDER, MIXERS
+    from ulysses_sp.mixers import BUILT_IN, MIXERS
 
     torch.set_num_threads(1)
     topo = usp.init_sequence_parallel(world, timeout=600)
     layer = _layer(kind)
     x = torch.randn(1, seq // world, HIDDEN, requires_grad=True)
     out = {}
-    for name in AUTO_ORDER:
+    for name in BUILT_IN:
         mixer = MIXERS[name](topo)
         if mixer.check(layer) is not None:
             continue

@@ -6,7 +6,9 @@ and returns this rank's rows of what one process would compute on the whole sequ
 
 ``halo`` sends each chunk the few tokens before it, for short convolutions used alone;
 ``ulysses`` splits the mixer's heads across ranks where an adapter for its class exists;
-``allgather`` is the universal fallback: exact for any mixer, at P times the mixer's compute.
+``allgather`` is the universal fallback: exact for any mixer, at P times the mixer's compute;
+``state`` passes the recurrent state between fragments (fixed-size traffic) where a state adapter
+exists, and is taken only when named.
 ``auto`` takes the first of these that can run the mixer, in that order (by what each moves and
 computes: O(kernel) tokens, (P-1)/P of the mixer's inner tensors at 1/P of its compute, (P-1) x
 its input at P x its compute; each strategy's ``estimate()`` gives the figures, which
@@ -17,12 +19,15 @@ from __future__ import annotations
 
 from ulysses_sp.mixers.allgather import AllGatherMixer
 from ulysses_sp.mixers.halo import HaloMixer
+from ulysses_sp.mixers.state import StateMixer
 from ulysses_sp.mixers.ulysses import UlyssesMixer
 
-__all__ = ["AUTO_ORDER", "MIXERS", "MIXER_CHOICES", "AllGatherMixer", "HaloMixer", "UlyssesMixer", "get_mixer"]
+__all__ = ["AUTO_ORDER", "BUILT_IN", "MIXERS", "MIXER_CHOICES", "AllGatherMixer", "HaloMixer", "StateMixer", "UlyssesMixer", "get_mixer"]
 
-MIXERS = {"halo": HaloMixer, "ulysses": UlyssesMixer, "allgather": AllGatherMixer}
+MIXERS = {"halo": HaloMixer, "ulysses": UlyssesMixer, "allgather": AllGatherMixer, "state": StateMixer}
 """Mixer strategies by name."""
+BUILT_IN = tuple(MIXERS)
+"""The library's own strategies (what ``sp-bench mixers`` times), whatever is registered beside them."""
 AUTO_ORDER = ("halo", "ulysses", "allgather")
 """What ``auto`` considers, first that can run the mixer wins: each moves fewer bytes than the
 next at no more compute, or (ulysses against allgather) does 1/P of its compute."""

@@ -22,13 +22,18 @@ MLA_BACKENDS = ("ulysses", "allgather", "ring", "hybrid")
 STRATEGY_FAMILIES = (  # each strategy on each kind of mixer it can run, beside what auto takes (hybrids/)
     ("allgather", "qwen3_next", (2, 3, 4)), ("ulysses", "qwen3_next_12kh", (2, 3, 4)), ("ulysses", "bamba_12h", (2, 3, 4)),
     ("ulysses", "bamba", (2, 4)), ("allgather", "bamba", (2, 3, 4)), ("allgather", "lfm2", (2, 3, 4)),
+    ("state", "qwen3_5", (2, 3, 4)), ("state", "qwen3_next", (2, 3, 4)),
 )
 BALANCED_FAMILIES = ("llama", "gemma3", "deepseek_v3", "qwen3_next", "qwen3_next_12kh", "lfm2", "bamba_12h", "rwkv")
 """Through verify under the balanced layout: GQA, sliding windows, MLA, and every mixer strategy."""
 MIXER_LAYER_CASES = (  # strategy, family, worlds: the layer alone, its bytes counted
     ("ulysses", "qwen3_next_12kh", (1, 2, 3, 4)), ("ulysses", "bamba_12h", (1, 2, 3, 4)), ("ulysses", "bamba", (1, 2, 4)),
-    ("halo", "lfm2", (1, 2, 3, 4)), ("ulysses", "kimi_linear_12h", (1, 2, 3, 4)),
+    ("halo", "lfm2", (1, 2, 3, 4)), ("ulysses", "kimi_linear_12h", (1, 2, 3, 4)), ("state", "qwen3_next_12kh", (1, 2, 3, 4)),
 )
+STATE_PLANTS = ("entry-dropped", "halo-not-reset", "folded-out-of-order")
+"""Defects the state strategy's tests must see: a fragment's entry state taken as zeros, the
+convolution's halo not zeroed before a document that starts just before a fragment, the
+fragments' maps folded in the chunk table's order instead of the row's."""
 MLA_HEADS = 12
 """DeepSeek-V3's KV heads equal its q heads; 12 divide by 2, 3 and 4, so Ulysses runs at every P."""
 
@@ -202,6 +207,11 @@ MIXER_LAYERS = {  # family: its first layer's mixer
 def _by_hand(layer, strategy: str, topo, b: int, local: int, itemsize: int) -> tuple[int, int]:
     """What one rank sends forward and backward, from the layer's dimensions."""
     p, r = topo.sp_size, topo.sp_rank
+    if strategy == "state":  # every fragment's convolution tail and summary [B | A], all-gathered; their gradients reduce-scattered
+        fragments = len(usp.layout.chunk_table(topo.layout, p, local * p)[0])
+        tail = min(local // fragments, layer.conv1d.kernel_size[0] - 1) * (2 * layer.key_dim + layer.value_dim)
+        summary = layer.num_v_heads * layer.head_k_dim * (layer.head_v_dim + layer.head_k_dim)
+        return ((p - 1) * fragments * b * (tail + summary) * itemsize,) * 2
     if strategy == "halo":  # the kernel - 1 tokens before each chunk whose predecessor another rank holds; their gradients back
         zigzag = topo.layout == "zigzag"  # rank r holds chunks r and 2P-1-r: successors r+1 (rank r+1) and 2P-r (rank r-1)
         sent, received = (r < p - 1) + (r >= 1 and zigzag), (r >= 1) + (r < p - 1 and zigzag)
@@ -217,7 +227,7 @@ def _by_hand(layer, strategy: str, topo, b: int, local: int, itemsize: int) -> t
     return ((p - 1) * b * local * per_token // p,) * 2
 
 
-def mixer_layer(topo, name: str, strategy: str) -> dict:
+def mixer_layer(topo, name: str, strategy: str, per_rank: int = 16, bounds=None) -> dict:
     """One hybrid family's mixer under ``strategy``, called as the model would, packed in three
     documents, against the layer on each document alone in one process (float32 lifted to
     float64): output, input gradient and every parameter's gradient (summed over the SP group);
@@ -231,10 +241,10 @@ def mixer_layer(topo, name: str, strategy: str) -> dict:
     with fp64_throughout():
         torch.manual_seed(0)
         layer = MIXER_LAYERS[name](transformers.AutoModelForCausalLM.from_config(config(name)).double())
-        b, s, h = 2, 16 * topo.sp_size, getattr(layer, "o_proj", getattr(layer, "out_proj", None)).out_features
+        b, s, h = 2, per_rank * topo.sp_size, getattr(layer, "o_proj", getattr(layer, "out_proj", None)).out_features
         x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
         w = torch.randn(b, s, h, dtype=torch.float64)
-        bounds = [0, 5, 5 + s // 2, s]
+        bounds = bounds or [0, 5, 5 + s // 2, s]
         ref = torch.cat([layer(x[:, a:e]) for a, e in zip(bounds, bounds[1:])], dim=1)
         (ref * w).sum().backward()
         ref_grads = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
@@ -258,6 +268,30 @@ def mixer_layer(topo, name: str, strategy: str) -> dict:
         "estimate": (estimate.comm_bytes, estimate.bwd_comm_bytes, estimate.compute),
         "ops": (sorted(fwd.by_op), sorted(bwd.by_op)),
     }
+
+
+def state_planted(topo, plant: str) -> dict:
+    """The state strategy on Qwen3-Next's layer with one of `STATE_PLANTS` patched into
+    ``mixers.state.Fragments`` for the call; a document starts 1 token before a chunk (zigzag, P=2:
+    chunks of 8), so the halo reaches across it."""
+    from ulysses_sp.mixers.state import Fragments
+
+    saved = Fragments.entry_states, Fragments.document_start
+    if plant == "entry-dropped":
+        Fragments.entry_states = lambda self, summaries, value_dim: [torch.zeros_like(s[..., :value_dim]) for s in summaries]
+    elif plant == "halo-not-reset":
+        Fragments.document_start = lambda self, i: 0
+    elif plant == "folded-out-of-order":  # the chunk table's order (rank by rank) taken as the row's
+        def entry_states(self, summaries, value_dim):
+            order = [c for ids in self.table for c in ids]
+            return saved[0](dataclasses.replace(self, table=[[order.index(c) for c in ids] for ids in self.table],
+                                                mine=tuple(order.index(c) for c in self.mine)), summaries, value_dim)
+
+        Fragments.entry_states = entry_states
+    try:
+        return mixer_layer(topo, "qwen3_next_12kh", "state", bounds=[0, 7, 20, 32])
+    finally:
+        Fragments.entry_states, Fragments.document_start = saved
 
 
 def mixer_low_precision(topo, name: str, strategy: str) -> dict:
@@ -666,6 +700,11 @@ def register(case, topo_for, hf: bool) -> None:
     for backend in MLA_BACKENDS:  # Granite SWA under each backend: 12 heads, so every backend applies at P = 2, 3, 4
         case(f"sinks/granite_swa/{backend}", (2, 3, 4))(lambda env, be=backend: sinks_default(
             topo_for(env), "granite_swa", be, num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS, hidden_size=96))
+    for plant in STATE_PLANTS:
+        case(f"mixers-state-planted/{plant}", (2,))(lambda env, p=plant: state_planted(topo_for(env), p))
+    case("mixers-state-bytes", (2,))(lambda env: [mixer_layer(topo_for(env), "qwen3_next_12kh", "state", per_rank=n)["bytes"] for n in (64, 256)])
+    for name in ("qwen3_5", "qwen3_next"):  # the state strategy under the balanced layout
+        case(f"hybrids-state/balanced/{name}", (2, 3, 4))(lambda env, n=name: family(topo_for(env, "balanced"), n, lift=True, mixer="state"))
     for backend in MLA_BACKENDS:  # Llama 4 text under each backend (auto: families/llama4_text)
         case(f"llama4/{backend}", (2, 3, 4))(lambda env, be=backend: llama4_case(topo_for(env), be))
     for plant in LLAMA4_PLANTS:

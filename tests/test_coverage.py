@@ -11,7 +11,8 @@ import pytest
 
 from .conftest import values
 from .coverage_cases import MLA_BACKENDS
-from .coverage_cases import BALANCED_FAMILIES, LLAMA4_PLANTS, MAMBA2_ADAPTED, MIXER_LAYER_CASES, MLA_BACKENDS, SINK_DEFAULTS, STRATEGY_FAMILIES
+from .coverage_cases import (BALANCED_FAMILIES, LLAMA4_PLANTS, MAMBA2_ADAPTED, MIXER_LAYER_CASES, MLA_BACKENDS, SINK_DEFAULTS, STATE_PLANTS,
+                             STRATEGY_FAMILIES)
 from .model_families import EXACT, HYBRID, REFUSED, REFUSED_AT_FORWARD, REFUSED_WITHOUT_MIXER, auto_mixer
 
 TOL = 1e-12
@@ -173,10 +174,38 @@ def test_mixer_layer_is_exact_and_counts_its_bytes(ranks, lay, strategy, name, w
             assert max(r["errors"]) < 1e-12, r
             assert r["bytes"] == r["by_hand"], r
             if world > 1:
-                assert r["ops"] == ((["send_recv"], ["send_recv"]) if strategy == "halo" else (["all_to_all"], ["all_to_all"])), r
+                ops = {"halo": (["send_recv"], ["send_recv"]), "state": (["all_gather"], ["reduce_scatter"])}
+                assert r["ops"] == ops.get(strategy, (["all_to_all"], ["all_to_all"])), r
         assert results[0]["estimate"][:2] == tuple(max(r["bytes"][i] for r in results) for i in (0, 1)), results
         share = results[0]["estimate"][2]  # of one process's mixer compute: 1/P, plus the halo rows (2 of 16 per chunk here)
-        assert share == 1 / world if strategy == "ulysses" else 1 / world <= share <= 1.25 / world, share
+        if strategy == "state":  # its fragments' scan, and again widened for the summaries
+            assert share == 2 / world, share
+        else:
+            assert share == 1 / world if strategy == "ulysses" else 1 / world <= share <= 1.25 / world, share
+
+
+@hf
+@pytest.mark.parametrize("plant", STATE_PLANTS)
+def test_state_passing_defects_are_caught(ranks, plant):
+    for r in values(ranks(2), f"mixers-state-planted/{plant}"):
+        assert max(r["errors"]) > 1e-3, r
+
+
+@hf
+def test_state_passing_bytes_do_not_grow_with_the_sequence(ranks):
+    """A Gated DeltaNet layer under state at 64 and 256 tokens a rank: the same bytes forward and backward
+    (the ulysses strategy's grow 4x), each rank's fragments' summaries and convolution tails."""
+    for short, long in values(ranks(2), "mixers-state-bytes"):
+        assert short == long and short[0] > 0, (short, long)
+
+
+@hf
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+def test_state_passing_is_exact_under_the_balanced_layout(ranks, world, name):
+    for r in values(ranks(world), f"hybrids-state/balanced/{name}"):
+        _assert_exact(r, name, HYBRID_TOL)
+        assert set(r["mixers"].values()) == {"state"}, r["mixers"]
 
 
 @hf

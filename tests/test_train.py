@@ -421,6 +421,17 @@ def test_a_hybrid_model_trains_through_its_mixers(tmp_path, run_ranks):
         assert "Qwen3_5GatedDeltaNet (layer 0" in message, message
 
 
+def test_a_hybrid_model_trains_under_state_passing(tmp_path, run_ranks):
+    """--sp-mixer state: Qwen3.5's Gated DeltaNet layers pass their recurrent state between ranks,
+    verified under SP before the first step, then trained."""
+    from .model_families import config
+
+    config("qwen3_5", vocab_size=300).save_pretrained(tmp_path)
+    cfg = TrainConfig(sp_size=2, seq_len=SEQ, steps=2, verify=True, model=str(tmp_path / "config.json"), sp_mixer="state")
+    passed, layers, worst, losses = run_ranks(_verified, 2, cfg)[0]
+    assert passed and len(losses) == 2 and all(0 < loss < 10 for loss in losses), (worst, losses)
+
+
 @pytest.mark.parametrize("family", ["gpt_oss", "llama4_text"])
 def test_attention_variants_train_through_the_job(tmp_path, run_ranks, family):
     """GPT-OSS (learned sinks, sliding and full layers) and Llama 4 (a chunked layer, a NoPE layer's
