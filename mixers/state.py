@@ -124,6 +124,31 @@ class Fragments:
             state = transition @ state + bias
         return [entries[c] for c in self.mine]
 
+    def run(self, mixed: torch.Tensor, reach: int, conv: Callable, scan: Callable, heads: int, key_dim: int, value_dim: int) -> torch.Tensor:
+        """A convolution-then-delta-rule mixer on this rank's fragments: ``mixed`` ``[B, S_local, C]``
+        (the convolution's input), ``conv(x)`` the causal convolution of ``[B, L, C]`` rows,
+        ``scan(x, start, end, initial_state, widen)`` the family's scan of the convolved rows
+        ``x`` = local rows ``start:end`` of one document (``widen``: values ``[v | 0]``, returning the
+        final state ``[B, heads, key_dim, value_dim + key_dim]``; else the output). Returns the
+        scan's output on every local row."""
+        halos = self.halo_before(mixed, reach)
+        convolved = []
+        for i in range(len(self.mine)):
+            segments = []
+            for start, end, continues in self.segments(i):  # a document's convolution, with the rows before the fragment where it began there
+                x = torch.cat([halos[i], mixed[:, start:end]], dim=1) if continues else mixed[:, start:end]
+                segments.append((start, end, continues, conv(x)[:, -(end - start):]))
+            convolved.append(segments)
+        eye = torch.eye(key_dim, dtype=mixed.dtype, device=mixed.device).expand(mixed.shape[0], heads, key_dim, key_dim)
+        summaries = []
+        for segments in convolved:  # the fragment's map of its entry state: through it, or from its last document's start (A = 0)
+            start, end, continues, x = segments[-1]
+            through = eye if continues and len(segments) == 1 else torch.zeros_like(eye)
+            summaries.append(scan(x, start, end, torch.cat([eye.new_zeros(*eye.shape[:3], value_dim), through], dim=-1), True))
+        entries = self.entry_states(summaries, value_dim)
+        return torch.cat([scan(x, start, end, entry if continues else None, False)
+                          for entry, segments in zip(entries, convolved) for start, end, continues, x in segments], dim=1)
+
     def joined(self, out: torch.Tensor) -> torch.Tensor:
         """``out`` tied to every all-gather of the call by an exact zero (``+ 0 * sum``), so each rank's
         backward runs each gather's reduce-scatter: a rank whose fragments need no predecessor (the first

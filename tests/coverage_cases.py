@@ -22,13 +22,15 @@ MLA_BACKENDS = ("ulysses", "allgather", "ring", "hybrid")
 STRATEGY_FAMILIES = (  # each strategy on each kind of mixer it can run, beside what auto takes (hybrids/)
     ("allgather", "qwen3_next", (2, 3, 4)), ("ulysses", "qwen3_next_12kh", (2, 3, 4)), ("ulysses", "bamba_12h", (2, 3, 4)),
     ("ulysses", "bamba", (2, 4)), ("allgather", "bamba", (2, 3, 4)), ("allgather", "lfm2", (2, 3, 4)),
-    ("state", "qwen3_5", (2, 3, 4)), ("state", "qwen3_next", (2, 3, 4)),
+    ("state", "qwen3_5", (2, 3, 4)), ("state", "qwen3_next", (2, 3, 4)), ("state", "kimi_linear", (2, 3, 4)),
+    ("state", "bamba", (2, 3, 4)), ("state", "zamba2", (2, 3, 4)), ("state", "mamba2", (2, 3, 4)),
 )
 BALANCED_FAMILIES = ("llama", "gemma3", "deepseek_v3", "qwen3_next", "qwen3_next_12kh", "lfm2", "bamba_12h", "rwkv")
 """Through verify under the balanced layout: GQA, sliding windows, MLA, and every mixer strategy."""
 MIXER_LAYER_CASES = (  # strategy, family, worlds: the layer alone, its bytes counted
     ("ulysses", "qwen3_next_12kh", (1, 2, 3, 4)), ("ulysses", "bamba_12h", (1, 2, 3, 4)), ("ulysses", "bamba", (1, 2, 4)),
     ("halo", "lfm2", (1, 2, 3, 4)), ("ulysses", "kimi_linear_12h", (1, 2, 3, 4)), ("state", "qwen3_next_12kh", (1, 2, 3, 4)),
+    ("state", "kimi_linear_12h", (1, 2, 3, 4)), ("state", "bamba_12h", (1, 2, 3, 4)),
 )
 STATE_PLANTS = ("entry-dropped", "halo-not-reset", "folded-out-of-order")
 """Defects the state strategy's tests must see: a fragment's entry state taken as zeros, the
@@ -84,13 +86,13 @@ MAMBA2_ADAPTED = {  # the other classes the Mamba2 adapter takes, on their trans
 }
 
 
-def adapted_default(topo, name: str) -> dict:
+def adapted_default(topo, name: str, mixer: str = "ulysses") -> dict:
     """A family whose mixer the Mamba2 adapter takes, from its default config shrunk by verify, under
     mixer="ulysses" with float32 lifted to float64."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     with fp64_throughout():
-        report = usp.verify_sequence_parallel(CONFIG_MAPPING[name.split("-")[0]](**MAMBA2_ADAPTED[name]), topo, mixer="ulysses",
+        report = usp.verify_sequence_parallel(CONFIG_MAPPING[name.split("-")[0]](**MAMBA2_ADAPTED[name]), topo, mixer=mixer,
                                               raise_on_mismatch=False)
     return dict(_summary(report), mixers=report.mixers)
 
@@ -209,8 +211,13 @@ def _by_hand(layer, strategy: str, topo, b: int, local: int, itemsize: int) -> t
     p, r = topo.sp_size, topo.sp_rank
     if strategy == "state":  # every fragment's convolution tail and summary [B | A], all-gathered; their gradients reduce-scattered
         fragments = len(usp.layout.chunk_table(topo.layout, p, local * p)[0])
-        tail = min(local // fragments, layer.conv1d.kernel_size[0] - 1) * (2 * layer.key_dim + layer.value_dim)
-        summary = layer.num_v_heads * layer.head_k_dim * (layer.head_v_dim + layer.head_k_dim)
+        tail = min(local // fragments, layer.conv1d.kernel_size[0] - 1) * layer.conv1d.in_channels
+        if hasattr(layer, "num_v_heads"):  # Gated DeltaNet: [dk, dv + dk] per value head
+            summary = layer.num_v_heads * layer.head_k_dim * (layer.head_v_dim + layer.head_k_dim)
+        elif hasattr(layer, "ssm_state_size"):  # Mamba2: [head_dim, state + head_dim] per head
+            summary = layer.num_heads * layer.head_dim * (layer.ssm_state_size + layer.head_dim)
+        else:  # Kimi Delta Attention: [d, 2d] per head
+            summary = layer.num_heads * layer.head_dim * 2 * layer.head_dim
         return ((p - 1) * fragments * b * (tail + summary) * itemsize,) * 2
     if strategy == "halo":  # the kernel - 1 tokens before each chunk whose predecessor another rank holds; their gradients back
         zigzag = topo.layout == "zigzag"  # rank r holds chunks r and 2P-1-r: successors r+1 (rank r+1) and 2P-r (rank r-1)
@@ -695,6 +702,7 @@ def register(case, topo_for, hf: bool) -> None:
         case(f"mixers-bf16/{strategy}/{name}", (1, 2, 4))(lambda env, s=strategy, n=name: mixer_low_precision(topo_for(env), n, s))
     for name in MAMBA2_ADAPTED:
         case(f"hybrids-adapted/{name}", (2, 4))(lambda env, n=name: adapted_default(topo_for(env), n))
+        case(f"hybrids-adapted-state/{name}", (2, 3, 4))(lambda env, n=name: adapted_default(topo_for(env), n, "state"))
     for name, worlds in SINK_DEFAULTS.items():
         case(f"sinks/{name}", worlds)(lambda env, n=name: sinks_default(topo_for(env), n))
     for backend in MLA_BACKENDS:  # Granite SWA under each backend: 12 heads, so every backend applies at P = 2, 3, 4
@@ -703,7 +711,7 @@ def register(case, topo_for, hf: bool) -> None:
     for plant in STATE_PLANTS:
         case(f"mixers-state-planted/{plant}", (2,))(lambda env, p=plant: state_planted(topo_for(env), p))
     case("mixers-state-bytes", (2,))(lambda env: [mixer_layer(topo_for(env), "qwen3_next_12kh", "state", per_rank=n)["bytes"] for n in (64, 256)])
-    for name in ("qwen3_5", "qwen3_next"):  # the state strategy under the balanced layout
+    for name in ("qwen3_5", "qwen3_next", "kimi_linear", "bamba"):  # the state strategy under the balanced layout
         case(f"hybrids-state/balanced/{name}", (2, 3, 4))(lambda env, n=name: family(topo_for(env, "balanced"), n, lift=True, mixer="state"))
     for backend in MLA_BACKENDS:  # Llama 4 text under each backend (auto: families/llama4_text)
         case(f"llama4/{backend}", (2, 3, 4))(lambda env, be=backend: llama4_case(topo_for(env), be))

@@ -269,10 +269,11 @@ def test_calibrate_writes_a_profile_auto_can_use(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="the mixer layers are transformers'")
 def test_mixers_times_every_strategy_that_can_run_each_layer(tmp_path):
     """sp-bench mixers on 2 ranks at 256 tokens: a row per layer; the short convolution under halo
-    and allgather, Mamba2 under ulysses and allgather; bytes rank 0 sends, forward and backward, by
-    hand: halo, the 2 tokens before rank 1's first chunk and the gradient of the 2 it received;
+    and allgather, Mamba2 under ulysses, allgather and state; bytes rank 0 sends, forward and backward,
+    by hand: halo, the 2 tokens before rank 1's first chunk and the gradient of the 2 it received;
     ulysses, half of x, B and C (its one group sent to both ranks) and dt, and of the float32
-    output, each way; allgather, the local input each way."""
+    output, each way; allgather, the local input each way; state, each of its 2 zigzag fragments'
+    summary (8 heads of [64, 64 + 64]) and convolution tail (3 tokens of x, B, C), each way."""
     out = tmp_path / "mixers.json"
     result = CliRunner().invoke(sp_bench, ["mixers", "--mixers", "conv,mamba2", "--seq", "256", "--nproc", "2", "--repeat", "1",
                                            "--json", str(out)], catch_exceptions=False)
@@ -281,6 +282,8 @@ def test_mixers_times_every_strategy_that_can_run_each_layer(tmp_path):
     local, fp32 = 128 * 256 * 4, 4
     assert {k: v["bytes_sent"] for k, v in rows["conv"]["strategies"].items()} == {"halo": 2 * 2 * 256 * fp32, "allgather": 2 * local}
     per_token = (512 + 2 * 2 * 64 + 8) * fp32 + 512 * fp32
-    assert {k: v["bytes_sent"] for k, v in rows["mamba2"]["strategies"].items()} == {"ulysses": 2 * 128 * per_token // 2, "allgather": 2 * local}
+    state = 2 * 2 * (8 * 64 * (64 + 64) + 3 * (512 + 2 * 64)) * fp32
+    assert ({k: v["bytes_sent"] for k, v in rows["mamba2"]["strategies"].items()}
+            == {"ulysses": 2 * 128 * per_token // 2, "allgather": 2 * local, "state": state})
     assert all(v["seconds"] > 0 for r in rows.values() for v in r["strategies"].values()), rows
     assert "| conv | 256 | 2 |" in result.output and "| mamba2 | 256 | 2 |" in result.output, result.output

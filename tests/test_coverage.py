@@ -185,6 +185,17 @@ def test_mixer_layer_is_exact_and_counts_its_bytes(ranks, lay, strategy, name, w
 
 
 @hf
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("name", MAMBA2_ADAPTED)
+def test_other_mamba2_mixers_are_exact_under_state_passing(ranks, world, name):
+    """Granite 4, Nemotron-H and Falcon-H1 (with and without its norm) under the state strategy,
+    their default configs shrunk, float32 lifted."""
+    for r in values(ranks(world), f"hybrids-adapted-state/{name}"):
+        _assert_exact(r, name, HYBRID_TOL)
+        assert r["mixers"] and set(r["mixers"].values()) == {"state"}, r["mixers"]
+
+
+@hf
 @pytest.mark.parametrize("plant", STATE_PLANTS)
 def test_state_passing_defects_are_caught(ranks, plant):
     for r in values(ranks(2), f"mixers-state-planted/{plant}"):
@@ -201,7 +212,7 @@ def test_state_passing_bytes_do_not_grow_with_the_sequence(ranks):
 
 @hf
 @pytest.mark.parametrize("world", [2, 3, 4])
-@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next"])
+@pytest.mark.parametrize("name", ["qwen3_5", "qwen3_next", "kimi_linear", "bamba"])
 def test_state_passing_is_exact_under_the_balanced_layout(ranks, world, name):
     for r in values(ranks(world), f"hybrids-state/balanced/{name}"):
         _assert_exact(r, name, HYBRID_TOL)

@@ -70,7 +70,7 @@ def apply_sequence_parallel(model: nn.Module, topo: Topology, backend: str | lis
             ``offload`` (also keep each checkpointed layer input in pinned host memory on CUDA;
             its counters are in ``ulysses_sp.tiling.offload_store(model)``).
         mixer: The strategy for hybrid models' other token mixers (Gated DeltaNet, Mamba2, short
-            convolutions): ``auto``, ``halo``, ``ulysses``, ``allgather``, ``state`` (Gated DeltaNet), or ``none`` (refuse them).
+            convolutions): ``auto``, ``halo``, ``ulysses``, ``allgather``, ``state`` (Gated DeltaNet, Kimi Delta Attention, Mamba2), or ``none`` (refuse them).
         tiled_norms: Also run the decoder layers' norms and the final one over tiles (at the
             MLP's tile size), so their float32 intermediates never exist for the whole shard.
 

@@ -90,7 +90,7 @@ class SequenceParallelTrainingArguments(TrainingArguments):
             comma-separated names, one per attention layer.
         sp_kernel: The local attention kernel: ``auto``, ``flash_attn``, ``torch`` or ``math``.
         sp_mixer: The strategy for hybrid models' other token mixers (Gated DeltaNet, Mamba2,
-            short convolutions): ``auto``, ``halo``, ``ulysses``, ``allgather``, ``state`` (Gated DeltaNet); ``none`` refuses them.
+            short convolutions): ``auto``, ``halo``, ``ulysses``, ``allgather``, ``state`` (Gated DeltaNet, Kimi Delta Attention, Mamba2); ``none`` refuses them.
         sp_layout: The tokens of each sequence across the SP ranks: ``zigzag``, ``contiguous``,
             ``balanced``, or ``auto``: ``balanced`` when the training rows are packed
             (``DataCollatorWithFlattening``, or ``position_ids`` restarting at 0), else ``zigzag``.

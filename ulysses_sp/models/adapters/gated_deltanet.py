@@ -87,51 +87,31 @@ def _sent(module, p: int, itemsize: int) -> tuple[int, int]:
 
 
 
-def _scan(module, code, x, b, a, initial_state, widen: bool = False):
-    """The gated delta rule of one document's rows from ``initial_state`` (None: zeros) on the
-    convolution's output ``x``; ``widen``: values ``[v | 0]`` per head, for a fragment's summary.
-    Returns ``(out, final state)``."""
-    kh, vh, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
-    qd, kd, vd = torch.split(x, [kh * dk, kh * dk, vh * dv], dim=-1)
-    vd = vd.unflatten(-1, (vh, dv))
-    if widen:
-        vd = torch.cat([vd, vd.new_zeros(*vd.shape[:3], dk)], dim=-1)
-    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
-    return code.torch_chunk_gated_delta_rule(
-        qd.unflatten(-1, (kh, dk)), kd.unflatten(-1, (kh, dk)), vd, g=g, beta=b.sigmoid(),
-        initial_state=initial_state, output_final_state=widen, use_qk_l2norm_in_kernel=True,
-    )
-
-
 def _run_state(projections, module, hidden_states, fragments):
-    """State passing (`ulysses_sp.mixers.state`): every head on this rank's fragments; the
-    convolution gets the ``kernel - 1`` inputs before each fragment, the delta rule the state
-    folded from every earlier fragment's summary (``[B | A]`` per value head, ``[dk, dv + dk]``)."""
+    """State passing (`ulysses_sp.mixers.state`): every head on this rank's fragments; the summaries
+    ``[B | A]`` per value head are ``[dk, dv + dk]``."""
     code = sys.modules[type(module).__module__]
-    vh, dk, dv = module.num_v_heads, module.head_k_dim, module.head_v_dim
+    kh, vh, dk, dv = module.num_k_heads, module.num_v_heads, module.head_k_dim, module.head_v_dim
     q, k, v, z, b, a = projections(module, hidden_states)
-    mixed = torch.cat([t.flatten(2) for t in (q, k, v)], dim=-1)
-    halos = fragments.halo_before(mixed, module.conv1d.kernel_size[0] - 1)
     weight, bias = module.conv1d.weight.squeeze(1), module.conv1d.bias
 
-    def conv(i, start, end, continues):  # a document's causal convolution, with the rows before the fragment where it began there
-        x = torch.cat([halos[i], mixed[:, start:end]], dim=1) if continues else mixed[:, start:end]
-        return code.causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation=module.activation).transpose(1, 2)[:, -(end - start):]
+    def conv(x):
+        return code.causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation=module.activation).transpose(1, 2)
 
-    convolved = [[(start, end, continues, conv(i, start, end, continues)) for start, end, continues in fragments.segments(i)]
-                 for i in range(len(fragments.mine))]
-    eye = torch.eye(dk, dtype=mixed.dtype, device=mixed.device).expand(mixed.shape[0], vh, dk, dk)
-    summaries = []
-    for segments in convolved:  # the fragment's map of its entry state: through it, or from its last document's start (A = 0)
-        start, end, continues, x = segments[-1]
-        through = eye if continues and len(segments) == 1 else torch.zeros_like(eye)
-        _, final = _scan(module, code, x, b[:, start:end], a[:, start:end], torch.cat([eye.new_zeros(*eye.shape[:3], dv), through], dim=-1),
-                         widen=True)
-        summaries.append(final)
-    entries = fragments.entry_states(summaries, dv)
-    outs = [_scan(module, code, x, b[:, start:end], a[:, start:end], entry if continues else None)[0]
-            for entry, segments in zip(entries, convolved) for start, end, continues, x in segments]
-    out = torch.cat(outs, dim=1)
+    def scan(x, start, end, initial_state, widen):
+        qd, kd, vd = torch.split(x, [kh * dk, kh * dk, vh * dv], dim=-1)
+        vd = vd.unflatten(-1, (vh, dv))
+        if widen:
+            vd = torch.cat([vd, vd.new_zeros(*vd.shape[:3], dk)], dim=-1)
+        g = -module.A_log.float().exp() * F.softplus(a[:, start:end].float() + module.dt_bias)
+        out, final = code.torch_chunk_gated_delta_rule(
+            qd.unflatten(-1, (kh, dk)), kd.unflatten(-1, (kh, dk)), vd, g=g, beta=b[:, start:end].sigmoid(),
+            initial_state=initial_state, output_final_state=widen, use_qk_l2norm_in_kernel=True,
+        )
+        return final if widen else out
+
+    mixed = torch.cat([t.flatten(2) for t in (q, k, v)], dim=-1)
+    out = fragments.run(mixed, module.conv1d.kernel_size[0] - 1, conv, scan, vh, dk, dv)
     out = module.norm(out.reshape(-1, dv), z.reshape(-1, dv)).reshape(z.shape)
     return module.out_proj(out.flatten(2))
 

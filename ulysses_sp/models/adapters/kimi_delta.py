@@ -21,6 +21,7 @@ import sys
 import torch
 
 from ... import comm, layout
+from ...mixers.state import StateAdapter, register_state
 from ...mixers.ulysses import Adapter, register_adapter
 
 
@@ -59,4 +60,41 @@ def _sent(module, p: int, itemsize: int) -> tuple[int, int]:
     return (3 * qkv + module.num_heads) * itemsize + qkv * torch.finfo(torch.float32).bits // 8, qkv * itemsize
 
 
+def _run_state(module, hidden_states, fragments):
+    """State passing (`ulysses_sp.mixers.state`): every head on this rank's fragments, the decay
+    per channel folded into each fragment's map; the summaries ``[B | A]`` per head are ``[d, 2d]``."""
+    code = sys.modules[type(module).__module__]
+    heads, d = module.num_heads, module.head_dim
+    q, k, v = (proj(hidden_states) for proj in (module.q_proj, module.k_proj, module.v_proj))
+    g = module.forget_gate(hidden_states)  # [B, s, H, d] float32
+    b = module.b_proj(hidden_states)
+    weight, bias = module.conv1d.weight.squeeze(1), module.conv1d.bias
+
+    def conv(x):
+        return code.causal_conv1d_fn(x.transpose(1, 2), weight, bias, activation=module.activation).transpose(1, 2)
+
+    def scan(x, start, end, initial_state, widen):
+        qd, kd, vd = (t.unflatten(-1, (heads, d)) for t in torch.split(x, [heads * d] * 3, dim=-1))
+        if widen:
+            vd = torch.cat([vd, torch.zeros_like(vd)], dim=-1)
+        out, final = code.chunk_kimi_delta_attention(qd, kd, vd, g=g[:, start:end], beta=b[:, start:end].sigmoid(), initial_state=initial_state,
+                                                     output_final_state=widen, use_qk_l2norm_in_kernel=True)
+        return final if widen else out
+
+    out = fragments.run(torch.cat([q, k, v], dim=-1), module.conv1d.kernel_size[0] - 1, conv, scan, heads, d, d)
+    gate = module.g_b_proj(module.g_a_proj(hidden_states)).unflatten(-1, (heads, d))
+    return module.o_proj(module.o_norm(out, gate).flatten(2))
+
+
+def _state_bytes(module, itemsize: int) -> int:
+    """A fragment's summary: ``[d, 2d]`` per head, in the scan's float32 (or the inputs' wider dtype)."""
+    return module.num_heads * module.head_dim * 2 * module.head_dim * max(itemsize, 4)
+
+
+def _halo_bytes(module, itemsize: int) -> int:
+    """The convolution inputs before a fragment: ``kernel - 1`` tokens of q, k and v."""
+    return (module.conv1d.kernel_size[0] - 1) * 3 * module.qkv_dim * itemsize
+
+
 register_adapter(("KimiLinearDeltaAttention",), Adapter(heads=lambda module: (module.num_heads, module.num_heads), run=_run, sent=_sent))
+register_state(("KimiLinearDeltaAttention",), StateAdapter(run=_run_state, summary_bytes=_state_bytes, halo_bytes=_halo_bytes))

@@ -19,6 +19,7 @@ import sys
 import torch
 
 from ... import comm, layout
+from ...mixers.state import StateAdapter, register_state
 from ...mixers.ulysses import Adapter, rank_groups, register_adapter
 
 
@@ -72,5 +73,43 @@ def _sent(module, p: int, itemsize: int) -> tuple[int, int]:
     return (module.intermediate_size + bc + module.num_heads) * itemsize, module.intermediate_size * torch.finfo(torch.float32).bits // 8
 
 
-register_adapter(("Mamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "Zamba2MambaMixer", "FalconH1Mixer"),
-                 Adapter(heads=lambda module: (module.num_heads, module.n_groups), run=_run, sent=_sent))
+def _run_state(module, hidden_states, fragments):
+    """State passing (`ulysses_sp.mixers.state`): every head on this rank's fragments. The state of a
+    head is ``[head_dim, state]``; B and C widened by ``head_dim`` zero columns, from an identity there,
+    give each fragment's map ``[B | A]`` (its ``A`` the head's decay times the identity)."""
+    code = sys.modules[type(module).__module__]
+    heads, groups, n, d, inner = module.num_heads, module.n_groups, module.ssm_state_size, module.head_dim, module.intermediate_size
+    gate, x, b, c, dt = _projections(module, hidden_states).split([inner, inner, groups * n, groups * n, heads], dim=-1)
+    weight, bias = module.conv1d.weight.squeeze(1), module.conv1d.bias
+    a = -torch.exp(module.A_log.float())
+
+    def conv(xs):
+        return code.causal_conv1d_fn(xs.transpose(1, 2), weight, bias, activation=module.activation).transpose(1, 2)
+
+    def scan(xs, start, end, initial_state, widen):
+        xd, bd, cd = torch.split(xs, [inner, groups * n, groups * n], dim=-1)
+        bd, cd = bd.unflatten(-1, (groups, n)), cd.unflatten(-1, (groups, n))
+        if widen:
+            bd, cd = (torch.cat([t, t.new_zeros(*t.shape[:3], d)], dim=-1) for t in (bd, cd))
+        out = code.mamba2_chunk_scan(xd.unflatten(-1, (heads, d)), dt[:, start:end], a, bd, cd, chunk_size=module.chunk_size, D=module.D,
+                                     dt_bias=module.dt_bias, initial_states=initial_state, dt_softplus=True, dt_limit=module.time_step_limit,
+                                     return_final_states=widen)
+        return out[1] if widen else out
+
+    y = fragments.run(torch.cat([x, b, c], dim=-1), module.conv1d.kernel_size[0] - 1, conv, scan, heads, d, n)
+    return module.out_proj(_gated_norm(module, y.flatten(2), gate).to(hidden_states.dtype))
+
+
+def _state_bytes(module, itemsize: int) -> int:
+    """A fragment's summary: ``[head_dim, state + head_dim]`` per head, in the scan's float32 (or the inputs' wider dtype)."""
+    return module.num_heads * module.head_dim * (module.ssm_state_size + module.head_dim) * max(itemsize, 4)
+
+
+def _halo_bytes(module, itemsize: int) -> int:
+    """The convolution inputs before a fragment: ``kernel - 1`` tokens of x, B and C."""
+    return (module.conv1d.kernel_size[0] - 1) * module.conv1d.in_channels * itemsize
+
+
+_CLASSES = ("Mamba2Mixer", "BambaMixer", "GraniteMoeHybridMambaLayer", "NemotronHMamba2Mixer", "Zamba2MambaMixer", "FalconH1Mixer")
+register_state(_CLASSES, StateAdapter(run=_run_state, summary_bytes=_state_bytes, halo_bytes=_halo_bytes))
+register_adapter(_CLASSES, Adapter(heads=lambda module: (module.num_heads, module.n_groups), run=_run, sent=_sent))
