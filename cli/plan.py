@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ulysses_sp.models.coverage import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
-from ulysses_sp.mixers import AUTO_ORDER, MIXERS, get_mixer
+from ulysses_sp.mixers import BUILT_IN, MIXERS, get_mixer
 from ulysses_sp.profile import Profile
 from ulysses_sp.registry import choose_backend
 from ulysses_sp.spec import AttnSpec, Estimate, MixerEstimate
@@ -151,7 +151,7 @@ def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_d
 def _mixer_estimates(shape: LayerShape, topo, batch: int, seq_len: int, dtype) -> dict:
     """Each mixer strategy's `MixerEstimate` for the layer, or why it cannot run it."""
     out = {}
-    for name in AUTO_ORDER:
+    for name in BUILT_IN:
         strategy = MIXERS[name](topo)
         if shape.module is None and name != "allgather":
             out[name] = f"needs the mixer's class ({shape.mixer}): install transformers, which builds it from the config"
