@@ -715,6 +715,9 @@ def register(case, topo_for, hf: bool) -> None:
         case(f"hybrids-state/balanced/{name}", (2, 3, 4))(lambda env, n=name: family(topo_for(env, "balanced"), n, lift=True, mixer="state"))
     for backend in MLA_BACKENDS:  # Llama 4 text under each backend (auto: families/llama4_text)
         case(f"llama4/{backend}", (2, 3, 4))(lambda env, be=backend: llama4_case(topo_for(env), be))
+    case("llama4/auto", (4,))(lambda env: llama4_case(topo_for(env), "auto"))  # P = 2, 3: families/llama4_text
+    case("sinks/gpt_oss/auto", (4,))(lambda env: family(topo_for(env), "gpt_oss", "auto", num_attention_heads=MLA_HEADS,
+                                                        num_key_value_heads=MLA_HEADS))  # P = 2, 3: families/gpt_oss
     for plant in LLAMA4_PLANTS:
         case(f"llama4-planted/{plant}", (2, 4))(lambda env, p=plant: llama4_case(topo_for(env), "ring", p))
     for backend in MLA_BACKENDS:  # GPT-OSS under each backend, P = 2, 3, 4 (auto: families/gpt_oss)

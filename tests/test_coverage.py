@@ -140,6 +140,14 @@ def test_llama4_is_exact_under_every_backend(ranks, world, backend):
 
 
 @hf
+@pytest.mark.parametrize("name", ["llama4", "sinks/gpt_oss"])
+def test_llama4_and_gpt_oss_are_exact_under_auto_on_4_ranks(ranks, name):
+    """``auto`` at P = 4 (P = 2 and 3: test_family_is_exact)."""
+    for r in values(ranks(4), f"{name}/auto"):
+        _assert_exact(r, name)
+
+
+@hf
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("plant", LLAMA4_PLANTS)
 def test_llama4_defects_are_caught(ranks, world, plant):
