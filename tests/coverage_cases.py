@@ -710,6 +710,12 @@ def register(case, topo_for, hf: bool) -> None:
             topo_for(env), "granite_swa", be, num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS, hidden_size=96))
     for plant in STATE_PLANTS:
         case(f"mixers-state-planted/{plant}", (2,))(lambda env, p=plant: state_planted(topo_for(env), p))
+    for lay in ("zigzag", "contiguous"):
+        for name in ("qwen3_next_12kh", "bamba_12h"):  # documents of 1 and 2 tokens (shorter than the halo of 3), one ending on a chunk
+            # boundary; and chunks of 1 token (zigzag, 2 a rank), so a halo spans several chunks and ranks
+            case(f"mixers-state-edges/{lay}/{name}", (2, 4))(lambda env, lay=lay, n=name: [
+                mixer_layer(topo_for(env, lay), n, "state", bounds=[0, 2, 3, 16, 17, 19, 16 * env.world])["errors"],
+                mixer_layer(topo_for(env, lay), n, "state", per_rank=2, bounds=[0, 3, 2 * env.world])["errors"]])
     case("mixers-state-bytes", (2,))(lambda env: [mixer_layer(topo_for(env), "qwen3_next_12kh", "state", per_rank=n)["bytes"] for n in (64, 256)])
     for name in ("qwen3_5", "qwen3_next", "kimi_linear", "bamba"):  # the state strategy under the balanced layout
         case(f"hybrids-state/balanced/{name}", (2, 3, 4))(lambda env, n=name: family(topo_for(env, "balanced"), n, lift=True, mixer="state"))

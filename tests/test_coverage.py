@@ -211,6 +211,17 @@ def test_state_passing_defects_are_caught(ranks, plant):
 
 
 @hf
+@pytest.mark.parametrize("world", [2, 4])
+@pytest.mark.parametrize("lay", ["zigzag", "contiguous"])
+@pytest.mark.parametrize("name", ["qwen3_next_12kh", "bamba_12h"])
+def test_state_passing_is_exact_at_the_edges(ranks, world, lay, name):
+    """Documents shorter than the convolution's halo, one ending exactly on a chunk boundary, and
+    chunks of one token whose halo spans several chunks and ranks: output, input and parameter gradients."""
+    for edges, short_chunks in values(ranks(world), f"mixers-state-edges/{lay}/{name}"):
+        assert max(edges) < 1e-12 and max(short_chunks) < 1e-12, (edges, short_chunks)
+
+
+@hf
 def test_state_passing_bytes_do_not_grow_with_the_sequence(ranks):
     """A Gated DeltaNet layer under state at 64 and 256 tokens a rank: the same bytes forward and backward
     (the ulysses strategy's grow 4x), each rank's fragments' summaries and convolution tails."""
