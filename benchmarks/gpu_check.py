@@ -196,16 +196,16 @@ def mla_checks() -> None:
 
 def hybrid_checks(topo=None, rank: int = 0) -> None:
     """Hybrid models under each mixer strategy on the GPU: verify_sequence_parallel on shrunk
-    Qwen3-Next (Gated DeltaNet), Bamba (Mamba2) and Kimi Linear (Kimi Delta Attention) under ulysses and
-    allgather, LFM2 (short convolutions) under halo and allgather, MiniMax (lightning attention) under allgather, in fp64, with whatever kernels the machine has (fla,
+    Qwen3-Next (Gated DeltaNet), Bamba (Mamba2) and Kimi Linear (Kimi Delta Attention) under ulysses,
+    allgather and state (at P=1 too: zigzag gives the rank two fragments to fold), LFM2 (short convolutions) under halo and allgather, MiniMax (lightning attention) under allgather, in fp64, with whatever kernels the machine has (fla,
     mamba_ssm and causal-conv1d when installed, which transformers picks for the functions the
     adapters call; else transformers' torch code); on NCCL ranks, over the whole group (rank 0 prints)."""
     import transformers
 
     topo = topo or usp.init_sequence_parallel(1)
-    models = {"Qwen3NextConfig": ({}, ("ulysses", "allgather")), "BambaConfig": ({}, ("ulysses", "allgather")),
+    models = {"Qwen3NextConfig": ({}, ("ulysses", "allgather", "state")), "BambaConfig": ({}, ("ulysses", "allgather", "state")),
               "Lfm2Config": ({"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}, ("halo", "allgather")),
-              "KimiLinearConfig": ({}, ("ulysses", "allgather")), "MiniMaxConfig": ({}, ("allgather",))}
+              "KimiLinearConfig": ({}, ("ulysses", "allgather", "state")), "MiniMaxConfig": ({}, ("allgather",))}
     for cls, (overrides, strategies) in models.items():
         for mixer in strategies:
             def ran(report, mixer=mixer):
@@ -427,22 +427,23 @@ def efficiency_checks() -> None:
         return detail
 
 
-PARITY = {  # name: (q heads, kv heads, causal, documents of the 4096 tokens or None, sliding window or None, softcap)
-    "gqa-causal": (16, 4, True, None, None, 0.0),
-    "mqa-full": (8, 1, False, None, None, 0.0),
-    "gqa-causal-packed": (16, 4, True, (0, 300, 1500, 1501, 4096), None, 0.0),
-    "gqa-window1000": (16, 4, True, None, 1000, 0.0),
-    "gqa-window300-packed-softcap": (16, 4, True, (0, 300, 1500, 1501, 4096), 300, 20.0),
+PARITY = {  # name: (q heads, kv heads, causal, documents of the 4096 tokens or None, sliding window or None, softcap, learned sinks)
+    "gqa-causal": (16, 4, True, None, None, 0.0, False),
+    "mqa-full": (8, 1, False, None, None, 0.0, False),
+    "gqa-causal-packed": (16, 4, True, (0, 300, 1500, 1501, 4096), None, 0.0, False),
+    "gqa-window1000": (16, 4, True, None, 1000, 0.0, False),
+    "gqa-window300-packed-softcap": (16, 4, True, (0, 300, 1500, 1501, 4096), 300, 20.0, False),
+    "gqa-window128-packed-sinks (GPT-OSS)": (16, 4, True, (0, 300, 1500, 1501, 4096), 128, 0.0, True),
 }
 
 
-def _reference(full, causal, cu, window, softcap):
+def _reference(full, causal, cu, window, softcap, sinks=None):
     """fp64 out and dq, dk, dv of the whole sequence with the math kernel on this GPU."""
     lens = None if cu is None else [b - a for a, b in zip(cu, cu[1:])]
     varlen = None if cu is None else kernels.Varlen.build(lens, lens, 1, "cuda")
     leaves = [t.double().requires_grad_() for t in full[:3]]
     out = kernels.attend(*leaves, kernel="math", causal=causal, scale=full[0].shape[-1] ** -0.5, varlen=varlen,
-                         window=None if window is None else (window - 1, 0), softcap=softcap)
+                         window=None if window is None else (window - 1, 0), softcap=softcap, sinks=None if sinks is None else sinks.double())
     out.backward(full[3].double())
     return [out.detach()] + [t.grad for t in leaves]
 
@@ -459,13 +460,14 @@ def parity_rank(rank: int, world: int, port: int) -> None:
     ud = 2 if world % 2 == 0 and world > 2 else None
     for layout in ("zigzag", "contiguous", "balanced"):
         topo = usp.init_sequence_parallel(world, layout=layout, ulysses_degree=ud)
-        for case, (hq, hkv, causal, cu, window, softcap) in PARITY.items():
+        for case, (hq, hkv, causal, cu, window, softcap, with_sinks) in PARITY.items():
             if layout == "balanced" and cu is None:  # the placement matters for packed rows; one document runs the same code
                 continue
             docs = cu or (0, 4096)
             g = torch.Generator(device="cuda").manual_seed(7)
             full = [torch.randn(1, 4096, h, 128, device="cuda", generator=g).bfloat16() for h in (hq, hkv, hkv, hq)]
-            want = _reference(full, causal, cu, window, softcap)
+            sinks = torch.randn(hq, device="cuda", generator=g) + 1.0 if with_sinks else None
+            want = _reference(full, causal, cu, window, softcap, sinks)
             for backend in usp.list_backends() + ["ulysses-g2"] + (["hybrid-u2"] if world == 8 else []):
                 if backend == "halo" and window is None:  # halo runs windowed layers only
                     continue
@@ -476,7 +478,7 @@ def parity_rank(rank: int, world: int, port: int) -> None:
                         torch._dynamo.reset()  # the compiled form: one graph per combination, no recompile limit
                         attention = torch.compile(usp.sp_attention, fullgraph=True) if compiled else usp.sp_attention
                         out = attention(*shards, topo, backend=backend, kernel=kernel, causal=causal, window=window, softcap=softcap,
-                                        cu_seqlens=None if cu is None else torch.tensor(cu, device="cuda"))
+                                        cu_seqlens=None if cu is None else torch.tensor(cu, device="cuda"), sinks=sinks)
                         out.backward(usp.shard_sequence(full[3], topo, cu_seqlens=docs))
                         got = [usp.gather_sequence(t, topo, cu_seqlens=docs) for t in (out.detach(), *(s.grad for s in shards))]
                         errs = torch.tensor([rel(a, b) for a, b in zip(got, want)], device="cuda")

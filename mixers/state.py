@@ -95,8 +95,7 @@ class Fragments:
         tail = min(self.chunk, reach)
         n = len(self.mine)
         tails = torch.cat([x_bsc[:, (i + 1) * self.chunk - tail:(i + 1) * self.chunk] for i in range(n)], dim=1)
-        every = comm.all_gather(tails, self.topo.sp_group, dim=1) if self.topo.sp_size > 1 else tails
-        self.gathered.append(every)
+        every = self._gathered(tails, dim=1)
         by_chunk = {c: every[:, (r * n + i) * tail:(r * n + i + 1) * tail] for r, ids in enumerate(self.table) for i, c in enumerate(ids)}
         zeros = x_bsc.new_zeros(x_bsc.shape[0], tail, x_bsc.shape[2])
         out = []
@@ -112,8 +111,7 @@ class Fragments:
         ``[B, H, K, V + K]`` (``[B | A]``; this rank's in ``summaries``, local order): one all-gather,
         then the maps folded in global token order, ``S = A @ S + B``."""
         mine = torch.stack(summaries)
-        every = comm.all_gather(mine, self.topo.sp_group, dim=0) if self.topo.sp_size > 1 else mine
-        self.gathered.append(every)
+        every = self._gathered(mine, dim=0)
         n = len(self.mine)
         by_chunk = {c: every[r * n + i] for r, ids in enumerate(self.table) for i, c in enumerate(ids)}
         state = torch.zeros_like(mine[0][..., :value_dim])
@@ -149,13 +147,32 @@ class Fragments:
         return torch.cat([scan(x, start, end, entry if continues else None, False)
                           for entry, segments in zip(entries, convolved) for start, end, continues, x in segments], dim=1)
 
+    def _gathered(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        if self.topo.sp_size == 1:
+            return x
+        every = comm.all_gather(x, self.topo.sp_group, dim=dim)
+        self.gathered.append(every)
+        return every
+
     def joined(self, out: torch.Tensor) -> torch.Tensor:
-        """``out`` tied to every all-gather of the call by an exact zero (``+ 0 * sum``), so each rank's
-        backward runs each gather's reduce-scatter: a rank whose fragments need no predecessor (the first
-        under the contiguous layout) would otherwise skip them while the others wait in them."""
-        for t in self.gathered:
-            out = out + 0 * t.sum()
-        return out
+        """``out`` tied to every all-gather of the call, so each rank's backward runs each gather's
+        reduce-scatter: a rank whose fragments need no predecessor (the first under the contiguous
+        layout) would otherwise skip them while the others wait in them."""
+        return _Tie.apply(out, *self.gathered) if self.gathered else out
+
+
+class _Tie(torch.autograd.Function):
+    """``out`` unchanged; its backward gives ``out`` its gradient and each tied tensor zeros, which
+    makes autograd run the tied tensors' backward on every rank."""
+
+    @staticmethod
+    def forward(ctx, out, *tied):
+        ctx.tied = [(t.shape, t.dtype, t.device) for t in tied]
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, *(torch.zeros(shape, dtype=dtype, device=device) for shape, dtype, device in ctx.tied)
 
 
 class StateMixer:

@@ -16,16 +16,23 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["install", "remove", "chunk_size", "chunked_boundaries", "scale_queries"]
+__all__ = ["install", "remove", "boundaries", "chunked_boundaries", "scale_queries"]
 
 _CHUNK = "_ulysses_sp_chunk"
 _TEMPERATURE = "_ulysses_sp_temperature"
 _POSITIONS = "_ulysses_sp_positions_hook"
 
 
-def chunk_size(module) -> int | None:
-    """The chunk of a switched chunked-attention layer, else None."""
-    return module.__dict__.get(_CHUNK)
+def boundaries(module, cu_seqlens, seq_len: int) -> tuple[int, ...] | None:
+    """A switched chunked-attention layer's documents with its chunk cuts (`chunked_boundaries`),
+    computed once per model forward for every layer of that chunk size (one host read); None for
+    any other layer."""
+    if _CHUNK not in module.__dict__:
+        return None
+    chunk, context = module.__dict__[_CHUNK]
+    if chunk not in context["chunked"]:
+        context["chunked"][chunk] = chunked_boundaries(cu_seqlens, seq_len, chunk)
+    return context["chunked"][chunk]
 
 
 def _chunked(module) -> int | None:
@@ -40,18 +47,17 @@ def install(model, layers) -> None:
     """Mark ``layers``' chunked layers with their chunk size, and move the query temperature of
     their NoPE layers into the attention function (positions recorded by a model pre-hook)."""
     remove(model, layers)
-    positions: dict = {}
+    context: dict = {"chunked": {}}  # this forward's position_ids, and its boundaries per chunk size
     tuned = [m for m in layers if getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True)]
-    for module in layers:
-        chunk = _chunked(module)
-        if chunk:
-            module.__dict__[_CHUNK] = chunk
+    chunked = [(m, _chunked(m)) for m in layers if _chunked(m)]
+    for module, chunk in chunked:
+        module.__dict__[_CHUNK] = (chunk, context)
     for module in tuned:
-        module.__dict__[_TEMPERATURE] = positions
+        module.__dict__[_TEMPERATURE] = context
         module.attn_temperature_tuning = False  # remove() sets it back
-    if tuned:
+    if tuned or chunked:
         def record(_, args, kwargs):
-            positions["ids"] = kwargs.get("position_ids")
+            context.update(ids=kwargs.get("position_ids"), chunked={})
 
         model.__dict__[_POSITIONS] = model.register_forward_pre_hook(record, with_kwargs=True)
 

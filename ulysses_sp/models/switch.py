@@ -107,9 +107,9 @@ def sp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
                            "train a causal LM (BERT-style models: set config.is_decoder=True)")
     if whole:
         return _whole_sequence_attention(query, key, value, scaling, sliding_window, softcap, kwargs.get("s_aux")), None
-    query, cu_seqlens, chunk = llama4.scale_queries(module, query), kwargs.get("cu_seq_lens_q"), llama4.chunk_size(module)
-    if chunk:  # Llama 4's chunked layers: a cut at every multiple of the chunk inside each document
-        cu_seqlens = llama4.chunked_boundaries(cu_seqlens, query.shape[2] * spa.topo.sp_size, chunk)
+    query, cu_seqlens = llama4.scale_queries(module, query), kwargs.get("cu_seq_lens_q")
+    chunked = llama4.boundaries(module, cu_seqlens, query.shape[2] * spa.topo.sp_size)  # Llama 4's chunked layers: cuts in each document
+    cu_seqlens = cu_seqlens if chunked is None else chunked
     out = spa(
         query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
         causal=True, softmax_scale=scaling, cu_seqlens=cu_seqlens, window=sliding_window, softcap=softcap,

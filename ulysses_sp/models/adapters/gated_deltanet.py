@@ -86,7 +86,6 @@ def _sent(module, p: int, itemsize: int) -> tuple[int, int]:
     return (keys + module.value_dim + 2 * module.num_v_heads) * itemsize, module.value_dim * itemsize
 
 
-
 def _run_state(projections, module, hidden_states, fragments):
     """State passing (`ulysses_sp.mixers.state`): every head on this rank's fragments; the summaries
     ``[B | A]`` per value head are ``[dk, dv + dk]``."""
