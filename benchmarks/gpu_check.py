@@ -197,19 +197,20 @@ def mla_checks() -> None:
 def hybrid_checks(topo=None, rank: int = 0) -> None:
     """Hybrid models under each mixer strategy on the GPU: verify_sequence_parallel on shrunk
     Qwen3-Next (Gated DeltaNet), Bamba (Mamba2) and Kimi Linear (Kimi Delta Attention) under ulysses,
-    allgather and state (at P=1 too: zigzag gives the rank two fragments to fold), LFM2 (short convolutions) under halo and allgather, MiniMax (lightning attention) under allgather, in fp64, with whatever kernels the machine has (fla,
+    allgather and state (at P=1 too: zigzag gives the rank two fragments to fold), LFM2 (short convolutions) under halo, allgather and state, MiniMax (lightning attention) under allgather and state,
+    and each under auto (whatever it picks at this shape), in fp64, with whatever kernels the machine has (fla,
     mamba_ssm and causal-conv1d when installed, which transformers picks for the functions the
     adapters call; else transformers' torch code); on NCCL ranks, over the whole group (rank 0 prints)."""
     import transformers
 
     topo = topo or usp.init_sequence_parallel(1)
     models = {"Qwen3NextConfig": ({}, ("ulysses", "allgather", "state")), "BambaConfig": ({}, ("ulysses", "allgather", "state")),
-              "Lfm2Config": ({"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}, ("halo", "allgather")),
-              "KimiLinearConfig": ({}, ("ulysses", "allgather", "state")), "MiniMaxConfig": ({}, ("allgather",))}
+              "Lfm2Config": ({"layer_types": ["conv", "full_attention"], "num_hidden_layers": 2}, ("halo", "allgather", "state")),
+              "KimiLinearConfig": ({}, ("ulysses", "allgather", "state")), "MiniMaxConfig": ({}, ("allgather", "state"))}
     for cls, (overrides, strategies) in models.items():
-        for mixer in strategies:
+        for mixer in (*strategies, "auto"):
             def ran(report, mixer=mixer):
-                assert report.mixers and set(report.mixers.values()) == {mixer}, report.mixers
+                assert report.mixers and (mixer == "auto" or set(report.mixers.values()) == {mixer}), report.mixers
 
             _verify_on_every_rank(f"verify {cls[:-6]} (shrunk, {mixer} mixer) fp64 P={topo.sp_size} on the GPU", rank, ran,
                                   lambda cls=cls, overrides=overrides, mixer=mixer: usp.verify_sequence_parallel(

@@ -8,6 +8,7 @@ import click
 
 from ulysses_sp import registry
 from ulysses_sp.kernels import KERNEL_NAMES
+from ulysses_sp.mixers import MIXER_CHOICES
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -139,11 +140,13 @@ def calibrate(nproc, out, repeat, seq, backend_seq):
 @click.option("--tiled-mlp/--no-tiled-mlp", default=True, show_default=True, help="with --max-seq-len")
 @click.option("--tiled-norms/--no-tiled-norms", default=True, show_default=True, help="with --max-seq-len")
 @click.option("--head-groups", type=click.IntRange(min=1), default=1, show_default=True, help="with --max-seq-len: Ulysses over this many head groups")
+@click.option("--sp-mixer", type=click.Choice(MIXER_CHOICES[:-1]), default="auto", show_default=True,
+              help="with --max-seq-len: the strategy of a hybrid's linear-attention and state-space layers")
 @click.option("--gains", is_flag=True, help="with --max-seq-len: also the longest sequence with each switch off in turn (one search each)")
 @click.option("--json", "json_path", type=click.Path(dir_okay=False), help="with --max-seq-len: write the answer and its breakdown")
 def plan(model_config, heads, kv_heads, head_dim, layers, window, seq, sp_size, ulysses_degree, gpus_per_node, batch, dtype, causal, layout, docs,
          docs_seed, profile_path, images, image_size, max_seq, nodes, gpu_memory, host_memory, engine, offload_optimizer, checkpoint, tiled_loss,
-         tiled_mlp, tiled_norms, head_groups, gains, json_path):
+         tiled_mlp, tiled_norms, head_groups, sp_mixer, gains, json_path):
     """Show, per layer, the backend auto would choose and every alternative's estimate or reason;
     with --max-seq-len, the longest sequence a training step fits in, and what holds the memory."""
     import torch
@@ -155,7 +158,7 @@ def plan(model_config, heads, kv_heads, head_dim, layers, window, seq, sp_size, 
             raise click.UsageError("--max-seq-len needs --model-config (a config.json)")
         plan_max_seq_len(model_config, gpus_per_node=gpus_per_node, nodes=nodes, sp_size=sp_size, gpu_memory=gpu_memory, host_memory=host_memory,
                          engine=engine, offload_optimizer=offload_optimizer, checkpoint=checkpoint, tiled_loss=tiled_loss, tiled_mlp=tiled_mlp,
-                         tiled_norms=tiled_norms, head_groups=head_groups, dtype=dtype, profile_path=profile_path, gains=gains, json_path=json_path)
+                         tiled_norms=tiled_norms, head_groups=head_groups, mixer=sp_mixer, dtype=dtype, profile_path=profile_path, gains=gains, json_path=json_path)
         return
     if sp_size is None:
         raise click.UsageError("give --sp-size")

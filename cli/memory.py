@@ -77,7 +77,7 @@ def _breakdown_lines(b: Breakdown, device: int, host: int | None) -> list[str]:
 
 
 def plan_max_seq_len(model_config: str, *, gpus_per_node: int, nodes: int, sp_size: int | None, gpu_memory: str, host_memory: str, engine: str,
-                     offload_optimizer: bool, checkpoint: str, tiled_loss: bool, tiled_mlp: bool, tiled_norms: bool, head_groups: int, dtype: str,
+                     offload_optimizer: bool, checkpoint: str, tiled_loss: bool, tiled_mlp: bool, tiled_norms: bool, head_groups: int, dtype: str, mixer: str = "auto",
                      profile_path: str | None, gains: bool, json_path: str | None) -> dict:
     from ulysses_sp.profile import NVLINK_PROFILE, load_profile
 
@@ -87,14 +87,15 @@ def plan_max_seq_len(model_config: str, *, gpus_per_node: int, nodes: int, sp_si
     try:
         world = World(gpus_per_node, nodes, sp_size)
         eng = Engine(engine, offload_optimizer and engine not in ("none", "zero0", "fsdp2"))
-        switches = Switches(tiled_loss=tiled_loss, tiled_mlp=tiled_mlp, checkpoint=checkpoint, tiled_norms=tiled_norms, head_groups=head_groups)
+        switches = Switches(tiled_loss=tiled_loss, tiled_mlp=tiled_mlp, checkpoint=checkpoint, tiled_norms=tiled_norms, head_groups=head_groups,
+                            mixer=mixer)
     except ValueError as e:
         raise click.UsageError(str(e)) from None
     torch_dtype = getattr(torch, dtype)
     states = model_states(model_config, world, eng, torch_dtype)
     on = [name for name, off in SWITCH_OFF.items() if all(getattr(switches, k) != v for k, v in off.items())]
     click.echo(f"{model_config}: {states['n_params'] / 1e9:.3g}B parameters, {dtype}; {world.ranks} GPUs ({gpus_per_node} x {nodes} nodes), SP {world.sp}; "
-               f"engine {eng.name}{' + optimizer offload' if eng.offload_optimizer else ''}; attention {switches.backend_name}; "
+               f"engine {eng.name}{' + optimizer offload' if eng.offload_optimizer else ''}; attention {switches.backend_name}; mixers {switches.mixer}; "
                f"on: {', '.join(on) or 'nothing'}")
     started = time.perf_counter()
 

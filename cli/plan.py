@@ -8,6 +8,7 @@ planning topology, with a profile (built-in or measured by ``calibrate``).
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from dataclasses import dataclass, field
@@ -15,7 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ulysses_sp.models.coverage import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
-from ulysses_sp.mixers import BUILT_IN, MIXERS, get_mixer
+from ulysses_sp.mixers import AUTO_ORDER, BUILT_IN, MIXERS, AutoMixer, get_mixer
+from ulysses_sp.mixers.auto import seconds as mixer_seconds
 from ulysses_sp.profile import Profile
 from ulysses_sp.registry import choose_backend
 from ulysses_sp.spec import AttnSpec, Estimate, MixerEstimate
@@ -136,7 +138,10 @@ def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_d
             rows[-1][1] = index
             continue
         if shape.mixer:
-            rows.append([index, index, shape, get_mixer("auto", topo, shape.module).name, _mixer_estimates(shape, topo, batch, seq_len, dtype)])
+            auto = get_mixer("auto", topo, shape.module)
+            if isinstance(auto, AutoMixer):
+                auto = auto.choose(shape.module, batch, seq_len // sp_size, shape.hidden, dtype, profile)
+            rows.append([index, index, shape, auto.name, _mixer_estimates(shape, topo, batch, seq_len, dtype, profile)])
             continue
         spec = AttnSpec(
             batch=batch, seq_len=seq_len, local_seq_len=seq_len // sp_size, q_heads=shape.q_heads, kv_heads=shape.kv_heads,
@@ -148,8 +153,9 @@ def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_d
     return rows
 
 
-def _mixer_estimates(shape: LayerShape, topo, batch: int, seq_len: int, dtype) -> dict:
-    """Each mixer strategy's `MixerEstimate` for the layer, or why it cannot run it."""
+def _mixer_estimates(shape: LayerShape, topo, batch: int, seq_len: int, dtype, profile) -> dict:
+    """Each mixer strategy's `MixerEstimate` for the layer (with its seconds where the layer's module is
+    known), or why it cannot run it."""
     out = {}
     for name in BUILT_IN:
         strategy = MIXERS[name](topo)
@@ -158,7 +164,10 @@ def _mixer_estimates(shape: LayerShape, topo, batch: int, seq_len: int, dtype) -
         elif why := strategy.check(shape.module):
             out[name] = why
         else:
-            out[name] = strategy.estimate(shape.module, batch, seq_len // topo.sp_size, shape.hidden, dtype.itemsize)
+            e = strategy.estimate(shape.module, batch, seq_len // topo.sp_size, shape.hidden, dtype.itemsize)
+            timed = shape.module is not None and name in AUTO_ORDER
+            out[name] = dataclasses.replace(e, seconds=mixer_seconds(name, e, shape.module, batch, seq_len // topo.sp_size, dtype, topo, profile)
+                                            ) if timed else e
     return out
 
 
@@ -192,7 +201,11 @@ def render(rows, *, title: str, sp_size: int) -> None:
                 why = "" if name == chosen else _slower(what, considered[chosen], chosen)
                 table.add_row(*head, mark, f"{what.seconds * 1e3:.2f} ms{work}{kernel}", _size(what.comm_bytes), _size(what.peak_bytes), why)
             elif isinstance(what, MixerEstimate):
-                table.add_row(*head, mark, f"{what.compute:.3g} x the mixer's compute", _size(what.comm_bytes), "", "")
+                timed = "" if what.seconds is None else f"{what.seconds * 1e3:.2f} ms: "
+                best = considered.get(chosen)
+                why = (f"+{what.seconds / best.seconds - 1:.1%} on {chosen}" if name != chosen and what.seconds is not None
+                       and isinstance(best, MixerEstimate) and best.seconds else "")
+                table.add_row(*head, mark, f"{timed}{what.compute:.3g} x the mixer's compute", _size(what.comm_bytes), "", why)
             else:
                 table.add_row(*head, mark, "", "", "", what)
     Console(width=None if sys.stdout.isatty() else 150).print(table)

@@ -26,15 +26,17 @@ import torch
 
 from ulysses_sp import comm, layout
 from ulysses_sp.mixers.common import refuse_unsupported
+from ulysses_sp.mixers.halo import REACH, HaloMixer
 from ulysses_sp.spec import MixerEstimate
 
-__all__ = ["STATE_ADAPTERS", "StateAdapter", "StateMixer", "Fragments", "register_state"]
+__all__ = ["NOT_PASSED", "STATE_ADAPTERS", "StateAdapter", "StateMixer", "Fragments", "register_state"]
 
 
 @dataclasses.dataclass(frozen=True)
 class StateAdapter:
     run: Callable
-    """``run(module, hidden_states, fragments) -> output``: the mixer's forward on this rank's rows."""
+    """``run(module, hidden_states, fragments) -> output``: the mixer's forward on this rank's rows (or
+    ``(output, final state)`` for a class whose forward returns both)."""
     summary_bytes: Callable
     """``summary_bytes(module, itemsize) -> int``: one fragment's summary ``[B | A]`` per sequence."""
     halo_bytes: Callable
@@ -43,6 +45,12 @@ class StateAdapter:
 
 STATE_ADAPTERS: dict[str, StateAdapter] = {}
 """State adapters by mixer class name."""
+NOT_PASSED = {
+    "RwkvSelfAttention": "RWKV-4 keeps its WKV state as numerator, denominator and a running maximum exponent, affine only in exp "
+                         "space, which a summary [B | A] in the model's dtype cannot hold without overflow (a log-space fold is not built)",
+    "RwkvFeedForward": "RWKV's feed-forward mixes only through its one-token shift, which halo or allgather run",
+}
+"""Why ``state`` refuses these mixer classes."""
 
 
 def register_state(names, adapter: StateAdapter) -> None:
@@ -124,16 +132,20 @@ class Fragments:
 
     def run(self, mixed: torch.Tensor, reach: int, conv: Callable, scan: Callable, heads: int, key_dim: int, value_dim: int) -> torch.Tensor:
         """A convolution-then-delta-rule mixer on this rank's fragments: ``mixed`` ``[B, S_local, C]``
-        (the convolution's input), ``conv(x)`` the causal convolution of ``[B, L, C]`` rows,
+        (the convolution's input), ``conv(x)`` the causal convolution of ``[B, L, C]`` rows (None:
+        none, ``mixed`` goes to the scan as it is),
         ``scan(x, start, end, initial_state, widen)`` the family's scan of the convolved rows
         ``x`` = local rows ``start:end`` of one document (``widen``: values ``[v | 0]``, returning the
         final state ``[B, heads, key_dim, value_dim + key_dim]``; else the output). Returns the
         scan's output on every local row."""
-        halos = self.halo_before(mixed, reach)
+        halos = self.halo_before(mixed, reach) if conv is not None else None
         convolved = []
         for i in range(len(self.mine)):
             segments = []
             for start, end, continues in self.segments(i):  # a document's convolution, with the rows before the fragment where it began there
+                if conv is None:
+                    segments.append((start, end, continues, mixed[:, start:end]))
+                    continue
                 x = torch.cat([halos[i], mixed[:, start:end]], dim=1) if continues else mixed[:, start:end]
                 segments.append((start, end, continues, conv(x)[:, -(end - start):]))
             convolved.append(segments)
@@ -176,29 +188,47 @@ class _Tie(torch.autograd.Function):
 
 
 class StateMixer:
+    """State passing; a short convolution used alone (LFM2's), whose state is its last ``kernel - 1``
+    inputs, runs as the halo strategy runs it (`ulysses_sp.mixers.halo`)."""
+
     name = "state"
 
     def __init__(self, topo):
         self.topo = topo
 
+    def _halo(self, module):
+        name = type(module).__name__
+        return HaloMixer(self.topo) if name not in STATE_ADAPTERS and name in REACH else None
+
     def check(self, module) -> str | None:
-        """None if a state adapter exists for ``module``'s class, else why not."""
-        if type(module).__name__ not in STATE_ADAPTERS:
-            return (f"state: no state adapter for {type(module).__name__} (there are for {', '.join(sorted(STATE_ADAPTERS)) or 'none'}); "
-                    "mixer='auto' takes another strategy there")
+        """None if a state adapter (or a halo reach) exists for ``module``'s class, else why not."""
+        if type(module).__name__ in NOT_PASSED:
+            return f"state: not for {type(module).__name__}: {NOT_PASSED[type(module).__name__]}; mixer='auto' takes another strategy there"
+        if type(module).__name__ not in STATE_ADAPTERS and self._halo(module) is None:
+            return (f"state: no state adapter for {type(module).__name__} (there are for {', '.join(sorted(STATE_ADAPTERS)) or 'none'}, "
+                    "and the short convolutions with a halo reach); mixer='auto' takes another strategy there")
         return None
 
     def estimate(self, module, batch: int, seq_local: int, hidden: int, itemsize: int) -> MixerEstimate:
-        """Its share of the compute (the scan once more, widened, for the summaries: about twice 1/P of
-        the whole); the summaries and convolution halos of every fragment, gathered, each way."""
+        """Its share of the compute: 1/P of the mixer's, and the scan again, widened, for the summaries
+        (counted as 4 FLOPs per summary element and token, against 2 per parameter and token for the
+        rest); the summaries and convolution halos of every fragment, gathered, each way."""
+        if halo := self._halo(module):
+            return halo.estimate(module, batch, seq_local, hidden, itemsize)
         adapter, p = STATE_ADAPTERS[type(module).__name__], self.topo.sp_size
         fragments = len(layout.chunk_table(self.topo.layout, p, seq_local * p)[0])
         per_fragment = adapter.summary_bytes(module, itemsize) + adapter.halo_bytes(module, itemsize)
         moved = (p - 1) * fragments * batch * per_fragment
-        return MixerEstimate(2 / p, moved, moved)
+        elements = adapter.summary_bytes(module, 4) // 4
+        return MixerEstimate((1 + 4 * elements / (2 * sum(w.numel() for w in module.parameters()))) / p, moved, moved)
 
     def __call__(self, module, forward, args: tuple, kwargs: dict, batch: int, seq_local: int, cu_seqlens):
+        if halo := self._halo(module):
+            return halo(module, forward, args, kwargs, batch, seq_local, cu_seqlens)
         refuse_unsupported(module, kwargs, self.name)
         hidden = args[0] if args else kwargs.get("hidden_states")
         fragments = Fragments.of(self.topo, seq_local, cu_seqlens)
-        return fragments.joined(STATE_ADAPTERS[type(module).__name__].run(module, hidden, fragments))
+        out = STATE_ADAPTERS[type(module).__name__].run(module, hidden, fragments)
+        if isinstance(out, tuple):  # (output, final state): MiniMax's
+            return (fragments.joined(out[0]), *out[1:])
+        return fragments.joined(out)

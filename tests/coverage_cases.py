@@ -23,14 +23,17 @@ STRATEGY_FAMILIES = (  # each strategy on each kind of mixer it can run, beside 
     ("allgather", "qwen3_next", (2, 3, 4)), ("ulysses", "qwen3_next_12kh", (2, 3, 4)), ("ulysses", "bamba_12h", (2, 3, 4)),
     ("ulysses", "bamba", (2, 4)), ("allgather", "bamba", (2, 3, 4)), ("allgather", "lfm2", (2, 3, 4)),
     ("state", "qwen3_5", (2, 3, 4)), ("state", "qwen3_next", (2, 3, 4)), ("state", "kimi_linear", (2, 3, 4)),
-    ("state", "bamba", (2, 3, 4)), ("state", "zamba2", (2, 3, 4)), ("state", "mamba2", (2, 3, 4)),
+    ("state", "bamba", (2, 3, 4)), ("state", "zamba2", (2, 3, 4)), ("state", "mamba2", (2, 3, 4)), ("state", "minimax", (2, 3, 4)),
+    ("state", "lfm2", (2, 3, 4)),
 )
+STATE_BALANCED = ("qwen3_5", "qwen3_next", "kimi_linear", "bamba", "minimax", "lfm2")
+"""The families the state strategy runs under the balanced layout (Nemotron-H: hybrids-adapted-state)."""
 BALANCED_FAMILIES = ("llama", "gemma3", "deepseek_v3", "qwen3_next", "qwen3_next_12kh", "lfm2", "bamba_12h", "rwkv")
 """Through verify under the balanced layout: GQA, sliding windows, MLA, and every mixer strategy."""
 MIXER_LAYER_CASES = (  # strategy, family, worlds: the layer alone, its bytes counted
     ("ulysses", "qwen3_next_12kh", (1, 2, 3, 4)), ("ulysses", "bamba_12h", (1, 2, 3, 4)), ("ulysses", "bamba", (1, 2, 4)),
     ("halo", "lfm2", (1, 2, 3, 4)), ("ulysses", "kimi_linear_12h", (1, 2, 3, 4)), ("state", "qwen3_next_12kh", (1, 2, 3, 4)),
-    ("state", "kimi_linear_12h", (1, 2, 3, 4)), ("state", "bamba_12h", (1, 2, 3, 4)),
+    ("state", "kimi_linear_12h", (1, 2, 3, 4)), ("state", "bamba_12h", (1, 2, 3, 4)), ("state", "minimax", (1, 2, 3, 4)),
 )
 STATE_PLANTS = ("entry-dropped", "halo-not-reset", "folded-out-of-order")
 """Defects the state strategy's tests must see: a fragment's entry state taken as zeros, the
@@ -58,13 +61,15 @@ def fp64_throughout():
     """Test-only: the float32 that some families' own code casts to inside an fp64 model (Gated
     DeltaNet's and Mamba2's scans, gated norms) is float64 while open, so SP and one process can be
     compared at fp64's rounding; as shipped, they agree at float32's (``hybrids-shipped``)."""
-    saved = torch.float32, torch.float, torch.Tensor.float
+    saved, default = (torch.float32, torch.float, torch.Tensor.float), torch.get_default_dtype()
     torch.float32 = torch.float = torch.float64
     torch.Tensor.float = torch.Tensor.double
+    torch.set_default_dtype(torch.float64)  # tables built at init (MiniMax's decays) in float64 too
     try:
         yield
     finally:
         torch.float32, torch.float, torch.Tensor.float = saved
+        torch.set_default_dtype(default)
 
 
 _REFERENCES = {False: {}, True: {}}
@@ -203,26 +208,36 @@ MIXER_LAYERS = {  # family: its first layer's mixer
     "bamba_12h": lambda model: model.model.layers[0].mamba,
     "lfm2": lambda model: model.model.layers[0].conv,
     "kimi_linear_12h": lambda model: model.model.layers[0].self_attn,
+    "minimax": lambda model: model.model.layers[0].self_attn,
 }
 
 
-def _by_hand(layer, strategy: str, topo, b: int, local: int, itemsize: int) -> tuple[int, int]:
-    """What one rank sends forward and backward, from the layer's dimensions."""
+def _output(layer, x):
+    """The layer's output on ``x``: MiniMax's lightning attention takes its position embeddings and mask
+    (unused) and returns its final state beside."""
+    if type(layer).__name__ == "MiniMaxLightningAttention":
+        return layer(x, None, None)[0]
+    return layer(x)
+
+
+def _by_hand(layer, strategy: str, topo, b: int, local: int, itemsize: int) -> tuple[tuple[int, int], float | None]:
+    """What one rank sends forward and backward, and its share of the compute (halo: None), from the layer's dimensions."""
     p, r = topo.sp_size, topo.sp_rank
     if strategy == "state":  # every fragment's convolution tail and summary [B | A], all-gathered; their gradients reduce-scattered
         fragments = len(usp.layout.chunk_table(topo.layout, p, local * p)[0])
-        tail = min(local // fragments, layer.conv1d.kernel_size[0] - 1) * layer.conv1d.in_channels
+        conv = getattr(layer, "conv1d", None)  # MiniMax's lightning attention has none
+        tail = 0 if conv is None else min(local // fragments, conv.kernel_size[0] - 1) * conv.in_channels
         if hasattr(layer, "num_v_heads"):  # Gated DeltaNet: [dk, dv + dk] per value head
             summary = layer.num_v_heads * layer.head_k_dim * (layer.head_v_dim + layer.head_k_dim)
         elif hasattr(layer, "ssm_state_size"):  # Mamba2: [head_dim, state + head_dim] per head
             summary = layer.num_heads * layer.head_dim * (layer.ssm_state_size + layer.head_dim)
-        else:  # Kimi Delta Attention: [d, 2d] per head
-            summary = layer.num_heads * layer.head_dim * 2 * layer.head_dim
-        return ((p - 1) * fragments * b * (tail + summary) * itemsize,) * 2
+        else:  # Kimi Delta Attention and lightning attention: [d, 2d] per head
+            summary = getattr(layer, "num_heads", getattr(layer, "num_attention_heads", None)) * layer.head_dim * 2 * layer.head_dim
+        return ((p - 1) * fragments * b * (tail + summary) * itemsize,) * 2, (1 + 2 * summary / sum(w.numel() for w in layer.parameters())) / p
     if strategy == "halo":  # the kernel - 1 tokens before each chunk whose predecessor another rank holds; their gradients back
         zigzag = topo.layout == "zigzag"  # rank r holds chunks r and 2P-1-r: successors r+1 (rank r+1) and 2P-r (rank r-1)
         sent, received = (r < p - 1) + (r >= 1 and zigzag), (r >= 1) + (r < p - 1 and zigzag)
-        return tuple(n * (layer.conv_kernel_size - 1) * b * layer.conv.in_channels * itemsize for n in (sent, received))
+        return tuple(n * (layer.conv_kernel_size - 1) * b * layer.conv.in_channels * itemsize for n in (sent, received)), None
     if hasattr(layer, "num_k_heads"):  # Gated DeltaNet: q, k, v and the gates b, a in; the output back
         keys = 2 * layer.key_dim * (1 if layer.num_k_heads % p == 0 else p // layer.num_k_heads)
         per_token = (keys + layer.value_dim + 2 * layer.num_v_heads) * itemsize + layer.value_dim * itemsize
@@ -231,7 +246,7 @@ def _by_hand(layer, strategy: str, topo, b: int, local: int, itemsize: int) -> t
     else:  # Mamba2: x, B, C (each group replicated to P/groups ranks when fewer than P) and dt in; the scan's output back
         groups = layer.n_groups if layer.n_groups % p == 0 else p
         per_token = (layer.intermediate_size + 2 * groups * layer.ssm_state_size + layer.num_heads) * itemsize + layer.intermediate_size * 8
-    return ((p - 1) * b * local * per_token // p,) * 2
+    return ((p - 1) * b * local * per_token // p,) * 2, 1 / p
 
 
 def mixer_layer(topo, name: str, strategy: str, per_rank: int = 16, bounds=None) -> dict:
@@ -252,7 +267,7 @@ def mixer_layer(topo, name: str, strategy: str, per_rank: int = 16, bounds=None)
         x = torch.randn(b, s, h, dtype=torch.float64, requires_grad=True)
         w = torch.randn(b, s, h, dtype=torch.float64)
         bounds = bounds or [0, 5, 5 + s // 2, s]
-        ref = torch.cat([layer(x[:, a:e]) for a, e in zip(bounds, bounds[1:])], dim=1)
+        ref = torch.cat([_output(layer, x[:, a:e]) for a, e in zip(bounds, bounds[1:])], dim=1)
         (ref * w).sum().backward()
         ref_grads = [x.grad.clone()] + [p.grad.clone() for p in layer.parameters()]
         layer.zero_grad()
@@ -260,18 +275,20 @@ def mixer_layer(topo, name: str, strategy: str, per_rank: int = 16, bounds=None)
         mixer = get_mixer(strategy, topo, layer)
         with usp.CommCounter() as fwd:
             out = mixer(layer, layer.forward, (x_local,), {}, b, x_local.shape[1], torch.tensor(bounds, dtype=torch.int32))
+            out = out[0] if isinstance(out, tuple) else out
         with usp.CommCounter() as bwd:
             (out * usp.shard_sequence(w, topo)).sum().backward()
         estimate = mixer.estimate(layer, b, x_local.shape[1], h, 8)
     grads = [p.grad for p in layer.parameters()]
     if topo.sp_size > 1:
         grads = usp.comm.all_reduce_sums(grads, topo.sp_group)
-    by_hand = _by_hand(layer, strategy, topo, b, s // topo.sp_size, 8)
+    by_hand, share = _by_hand(layer, strategy, topo, b, s // topo.sp_size, 8)
     return {
         "errors": [max_err(out, usp.shard_sequence(ref.detach(), topo)), max_err(x_local.grad, usp.shard_sequence(ref_grads[0], topo))]
                   + [max_err(g, r) / r.abs().max().item() for g, r in zip(grads, ref_grads[1:])],
         "bytes": (fwd.bytes_sent, bwd.bytes_sent),
         "by_hand": by_hand,
+        "share": share,
         "estimate": (estimate.comm_bytes, estimate.bwd_comm_bytes, estimate.compute),
         "ops": (sorted(fwd.by_op), sorted(bwd.by_op)),
     }
@@ -320,10 +337,11 @@ def mixer_low_precision(topo, name: str, strategy: str) -> dict:
     w = torch.randn(b, s, h).bfloat16().double()
     with fp64_throughout():
         x_ref = x.clone().requires_grad_()
-        ref = exact(x_ref)
+        ref = _output(exact, x_ref)
         (ref * w).sum().backward()
     x_local = usp.shard_sequence(x, topo).bfloat16().requires_grad_()
     out = get_mixer(strategy, topo, layer)(layer, layer.forward, (x_local,), {}, b, x_local.shape[1], None)
+    out = out[0] if isinstance(out, tuple) else out
     (out * usp.shard_sequence(w, topo).bfloat16()).sum().backward()
     out_full, dx_full = gather_all([out, x_local.grad], topo)
     return {"out": rel_rms(out_full.double(), ref), "dx": rel_rms(dx_full.double(), x_ref.grad)}
@@ -717,7 +735,7 @@ def register(case, topo_for, hf: bool) -> None:
                 mixer_layer(topo_for(env, lay), n, "state", bounds=[0, 2, 3, 16, 17, 19, 16 * env.world])["errors"],
                 mixer_layer(topo_for(env, lay), n, "state", per_rank=2, bounds=[0, 3, 2 * env.world])["errors"]])
     case("mixers-state-bytes", (2,))(lambda env: [mixer_layer(topo_for(env), "qwen3_next_12kh", "state", per_rank=n)["bytes"] for n in (64, 256)])
-    for name in ("qwen3_5", "qwen3_next", "kimi_linear", "bamba"):  # the state strategy under the balanced layout
+    for name in STATE_BALANCED:
         case(f"hybrids-state/balanced/{name}", (2, 3, 4))(lambda env, n=name: family(topo_for(env, "balanced"), n, lift=True, mixer="state"))
     for backend in MLA_BACKENDS:  # Llama 4 text under each backend (auto: families/llama4_text)
         case(f"llama4/{backend}", (2, 3, 4))(lambda env, be=backend: llama4_case(topo_for(env), be))

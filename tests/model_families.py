@@ -98,13 +98,18 @@ HALO_MIXER = ("lfm2",)
 """Families whose mixer is a short convolution the halo strategy runs."""
 
 
-def auto_mixer(family: str, p: int) -> str:
-    """The strategy ``mixer="auto"`` takes for the family's mixers at SP size ``p``: halo for a short
-    convolution, ulysses where P divides the heads and P and the groups divide one another, else allgather."""
+def auto_mixer(family: str, p: int) -> set[str]:
+    """What ``mixer="auto"`` may take for the family's mixers at SP size ``p``: halo for a short
+    convolution; ulysses where P divides the heads and P and the groups divide one another (it moves
+    the fewest bytes at the tests' lengths), else allgather; MiniMax's lightning attention (no Ulysses
+    adapter): state or allgather, whichever is estimated faster at the call's shape (the layout's
+    fragments per rank decide at these lengths)."""
     if family in HALO_MIXER:
-        return "halo"
+        return {"halo"}
+    if family == "minimax":
+        return {"state", "allgather"}
     heads, groups = MIXER_HEADS.get(family, (1, 0))
-    return "ulysses" if groups and heads % p == 0 and (groups % p == 0 or p % groups == 0) else "allgather"
+    return {"ulysses" if groups and heads % p == 0 and (groups % p == 0 or p % groups == 0) else "allgather"}
 def _falcon_routed() -> bool:
     """Whether transformers' Falcon attention goes through the attention interface (from 5.25; its ALiBi
     then comes as a float attention mask) rather than its own code."""

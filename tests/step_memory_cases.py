@@ -23,6 +23,9 @@ SWITCHES = {
     "all+offload": dict(tiled_loss=True, tiled_mlp=TILE, checkpoint="offload", tiled_norms=True),
     "all+layers+g2": dict(tiled_loss=True, tiled_mlp=TILE, checkpoint="layers", tiled_norms=True, head_groups=2),
 }
+HYBRID = dict(CONFIG, model_type="qwen3_5_text", num_hidden_layers=6, linear_num_value_heads=8, linear_num_key_heads=4, linear_key_head_dim=16,
+              linear_value_head_dim=16, layer_types=["linear_attention", "linear_attention", "full_attention"] * 2)
+"""Qwen3.5-shaped: Gated DeltaNet and attention layers, extrapolated by kind."""
 WORLDS = (2, 4)
 DS_SWITCHES = dict(tiled_loss=True, tiled_mlp=False, checkpoint="layers", tiled_norms=False)
 """Few module calls: ZeRO-3 gathers parameters per call, and each call is slow under PeakMemory."""
@@ -140,6 +143,12 @@ def predict() -> dict:
     for keep in (False, True):
         out[f"2/depth/{keep}"] = {"whole": sm._step(config, None, SEQ, 2, sw, torch.float32, keep),
                                   "extrapolated": sm._step_extrapolated(config, SEQ, 2, sw, torch.float32, keep)}
+    hybrid = sm._load_config(HYBRID)
+    for mixer in ("ulysses", "state"):
+        for checkpoint in ("offload", "layers"):
+            sw = sm.Switches(mixer=mixer, checkpoint=checkpoint, tiled_mlp=TILE)
+            out[f"2/hybrid/{mixer}/{checkpoint}"] = {"whole": sm._step(hybrid, None, SEQ, 2, sw, torch.float32, False),
+                                                      "extrapolated": sm._step_extrapolated(hybrid, SEQ, 2, sw, torch.float32, False)}
     dist.destroy_process_group()
     out["cli"] = _cli()
     return out

@@ -19,7 +19,7 @@ LAYERS = (
     ("registry", "backends"),
     ("attention", "data", "loss", "rl", "decoder_layers", "dropout", "tiling", "mixers"),
     ("models",),
-    ("step_memory", "testing"),
+    ("step_memory", "meta_scans", "testing"),
     ("integrations",),
     ("job", "cli", "launch", ""),  # "": the package's own __init__, the public names
 )

@@ -375,8 +375,9 @@ def test_plan_gives_a_hybrids_mixer_layers_a_mixer_strategy(tmp_path):
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="builds the mixer from the config with transformers")
 def test_plan_estimates_each_mixer_strategy_from_the_models_own_layers(tmp_path):
     """Qwen3-Next (Gated DeltaNet: 16 key, 32 value heads of 128) and LFM2 (short convolution, kernel 3)
-    at 128k tokens on 8 ranks: auto takes ulysses and halo, at 1/8 of the mixer's compute; bytes by
-    hand: q, k, v, the gates and the output, 7/8 of each; the 2 tokens before each chunk held elsewhere."""
+    at 128k tokens on 8 ranks: auto takes state (at 8k, ulysses) and halo, by estimated time; bytes by
+    hand: ulysses, q, k, v, the gates and the output, 7/8 of each; state, each fragment's summary and
+    convolution tail to 7 ranks; halo, the 2 tokens before each chunk held elsewhere."""
     tokens, p, bf16 = 128 * 1024, 8, 2
     path = tmp_path / "qwen3_next.json"
     path.write_text(json.dumps({"model_type": "qwen3_next", "num_hidden_layers": 2, "hidden_size": 2048, "num_attention_heads": 16,
@@ -386,8 +387,14 @@ def test_plan_estimates_each_mixer_strategy_from_the_models_own_layers(tmp_path)
     (first, last, _, chosen, considered), _ = plan_rows(layers_from_config(str(path)), seq_len=tokens, sp_size=p, profile=NVLINK_PROFILE)
     per_token = (2 * 16 * 128 + 32 * 128 + 2 * 32) * bf16 + 32 * 128 * bf16
     moved = tokens // p * per_token * (p - 1) // p
-    assert chosen == "ulysses" and considered["ulysses"] == MixerEstimate(1 / p, moved, moved), considered
+    assert considered["ulysses"] == MixerEstimate(1 / p, moved, moved), considered
+    summary, halo = 32 * 128 * (128 + 128) * 4, 3 * (2 * 16 * 128 + 32 * 128) * bf16  # [dk, dv + dk] per value head in fp32; 3 conv tokens
+    assert (considered["state"].comm_bytes, considered["state"].bwd_comm_bytes) == ((p - 1) * 2 * (summary + halo),) * 2, considered
     assert considered["allgather"].compute == 1.0 and considered["halo"].startswith("halo: no reach registered"), considered
+    seconds = {n: e.seconds for n, e in considered.items() if isinstance(e, MixerEstimate)}
+    assert chosen == "state" == min(seconds, key=seconds.get), seconds  # at 128k: the summaries' 57 MiB beat the all-to-all's 338 MiB
+    (_, _, _, chosen, considered), _ = plan_rows(layers_from_config(str(path)), seq_len=8192, sp_size=p, profile=NVLINK_PROFILE)
+    assert chosen == "ulysses", considered  # at 8k: the all-to-all moves less than the summaries, at less compute
     path = tmp_path / "lfm2.json"
     path.write_text(json.dumps({"model_type": "lfm2", "num_hidden_layers": 2, "hidden_size": 1024, "num_attention_heads": 16,
                                 "num_key_value_heads": 8, "conv_L_cache": 3, "layer_types": ["conv", "full_attention"]}))

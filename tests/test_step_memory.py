@@ -60,6 +60,42 @@ def test_one_and_two_layers_extrapolate_to_the_whole_depth(predicted):
         assert got["whole"] == got["extrapolated"], got
 
 
+@pytest.mark.parametrize("mixer", ["ulysses", "state"])
+def test_a_hybrids_layer_kinds_extrapolate_to_the_whole_depth(predicted, mixer):
+    """Qwen3.5-shaped, 4 Gated DeltaNet and 2 attention layers, from 2 and 4 layers' runs: offloaded
+    checkpoints, exactly; checkpointed layers, the peak within 10% above (the two kinds' working
+    memories differ, and the larger extra is taken), the rest exactly."""
+    exact = predicted[f"2/hybrid/{mixer}/offload"]
+    assert exact["whole"] == exact["extrapolated"], exact
+    layers = predicted[f"2/hybrid/{mixer}/layers"]
+    whole, got = layers["whole"], layers["extrapolated"]
+    assert whole["peak"] <= got["peak"] <= 1.10 * whole["peak"] and {k: v for k, v in whole.items() if k != "peak"} == \
+        {k: v for k, v in got.items() if k != "peak"}, layers
+
+
+def test_a_gated_deltanets_scan_on_the_meta_device_holds_its_kernels_memory():
+    """The stand-in for the chunked scan (no loop over chunks): the output, and the float32 chunk
+    states [B, H, S/64, K, V] while it runs, forward and backward; gradients for every input."""
+    import torch
+
+    from ulysses_sp.meta_scans import _gated_delta_rule
+    from ulysses_sp.testing.memory import PeakMemory
+
+    b, s, hk, hv, k, v = 1, 4096, 2, 4, 16, 32
+    q_bshd, k_bshd = (torch.empty(b, s, hk, k, device="meta", dtype=torch.bfloat16, requires_grad=True) for _ in range(2))
+    v_bshd = torch.empty(b, s, hv, v, device="meta", dtype=torch.bfloat16, requires_grad=True)
+    g, beta = (torch.empty(b, s, hv, device="meta", requires_grad=True) for _ in range(2))
+    states = b * hv * (s // 64) * k * v * 4
+    with PeakMemory() as fwd:
+        out, final = _gated_delta_rule(q_bshd, k_bshd, v_bshd, g, beta, output_final_state=True)
+    assert out.shape == v_bshd.shape and out.dtype == torch.bfloat16 and final.shape == (b, hv, k, v)
+    assert fwd.peak == states + out.numel() * 2 + final.numel() * 4, fwd.peak
+    with PeakMemory() as bwd:
+        out.sum().backward()
+    assert all(t.grad is not None and t.grad.shape == t.shape for t in (q_bshd, k_bshd, v_bshd, g, beta))
+    assert bwd.peak >= states + sum(t.numel() * t.element_size() for t in (q_bshd, k_bshd, v_bshd, g, beta)), bwd.peak
+
+
 def test_switches_order_the_peak(predicted):
     """Each switch lowers the step's peak at this shape: the loss's logits, the MLP's and norms' intermediates, the layers' activations."""
     peaks = [predicted[f"2/{name}"]["peak"] for name in ("plain", "loss", "loss+mlp+norms", "all+layers")]

@@ -6,7 +6,7 @@ the machine figures costs come from are in `ulysses_sp.profile`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -131,6 +131,8 @@ class MixerEstimate:
     """Bytes this rank sends in the forward."""
     bwd_comm_bytes: int
     """Bytes this rank sends in the backward."""
+    seconds: float | None = field(default=None, compare=False)
+    """Estimated forward and backward seconds (`ulysses_sp.mixers.auto`), where the plan computed them."""
 
 
 @dataclass(frozen=True)

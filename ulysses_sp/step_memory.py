@@ -38,6 +38,8 @@ from .testing.memory import PeakMemory
 from .data import shard_batch, sp_cross_entropy
 from .decoder_layers import decoder_layers
 from .loss import causal_lm_loss
+from .meta_scans import meta_scans
+from .profile import NVLINK_PROFILE
 
 __all__ = ["ENGINES", "Breakdown", "Engine", "Switches", "World", "estimate", "max_seq_len", "model_states"]
 
@@ -123,6 +125,7 @@ class Switches:
         tiled_norms: the norms over tiles of tokens.
         head_groups: Ulysses over this many head groups (``ulysses-g{G}``); 1: plain Ulysses.
         backend: the SP attention backend.
+        mixer: the mixer strategy of a hybrid's other token mixers (`ulysses_sp.mixers`).
     """
 
     tiled_loss: bool = True
@@ -131,6 +134,7 @@ class Switches:
     tiled_norms: bool = True
     head_groups: int = 1
     backend: str = "ulysses"
+    mixer: str = "auto"
 
     @property
     def backend_name(self) -> str:
@@ -187,11 +191,14 @@ def _load_config(config):
     return transformers.AutoConfig.for_model(**config)
 
 
-def _build(config, layers: int | None, dtype, seq_len: int):
+def _build(config, layers: int | tuple | None, dtype, seq_len: int):
+    """The model on the meta device: with ``layers`` of its layers (a count: the first ones; a tuple: of these ``layer_types``)."""
     import transformers
 
     config = copy.deepcopy(config)
-    if layers is not None:
+    if isinstance(layers, tuple):
+        config.num_hidden_layers, config.layer_types = len(layers), list(layers)
+    elif layers is not None:
         config.num_hidden_layers = layers
         if getattr(config, "layer_types", None):
             config.layer_types = config.layer_types[:layers]
@@ -356,7 +363,7 @@ class MetaPeakMemory(PeakMemory):
         return _remade(made)
 
 
-def _step(config, layers: int | None, seq_len: int, sp: int, switches: Switches, dtype, keep_grads: bool, outputs: dict | None = None) -> dict:
+def _step(config, layers: int | tuple | None, seq_len: int, sp: int, switches: Switches, dtype, keep_grads: bool, outputs: dict | None = None) -> dict:
     """Rank 0's bytes during one forward and backward on the meta device: kept at the end of the
     forward, at the peak, the gradients at that peak, and the host's offloaded checkpoints."""
     import transformers.masking_utils
@@ -366,9 +373,10 @@ def _step(config, layers: int | None, seq_len: int, sp: int, switches: Switches,
     from .tiling import offload_store
 
     topo = _topology(sp, None)
+    topo = dataclasses.replace(topo, profile=topo.profile or NVLINK_PROFILE)  # what auto weighs the mixer strategies with: GPUs'
     model = _build(config, layers, dtype, seq_len)
     apply_sequence_parallel(model, topo, backend=switches.backend_name, tiled_mlp=switches.tiled_mlp, checkpoint=switches.checkpoint,
-                            tiled_norms=switches.tiled_norms)
+                            tiled_norms=switches.tiled_norms, mixer=switches.mixer)
     host = _HostStore()
     store = offload_store(model)
     if store is not None:
@@ -407,7 +415,7 @@ def _step(config, layers: int | None, seq_len: int, sp: int, switches: Switches,
     find = transformers.masking_utils.find_packed_sequence_indices
     transformers.masking_utils.find_packed_sequence_indices = lambda position_ids: None
     try:
-        with memory:
+        with memory, meta_scans():
             if switches.tiled_loss:
                 loss = causal_lm_loss(model, batch, topo)
             else:
@@ -424,12 +432,28 @@ def _step(config, layers: int | None, seq_len: int, sp: int, switches: Switches,
 
 
 def _step_extrapolated(config, seq_len, sp, switches, dtype, keep_grads) -> dict:
+    """The step of a deep model from shallow ones. Every layer alike: one and two layers, each
+    extra layer adding what the second did. Kinds of layers (``layer_types``): one layer of each
+    (in order of first use, the model's last kind last), then, for each kind used more than once,
+    that with one more of the kind placed last and placed before the last; each extra layer of a
+    kind adds what its first extra one did, the larger of the two placements (the layers' working
+    memories differ, and where the peak falls moves with them)."""
     depth = config.num_hidden_layers
-    if depth <= 2 or not _uniform(config):
+    types = tuple(getattr(config, "layer_types", None) or ())
+    kinds = tuple(k for k in dict.fromkeys(types) if k != types[-1]) + types[-1:] if len(types) == depth else ()
+    if depth <= 2 or (not kinds and not _uniform(config)) or len(kinds) + 1 >= depth:
         return _step(config, None, seq_len, sp, switches, dtype, keep_grads)
-    outputs: dict = {}  # the second run repeats the first one's ops
-    one, two = (_step(config, k, seq_len, sp, switches, dtype, keep_grads, outputs) for k in (1, 2))
-    return {key: one[key] + (depth - 1) * (two[key] - one[key]) for key in one}
+    outputs: dict = {}  # the later runs repeat the first one's ops
+    if len(kinds) <= 1:
+        one, two = (_step(config, k, seq_len, sp, switches, dtype, keep_grads, outputs) for k in (1, 2))
+        return {key: one[key] + (depth - 1) * (two[key] - one[key]) for key in one}
+    base = _step(config, kinds, seq_len, sp, switches, dtype, keep_grads, outputs)
+    total = dict(base)
+    for kind in kinds:
+        if (count := types.count(kind)) > 1:
+            runs = [_step(config, shape, seq_len, sp, switches, dtype, keep_grads, outputs) for shape in ((*kinds, kind), (*kinds[:-1], kind, kinds[-1]))]
+            total = {key: total[key] + (count - 1) * max(run[key] - base[key] for run in runs) for key in total}
+    return total
 
 
 def _optimizer_step(config, dtype) -> int:
