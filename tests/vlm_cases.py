@@ -110,6 +110,20 @@ def _smolvlm_visuals(kinds: list[str], g: torch.Generator) -> dict:
     return {"pixel_values": torch.randn(1, len(kinds), 3, 64, 64, generator=g, dtype=torch.float64)} if kinds else {}
 
 
+def _internvl():
+    import transformers
+
+    cfg = transformers.InternVLConfig(
+        text_config=dict(TEXT, model_type="qwen2"), image_token_id=IMAGE, downsample_ratio=0.5,
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=[32, 32], patch_size=[4, 4]))
+    return transformers.InternVLForConditionalGeneration(cfg)
+
+
+def _internvl_visuals(kinds: list[str], g: torch.Generator) -> dict:
+    """One 32 x 32 tile per image in 4 x 4 patches, 4 patches a token (pixel shuffle at 0.5): 16 tokens."""
+    return {"pixel_values": torch.randn(len(kinds), 3, 32, 32, generator=g, dtype=torch.float64)} if kinds else {}
+
+
 FAMILIES = {
     "qwen2_vl": (_qwen2_vl, _qwen_visuals, "whole"),
     "qwen2_5_vl": (_qwen2_5_vl, _qwen_visuals, "whole"),
@@ -117,6 +131,7 @@ FAMILIES = {
     "qwen3_vl_moe": (lambda: _qwen3_vl(moe=True), _qwen_visuals, "frames"),
     "llava": (_llava, _llava_visuals, None),
     "smolvlm": (_smolvlm, _smolvlm_visuals, None),
+    "internvl": (_internvl, _internvl_visuals, None),
 }
 """name: (tiny model, the visual inputs of a list of "image"/"video", its videos: None, "whole" (one run of
 tokens) or "frames" (Qwen3-VL: each frame its own run, after a timestamp))."""
@@ -331,7 +346,7 @@ def embed_memory(env: Env) -> dict:
 
 
 VERIFIED = {2: ("LlavaConfig", "Qwen2_5_VLConfig", "Qwen3VLMoeConfig", "SmolVLMConfig", "Qwen3_5Config", "Qwen3_5MoeConfig"),
-            3: ("LlavaConfig", "Qwen3VLConfig"), 4: ("SmolVLMConfig", "Qwen2VLConfig")}
+            3: ("LlavaConfig", "Qwen3VLConfig", "InternVLConfig"), 4: ("SmolVLMConfig", "Qwen2VLConfig")}
 """The default (full-size) configs ``verify_sequence_parallel`` shrinks and checks, per P: each family at some P,
 each way of giving images (patch rows, [N, ...] and [B, N, ...] pixels) at every P. Qwen3.5 (Gated DeltaNet and
 attention layers, its DeltaNet under the ulysses mixer) only here, with 2 layers, one of each kind."""

@@ -110,7 +110,7 @@ class EncodedVisuals(ModelOutput):
 
 
 STYLES = {"qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
-          "llava": "images", "smolvlm": "images"}
+          "llava": "images", "smolvlm": "images", "internvl": "images"}
 """How each tested family's visual inputs split into items (images, videos).
 
 Rows of patches with a ``*_grid_thw`` per item (Qwen), or one image per ``[C, H, W]`` of ``pixel_values`` (LLaVA's
@@ -119,6 +119,8 @@ TESTED = tuple(sorted(STYLES))
 """``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact.
 
 The others are refused by name until a test holds them too."""
+_TENSOR_FEATURES = ("internvl",)
+"""Families whose merge takes the features as one tensor, not a tuple of tensors."""
 _PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
 _SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask")
 
@@ -159,7 +161,8 @@ def _encode(model, topo: Topology, encode, tokens: list[int], work: list[int]) -
     if mine:
         out = encode(mine)
         levels = [out.pooler_output] + list(getattr(out, "deepstack_features", None) or [])
-        return torch.cat([x if isinstance(x, torch.Tensor) else torch.cat(list(x)) for x in levels], dim=-1), owner
+        # a tensor of rows, or of [items, tokens, H] (InternVL), or a tuple of each item's rows
+        return torch.cat([x.flatten(0, -2) if isinstance(x, torch.Tensor) else torch.cat(list(x)) for x in levels], dim=-1), owner
     # nothing to encode here: no rows, but still the encoder's, so its gradients exist (0) on every rank (DDP)
     text = {id(p) for p in text_decoder(model).parameters()}
     anchor = sum(p.sum() for p in model.parameters() if id(p) not in text and p.requires_grad) * 0
@@ -194,7 +197,8 @@ def _to_holders(model, topo: Topology, kind: str, kwargs: dict, token_bs: torch.
     order = torch.argsort(holder_of[mine], stable=True)  # received rows come by sender, each sender's in local order
     features = received.index_select(0, torch.argsort(order).to(received.device))
     levels = features.chunk(features.shape[-1] // model.config.text_config.hidden_size, dim=-1)
-    return EncodedVisuals(pooler_output=(levels[0],), deepstack_features=[(x,) for x in levels[1:]] or None)
+    first = levels[0] if model.config.model_type in _TENSOR_FEATURES else (levels[0],)
+    return EncodedVisuals(pooler_output=first, deepstack_features=[(x,) for x in levels[1:]] or None)
 
 
 def _check_mask(mask, who: str) -> None:

@@ -24,6 +24,7 @@ _VISION = {  # vision config fields per family in the small copy ("TEXT": the te
                      deepstack_visual_indexes=[0, 1]),
     "llava": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, projection_dim=32),
     "smolvlm": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4),
+    "internvl": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4),
 }
 _VISION["qwen3_vl_moe"] = _VISION["qwen3_vl"]
 _VISION["qwen3_5"] = _VISION["qwen3_5_moe"] = {k: v for k, v in _VISION["qwen3_vl"].items() if k != "deepstack_visual_indexes"}
@@ -53,14 +54,24 @@ def shrink_image_text_config(config, shrink_text):
     for name, value in _VISION[small.model_type].items():
         if hasattr(vision, name):
             setattr(vision, name, text.hidden_size if value == "TEXT" else value)
-    if STYLES[small.model_type] == "images":  # 4 x 4 patches (SmolVLM: times its pixel shuffle's scale)
-        vision.image_size = vision.patch_size * 4 * getattr(small, "scale_factor", 1)
+    if STYLES[small.model_type] == "images":  # 4 x 4 patches (SmolVLM, InternVL: times their pixel shuffle's scale)
+        vision.image_size = _per_side(vision.patch_size, lambda p: p * 4 * _shuffle(small))
     for i, name in enumerate(n for n in _TOKENS if isinstance(getattr(small, n, None), int)):
         for holder in (small, text):
             if isinstance(getattr(holder, name, None), int):
                 setattr(holder, name, text.vocab_size - 1 - i)
     small.text_config.use_cache = False
     return small
+
+
+def _shuffle(config) -> int:
+    """Patches a token spans along a side: SmolVLM's ``scale_factor``, InternVL's ``1 / downsample_ratio``, else 1."""
+    return getattr(config, "scale_factor", None) or round(1 / getattr(config, "downsample_ratio", 1))
+
+
+def _per_side(size, fn):
+    """``fn`` of a size given as an int or, InternVL's, as ``[height, width]``."""
+    return [fn(x) for x in size] if isinstance(size, (list, tuple)) else fn(size)
 
 
 def build(config, device, seed: int):
@@ -77,9 +88,9 @@ def _item(config, kind: str, g: torch.Generator) -> tuple[list[int], dict]:
     style, vision = STYLES[config.model_type], config.vision_config
     token = config.image_token_id if kind == "image" else config.video_token_id
     if style == "images":
-        side = vision.image_size
+        side, patch = (x[0] if isinstance(x, (list, tuple)) else x for x in (vision.image_size, vision.patch_size))  # square
         pixels = torch.randn(1, 3, side, side, generator=g, dtype=torch.float64)
-        per_side = side // vision.patch_size // getattr(config, "scale_factor", 1)
+        per_side = side // patch // _shuffle(config)
         extra = 1 if getattr(config, "vision_feature_select_strategy", "default") == "full" else 0
         return [token] * (per_side * per_side + extra), {"pixel_values": pixels}
     m, t = vision.spatial_merge_size, vision.temporal_patch_size
