@@ -51,6 +51,16 @@ def _qwen_visuals(kinds: list[str], g: torch.Generator) -> dict:
     return out
 
 
+def _glm4v():
+    import transformers
+
+    cfg = transformers.Glm4vConfig(
+        text_config=dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2], "partial_rotary_factor": 1.0}),
+        vision_config=_qwen_vision(image_size=32), image_token_id=IMAGE, video_token_id=VIDEO, image_start_token_id=START,
+        image_end_token_id=END, video_start_token_id=START, video_end_token_id=END)
+    return transformers.Glm4vForConditionalGeneration(cfg)
+
+
 def _llava():
     import transformers
 
@@ -110,6 +120,32 @@ def _smolvlm_visuals(kinds: list[str], g: torch.Generator) -> dict:
     return {"pixel_values": torch.randn(1, len(kinds), 3, 64, 64, generator=g, dtype=torch.float64)} if kinds else {}
 
 
+def _idefics3():
+    import transformers
+
+    cfg = transformers.Idefics3Config(
+        text_config=dict(TEXT, model_type="llama"), image_token_id=IMAGE, scale_factor=2,
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=64, patch_size=8))
+    return transformers.Idefics3ForConditionalGeneration(cfg)
+
+
+def _mistral3():
+    import transformers
+
+    cfg = transformers.Mistral3Config(
+        text_config=dict(TEXT, model_type="mistral", head_dim=8), image_token_index=IMAGE, spatial_merge_size=2, projector_hidden_act="gelu",
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, head_dim=8, image_size=32, patch_size=4),
+        vision_feature_layer=-1)
+    return transformers.Mistral3ForConditionalGeneration(cfg)
+
+
+def _mistral3_visuals(kinds: list[str], g: torch.Generator) -> dict:
+    """32 x 32 pixels in 4 x 4 patches, merged 2 x 2: 16 tokens in 4 rows of 4 (a break token after each row but the last)."""
+    if not kinds:
+        return {}
+    return {"pixel_values": torch.randn(len(kinds), 3, 32, 32, generator=g, dtype=torch.float64), "image_sizes": torch.tensor([[32, 32]] * len(kinds))}
+
+
 def _internvl():
     import transformers
 
@@ -129,12 +165,16 @@ FAMILIES = {
     "qwen2_5_vl": (_qwen2_5_vl, _qwen_visuals, "whole"),
     "qwen3_vl": (_qwen3_vl, _qwen_visuals, "frames"),
     "qwen3_vl_moe": (lambda: _qwen3_vl(moe=True), _qwen_visuals, "frames"),
+    "glm4v": (_glm4v, _qwen_visuals, None),  # images only: videos not yet (each frame its own run and grid row)
     "llava": (_llava, _llava_visuals, None),
     "smolvlm": (_smolvlm, _smolvlm_visuals, None),
     "internvl": (_internvl, _internvl_visuals, None),
+    "idefics3": (_idefics3, _smolvlm_visuals, None),
+    "mistral3": (_mistral3, _mistral3_visuals, "rows"),
 }
 """name: (tiny model, the visual inputs of a list of "image"/"video", its videos: None, "whole" (one run of
-tokens) or "frames" (Qwen3-VL: each frame its own run, after a timestamp))."""
+tokens) or "frames" (Qwen3-VL: each frame its own run, after a timestamp); "rows": no video, an image's
+tokens in rows of 4 with a text token between (Mistral 3's break tokens))."""
 
 
 def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator) -> list[tuple[list[int], list[str]]]:
@@ -145,11 +185,13 @@ def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator)
         return torch.randint(0, END, (n,), generator=g).tolist()
 
     def visual(kind):
+        if videos == "rows":
+            return [IMAGE] * 4 + ([END] + [IMAGE] * 4) * 3
         if kind == "video" and videos == "frames":
             return [START] + [VIDEO] * (TOKENS // 2) + [END] + text(1) + [START] + [VIDEO] * (TOKENS // 2) + [END]
         return [START] + [IMAGE if kind == "image" else VIDEO] * TOKENS + [END]
 
-    second = "video" if videos else "image"
+    second = "video" if videos in ("whole", "frames") else "image"
     if not packed:
         ids = text(1) + visual("image") + text(6) + visual(second)
         return [(ids + text(24 * world - len(ids)), ["image", second])]
@@ -346,7 +388,7 @@ def embed_memory(env: Env) -> dict:
 
 
 VERIFIED = {2: ("LlavaConfig", "Qwen2_5_VLConfig", "Qwen3VLMoeConfig", "SmolVLMConfig", "Qwen3_5Config", "Qwen3_5MoeConfig"),
-            3: ("LlavaConfig", "Qwen3VLConfig", "InternVLConfig"), 4: ("SmolVLMConfig", "Qwen2VLConfig")}
+            3: ("LlavaConfig", "Qwen3VLConfig", "InternVLConfig", "Mistral3Config", "Glm4vConfig"), 4: ("SmolVLMConfig", "Qwen2VLConfig", "Idefics3Config")}
 """The default (full-size) configs ``verify_sequence_parallel`` shrinks and checks, per P: each family at some P,
 each way of giving images (patch rows, [N, ...] and [B, N, ...] pixels) at every P. Qwen3.5 (Gated DeltaNet and
 attention layers, its DeltaNet under the ulysses mixer) only here, with 2 layers, one of each kind."""

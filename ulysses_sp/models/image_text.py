@@ -109,20 +109,23 @@ class EncodedVisuals(ModelOutput):
     deepstack_features: list | None = None
 
 
-STYLES = {"qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
-          "llava": "images", "smolvlm": "images", "internvl": "images"}
+STYLES = {"glm4v": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
+          "llava": "images", "smolvlm": "images", "idefics3": "images", "internvl": "images", "mistral3": "sized"}
 """How each tested family's visual inputs split into items (images, videos).
 
 Rows of patches with a ``*_grid_thw`` per item (Qwen), or one image per ``[C, H, W]`` of ``pixel_values`` (LLaVA's
-``[N, ...]``, SmolVLM's ``[B, N, ...]`` with ``pixel_attention_mask``; all-zero padding images dropped)."""
+``[N, ...]``, SmolVLM's ``[B, N, ...]`` with ``pixel_attention_mask``; all-zero padding images dropped), or one image per
+``[C, H, W]`` padded to the largest, its own size in ``image_sizes`` (Mistral 3, Pixtral's tower)."""
 TESTED = tuple(sorted(STYLES))
 """``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact.
 
 The others are refused by name until a test holds them too."""
+_IMAGES_ONLY = ("glm4v",)
+"""Families whose videos no test holds yet (GLM-4.1V numbers each frame as its own run): refused."""
 _TENSOR_FEATURES = ("internvl",)
 """Families whose merge takes the features as one tensor, not a tuple of tensors."""
 _PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
-_SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask")
+_SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask", "image_sizes")
 
 
 def _items(model, kind: str, kwargs: dict, tokens: int):
@@ -139,6 +142,11 @@ def _items(model, kind: str, kwargs: dict, tokens: int):
         merge = model.config.vision_config.spatial_merge_size ** 2
         return (lambda idx: get(torch.cat([pixels[starts[i]:starts[i + 1]] for i in idx]), grid[idx], return_dict=True),
                 [n // merge for n in patches], patches)
+    if STYLES[model.config.model_type] == "sized":  # an image's tokens: its patches merged m x m (break tokens are text)
+        sizes = kwargs["image_sizes"]
+        side = model.config.vision_config.patch_size * model.config.spatial_merge_size
+        tokens = [(h // side) * (w // side) for h, w in sizes.tolist()]
+        return (lambda idx: model.get_image_features(pixel_values=pixels[idx], image_sizes=sizes[idx], return_dict=True)), tokens, tokens
     flat = pixels.flatten(0, pixels.dim() - 4)  # [N, C, H, W]
     mask = kwargs.get("pixel_attention_mask")
     real = [i for i in range(flat.shape[0]) if bool(flat[i].any())]
@@ -248,6 +256,8 @@ def _model_hook(topo: Topology, state: dict):
         cu = None if cu_seqlens is None else [int(x) for x in cu_seqlens]
         if cu is not None and cu[-1] != s:
             raise ValueError(f"cu_seq_lens_q ends at {cu[-1]}, the sequence has {s} tokens: pass the whole row's document boundaries")
+        if model.config.model_type in _IMAGES_ONLY and kwargs.get("pixel_values_videos") is not None:
+            raise ValueError(f"{who} ({model.config.model_type}) under sequence parallelism takes images, not videos yet")
         _layout.check_seq_len(s, topo.layout, topo.sp_size)
         positions = _whole_positions(model, kwargs)
         if cu is not None:

@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from .image_text import STYLES
+from .image_text import _IMAGES_ONLY, STYLES
 
 __all__ = ["shrink_image_text_config", "build", "rows", "one_process_loss", "noise_part"]
 
@@ -25,10 +25,13 @@ _VISION = {  # vision config fields per family in the small copy ("TEXT": the te
     "llava": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, projection_dim=32),
     "smolvlm": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4),
     "internvl": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4),
+    "mistral3": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, head_dim=8),
 }
+_VISION["idefics3"] = _VISION["smolvlm"]
 _VISION["qwen3_vl_moe"] = _VISION["qwen3_vl"]
+_VISION["glm4v"] = {k: v for k, v in _VISION["qwen2_5_vl"].items() if k != "fullatt_block_indexes"}
 _VISION["qwen3_5"] = _VISION["qwen3_5_moe"] = {k: v for k, v in _VISION["qwen3_vl"].items() if k != "deepstack_visual_indexes"}
-_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "image_start_token_id", "image_end_token_id")
 
 
 def _sections(sections: list[int], half: int) -> list[int]:
@@ -54,7 +57,7 @@ def shrink_image_text_config(config, shrink_text):
     for name, value in _VISION[small.model_type].items():
         if hasattr(vision, name):
             setattr(vision, name, text.hidden_size if value == "TEXT" else value)
-    if STYLES[small.model_type] == "images":  # 4 x 4 patches (SmolVLM, InternVL: times their pixel shuffle's scale)
+    if STYLES[small.model_type] in ("images", "sized"):  # 4 x 4 tokens (SmolVLM, InternVL, Mistral 3: times their patches per token)
         vision.image_size = _per_side(vision.patch_size, lambda p: p * 4 * _shuffle(small))
     for i, name in enumerate(n for n in _TOKENS if isinstance(getattr(small, n, None), int)):
         for holder in (small, text):
@@ -65,8 +68,9 @@ def shrink_image_text_config(config, shrink_text):
 
 
 def _shuffle(config) -> int:
-    """Patches a token spans along a side: SmolVLM's ``scale_factor``, InternVL's ``1 / downsample_ratio``, else 1."""
-    return getattr(config, "scale_factor", None) or round(1 / getattr(config, "downsample_ratio", 1))
+    """Patches a token spans along a side: SmolVLM's ``scale_factor``, InternVL's ``1 / downsample_ratio``, Mistral 3's
+    ``spatial_merge_size``, else 1."""
+    return getattr(config, "scale_factor", None) or getattr(config, "spatial_merge_size", None) or round(1 / getattr(config, "downsample_ratio", 1))
 
 
 def _per_side(size, fn):
@@ -87,6 +91,10 @@ def _item(config, kind: str, g: torch.Generator) -> tuple[list[int], dict]:
     frame by frame, a text token between) and its inputs."""
     style, vision = STYLES[config.model_type], config.vision_config
     token = config.image_token_id if kind == "image" else config.video_token_id
+    if style == "sized":  # Mistral 3: 4 rows of 4 tokens, a break token (text) after each row but the last
+        side = vision.patch_size * 4 * config.spatial_merge_size
+        pixels = torch.randn(1, 3, side, side, generator=g, dtype=torch.float64)
+        return [token] * 4 + ([0] + [token] * 4) * 3, {"pixel_values": pixels, "image_sizes": torch.tensor([[side, side]])}
     if style == "images":
         side, patch = (x[0] if isinstance(x, (list, tuple)) else x for x in (vision.image_size, vision.patch_size))  # square
         pixels = torch.randn(1, 3, side, side, generator=g, dtype=torch.float64)
@@ -96,7 +104,7 @@ def _item(config, kind: str, g: torch.Generator) -> tuple[list[int], dict]:
     m, t = vision.spatial_merge_size, vision.temporal_patch_size
     grid = [1, 4 * m, 4 * m] if kind == "image" else [2, 2 * m, 4 * m]
     pixels = torch.randn(grid[0] * grid[1] * grid[2], 3 * t * vision.patch_size ** 2, generator=g, dtype=torch.float64)
-    start, end = config.vision_start_token_id, config.vision_end_token_id
+    start, end = (getattr(config, f"vision_{x}_token_id", None) or getattr(config, f"image_{x}_token_id") for x in ("start", "end"))  # GLM: image_*
     if kind == "video" and config.model_type.startswith("qwen3"):  # Qwen3-VL's and Qwen3.5's frames, each after a timestamp
         ids = [start] + [token] * 8 + [end] + [0] + [start] + [token] * 8 + [end]
     else:
@@ -117,8 +125,8 @@ def _document(config, parts: list, g: torch.Generator) -> dict:
         ids += item
         for key, value in visual.items():
             inputs[key] = torch.cat([inputs[key], value]) if key in inputs else value
-    if config.model_type == "smolvlm" and "pixel_values" in inputs:
-        inputs["pixel_values"] = inputs["pixel_values"][None]  # SmolVLM: the images of a row in one [1, N, ...]
+    if config.model_type in ("smolvlm", "idefics3") and "pixel_values" in inputs:
+        inputs["pixel_values"] = inputs["pixel_values"][None]  # SmolVLM, Idefics3: the images of a row in one [1, N, ...]
     input_ids = torch.tensor([ids])
     visual = (input_ids == config.image_token_id) | (input_ids == getattr(config, "video_token_id", -1))
     out = {"input_ids": input_ids, "labels": input_ids.masked_fill(visual, -100), **inputs}
@@ -132,7 +140,7 @@ def rows(config, sp_size: int, packed: bool, seed: int) -> tuple[dict, list[dict
     the first zigzag chunk's end and a video (LLaVA, SmolVLM: an image); packed: three, the middle
     one text only."""
     g = torch.Generator().manual_seed(seed)
-    second = "video" if STYLES[config.model_type] == "grid" else "image"
+    second = "video" if STYLES[config.model_type] == "grid" and config.model_type not in _IMAGES_ONLY else "image"
     if packed:
         plans = [[3, "image", 2], [7], [3, second, 4, "image", 2]]
     else:  # 48 P tokens: the image (16 or 18 of them) from 16 on crosses token 24, the first zigzag chunk's end
