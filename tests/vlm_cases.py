@@ -140,10 +140,12 @@ def _mistral3():
 
 
 def _mistral3_visuals(kinds: list[str], g: torch.Generator) -> dict:
-    """32 x 32 pixels in 4 x 4 patches, merged 2 x 2: 16 tokens in 4 rows of 4 (a break token after each row but the last)."""
+    """32 x 32 pixels in 4 x 4 patches, merged 2 x 2: 16 tokens in 4 rows of 4 (a break token after each row but the last);
+    a document's second image 16 x 32 (8 tokens in 2 rows), padded to 32 x 32 as the processor pads."""
     if not kinds:
         return {}
-    return {"pixel_values": torch.randn(len(kinds), 3, 32, 32, generator=g, dtype=torch.float64), "image_sizes": torch.tensor([[32, 32]] * len(kinds))}
+    return {"pixel_values": torch.randn(len(kinds), 3, 32, 32, generator=g, dtype=torch.float64),
+            "image_sizes": torch.tensor([[32, 32], [16, 32]][:len(kinds)])}
 
 
 def _internvl():
@@ -184,20 +186,20 @@ def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator)
     def text(n):
         return torch.randint(0, END, (n,), generator=g).tolist()
 
-    def visual(kind):
-        if videos == "rows":
-            return [IMAGE] * 4 + ([END] + [IMAGE] * 4) * 3
+    def visual(kind, i=0):  # i: the item's place in its document
+        if videos == "rows":  # Mistral 3: a document's second image is half as tall (see _mistral3_visuals)
+            return [IMAGE] * 4 + ([END] + [IMAGE] * 4) * (3 if i == 0 else 1)
         if kind == "video" and videos == "frames":
             return [START] + [VIDEO] * (TOKENS // 2) + [END] + text(1) + [START] + [VIDEO] * (TOKENS // 2) + [END]
         return [START] + [IMAGE if kind == "image" else VIDEO] * TOKENS + [END]
 
     second = "video" if videos in ("whole", "frames") else "image"
     if not packed:
-        ids = text(1) + visual("image") + text(6) + visual(second)
+        ids = text(1) + visual("image") + text(6) + visual(second, 1)
         return [(ids + text(24 * world - len(ids)), ["image", second])]
     return [(text(1) + visual("image") + text(4), ["image"]),
             (text(7), []),
-            (text(3) + visual(second) + text(6) + visual("image") + text(2), [second, "image"])]
+            (text(3) + visual(second) + text(6) + visual("image", 1) + text(2), [second, "image"])]
 
 
 def _inputs(ids: list[int], kinds: list[str], visuals, g_state) -> dict:
