@@ -96,6 +96,21 @@ def test_a_gated_deltanets_scan_on_the_meta_device_holds_its_kernels_memory():
     assert bwd.peak >= states + sum(t.numel() * t.element_size() for t in (q_bshd, k_bshd, v_bshd, g, beta)), bwd.peak
 
 
+def test_the_meta_step_replaces_each_delta_rules_scan_and_puts_it_back():
+    """Gated DeltaNet's and Kimi Delta Attention's torch scans (what their adapters call), inside ``meta_scans`` only."""
+    import importlib
+
+    from ulysses_sp.meta_scans import _gated_delta_rule, meta_scans
+
+    pytest.importorskip("transformers")
+    modules = {name: importlib.import_module(f"transformers.models.{path}") for name, path in (
+        ("torch_chunk_gated_delta_rule", "qwen3_5.modeling_qwen3_5"), ("chunk_kimi_delta_attention", "kimi_linear.modeling_kimi_linear"))}
+    before = {name: getattr(m, name) for name, m in modules.items()}
+    with meta_scans():
+        assert all(getattr(m, name) is _gated_delta_rule for name, m in modules.items())
+    assert {name: getattr(m, name) for name, m in modules.items()} == before
+
+
 def test_switches_order_the_peak(predicted):
     """Each switch lowers the step's peak at this shape: the loss's logits, the MLP's and norms' intermediates, the layers' activations."""
     peaks = [predicted[f"2/{name}"]["peak"] for name in ("plain", "loss", "loss+mlp+norms", "all+layers")]

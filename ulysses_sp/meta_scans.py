@@ -1,9 +1,10 @@
-"""The Gated DeltaNet's chunked scan as the step memory model runs it on the meta device: its
-memory without its loop over chunks.
+"""The delta rules' chunked scans (Gated DeltaNet's, Kimi Delta Attention's) as the step memory
+model runs them on the meta device: their memory without their loop over chunks.
 
-transformers' torch fallback (``torch_chunk_gated_delta_rule``) loops in Python over 64-token
-chunks: 8,192 iterations a layer at 512k tokens, which kept ``plan --max-seq-len`` from answering
-for Qwen3.5 in minutes. On GPUs flash-linear-attention's kernels run instead; they hold the
+transformers' torch fallbacks (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``)
+loop in Python over 64-token chunks: 8,192 iterations a layer at 512k tokens, which kept ``plan --max-seq-len`` from answering
+for Qwen3.5 in minutes (and, for Kimi Linear, held per-chunk intermediates the kernels do not).
+On GPUs flash-linear-attention's kernels run instead; they hold the
 output, the inputs saved for the backward and the float32 chunk states ``[B, H, S / 64, K, V]``
 while they run, forward and again backward. The stand-in allocates exactly that.
 """
@@ -47,16 +48,20 @@ def _gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=N
     return _DeltaRule.apply(query, key, value, g, beta, initial_state, chunk_size, output_final_state)
 
 
+_SCANS = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")
+"""The scans replaced: the same arguments (Kimi's decay per channel, ``g`` ``[B, S, H, K]``)."""
+
+
 @contextlib.contextmanager
 def meta_scans():
-    """The loaded transformers modeling modules' ``torch_chunk_gated_delta_rule`` replaced by the
-    stand-in while open (what the mixer strategies' adapters call)."""
-    patched = [m for name, m in list(sys.modules.items()) if name.startswith("transformers.models.") and hasattr(m, "torch_chunk_gated_delta_rule")]
-    saved = [m.torch_chunk_gated_delta_rule for m in patched]
-    for m in patched:
-        m.torch_chunk_gated_delta_rule = _gated_delta_rule
+    """The loaded transformers modeling modules' delta-rule scans (`_SCANS`) replaced by the stand-in
+    while open (what the mixer strategies' adapters call)."""
+    patched = [(m, name, getattr(m, name)) for key, m in list(sys.modules.items()) if key.startswith("transformers.models.")
+               for name in _SCANS if hasattr(m, name)]
+    for m, name, _ in patched:
+        setattr(m, name, _gated_delta_rule)
     try:
         yield
     finally:
-        for m, fn in zip(patched, saved):
-            m.torch_chunk_gated_delta_rule = fn
+        for m, name, fn in patched:
+            setattr(m, name, fn)
