@@ -235,13 +235,14 @@ def _verify_on_every_rank(name: str, rank: int, inspect, run) -> None:
 
 def vlm_checks(topo=None, rank: int = 0) -> None:
     """Image-text models on the GPU: verify_sequence_parallel on shrunk Qwen2.5-VL (patch rows, the
-    window attention of its vision tower), Qwen3-VL (deepstack) and LLaVA (CLIP) with random images,
+    window attention of its vision tower), Qwen3-VL (deepstack), LLaVA (CLIP), InternVL (tiles), Mistral 3
+    (Pixtral's tower, image_sizes) and GLM-4.1V (its 3-D positions) with random images,
     fp64, each image encoded on one rank and its features sent to the ranks holding its tokens (NCCL's
     uneven all-to-all); on NCCL ranks over the whole group (rank 0 prints)."""
     import transformers
 
     topo = topo or usp.init_sequence_parallel(1)
-    for cls in ("Qwen2_5_VLConfig", "Qwen3VLConfig", "LlavaConfig"):
+    for cls in ("Qwen2_5_VLConfig", "Qwen3VLConfig", "LlavaConfig", "InternVLConfig", "Mistral3Config", "Glm4vConfig"):
         _verify_on_every_rank(f"verify {cls[:-6]} (shrunk, random images) fp64 P={topo.sp_size} on the GPU", rank, lambda report: None,
                               lambda cls=cls: usp.verify_sequence_parallel(getattr(transformers, cls)(), topo))
 

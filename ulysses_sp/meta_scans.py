@@ -2,10 +2,10 @@
 model runs them on the meta device: their memory without their loop over chunks.
 
 transformers' torch fallbacks (``torch_chunk_gated_delta_rule``, ``chunk_kimi_delta_attention``)
-loop in Python over 64-token chunks: 8,192 iterations a layer at 512k tokens, which kept ``plan --max-seq-len`` from answering
-for Qwen3.5 in minutes (and, for Kimi Linear, held per-chunk intermediates the kernels do not).
-On GPUs flash-linear-attention's kernels run instead; they hold the
-output, the inputs saved for the backward and the float32 chunk states ``[B, H, S / 64, K, V]``
+loop in Python over 64-token chunks: 8,192 iterations a layer at 512k tokens, which kept
+``plan --max-seq-len`` from answering for Qwen3.5 in minutes (and, for Kimi Linear, held per-chunk
+intermediates the kernels do not). On GPUs flash-linear-attention's kernels run instead; they hold
+the output, the inputs saved for the backward and the float32 chunk states ``[B, H, S / 64, K, V]``
 while they run, forward and again backward. The stand-in allocates exactly that.
 """
 

@@ -120,7 +120,7 @@ TESTED = tuple(sorted(STYLES))
 """``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact.
 
 The others are refused by name until a test holds them too."""
-_IMAGES_ONLY = ("glm4v",)
+IMAGES_ONLY = ("glm4v",)
 """Families whose videos no test holds yet (GLM-4.1V numbers each frame as its own run): refused."""
 _TENSOR_FEATURES = ("internvl",)
 """Families whose merge takes the features as one tensor, not a tuple of tensors."""
@@ -256,7 +256,7 @@ def _model_hook(topo: Topology, state: dict):
         cu = None if cu_seqlens is None else [int(x) for x in cu_seqlens]
         if cu is not None and cu[-1] != s:
             raise ValueError(f"cu_seq_lens_q ends at {cu[-1]}, the sequence has {s} tokens: pass the whole row's document boundaries")
-        if model.config.model_type in _IMAGES_ONLY and kwargs.get("pixel_values_videos") is not None:
+        if model.config.model_type in IMAGES_ONLY and kwargs.get("pixel_values_videos") is not None:
             raise ValueError(f"{who} ({model.config.model_type}) under sequence parallelism takes images, not videos yet")
         _layout.check_seq_len(s, topo.layout, topo.sp_size)
         positions = _whole_positions(model, kwargs)

@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from .image_text import _IMAGES_ONLY, STYLES
+from .image_text import IMAGES_ONLY, STYLES
 
 __all__ = ["shrink_image_text_config", "build", "rows", "one_process_loss", "noise_part"]
 
@@ -140,7 +140,7 @@ def rows(config, sp_size: int, packed: bool, seed: int) -> tuple[dict, list[dict
     the first zigzag chunk's end and a video (LLaVA, SmolVLM: an image); packed: three, the middle
     one text only."""
     g = torch.Generator().manual_seed(seed)
-    second = "video" if STYLES[config.model_type] == "grid" and config.model_type not in _IMAGES_ONLY else "image"
+    second = "video" if STYLES[config.model_type] == "grid" and config.model_type not in IMAGES_ONLY else "image"
     if packed:
         plans = [[3, "image", 2], [7], [3, second, 4, "image", 2]]
     else:  # 48 P tokens: the image (16 or 18 of them) from 16 on crosses token 24, the first zigzag chunk's end
