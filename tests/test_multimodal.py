@@ -109,6 +109,18 @@ def test_verify_shrinks_an_image_text_config_to_a_small_model():
     assert batch["input_ids"].shape[1] == sum(d["input_ids"].shape[1] for d in docs) and "video_grid_thw" in batch
 
 
+def test_verify_refuses_a_switched_family_it_makes_no_images_for():
+    with pytest.raises(ValueError, match=r"makes no random images for LlavaNextConfig \(llava_next\) yet"):
+        usp.verify_sequence_parallel(transformers.LlavaNextConfig(), Topology.for_planning(2))
+
+
+def test_runs_of_image_tokens_are_counted_row_by_row():
+    """LLaVA-NeXT's tokens per image: each run of placeholders (a run never crosses rows)."""
+    from ulysses_sp.models.image_text import _runs
+
+    assert _runs(torch.tensor([[0, 1, 1, 0, 1], [1, 1, 0, 0, 1]]).bool()) == [2, 1, 2, 1]
+
+
 def test_verify_refuses_other_image_text_models_by_name():
     """Before any collective; it used to stop with an AttributeError (no num_hidden_layers on the composite config)."""
     with pytest.raises(ValueError, match="checks text causal LMs and the image-text families .*; Gemma3Config \\(gemma3\\) is neither"):

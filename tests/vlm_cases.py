@@ -148,6 +148,29 @@ def _mistral3_visuals(kinds: list[str], g: torch.Generator) -> dict:
             "image_sizes": torch.tensor([[32, 32], [16, 32]][:len(kinds)])}
 
 
+def _llava_next():
+    import transformers
+
+    cfg = transformers.LlavaNextConfig(
+        text_config=dict(TEXT, model_type="llama"), image_token_id=IMAGE, vision_feature_layer=-1,
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=16, patch_size=8, projection_dim=32),
+        image_grid_pinpoints=[[16, 16], [16, 32], [32, 16], [32, 32]])
+    return transformers.LlavaNextForConditionalGeneration(cfg)
+
+
+NEXT_SIZES = ([16, 32], [24, 16])
+"""LLaVA-NeXT: a document's first and second image, each a 16 x 16 base tile and two anyres tiles; 14 and 16 tokens
+(the base tile's 4, the unpadded tiles', a newline token per row)."""
+
+
+def _llava_next_visuals(kinds: list[str], g: torch.Generator) -> dict:
+    if not kinds:
+        return {}
+    return {"pixel_values": torch.randn(len(kinds), 3, 3, 16, 16, generator=g, dtype=torch.float64),
+            "image_sizes": torch.tensor(NEXT_SIZES[:len(kinds)])}
+
+
 def _internvl():
     import transformers
 
@@ -173,10 +196,11 @@ FAMILIES = {
     "internvl": (_internvl, _internvl_visuals, None),
     "idefics3": (_idefics3, _smolvlm_visuals, None),
     "mistral3": (_mistral3, _mistral3_visuals, "rows"),
+    "llava_next": (_llava_next, _llava_next_visuals, "anyres"),
 }
 """name: (tiny model, the visual inputs of a list of "image"/"video", its videos: None, "whole" (one run of
 tokens) or "frames" (Qwen3-VL: each frame its own run, after a timestamp); "rows": no video, an image's
-tokens in rows of 4 with a text token between (Mistral 3's break tokens))."""
+tokens in rows of 4 with a text token between (Mistral 3's break tokens); "anyres": no video, 14 and 16 tokens (LLaVA-NeXT))."""
 
 
 def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator) -> list[tuple[list[int], list[str]]]:
@@ -187,13 +211,15 @@ def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator)
         return torch.randint(0, END, (n,), generator=g).tolist()
 
     def visual(kind, i=0):  # i: the item's place in its document
+        if videos == "anyres":
+            return [IMAGE] * (14 if i == 0 else 16)
         if videos == "rows":  # Mistral 3: a document's second image is half as tall (see _mistral3_visuals)
             return [IMAGE] * 4 + ([END] + [IMAGE] * 4) * (3 if i == 0 else 1)
         if kind == "video" and videos == "frames":
             return [START] + [VIDEO] * (TOKENS // 2) + [END] + text(1) + [START] + [VIDEO] * (TOKENS // 2) + [END]
         return [START] + [IMAGE if kind == "image" else VIDEO] * TOKENS + [END]
 
-    second = "video" if videos in ("whole", "frames") else "image"
+    second = "video" if videos in ("whole", "frames") else "image"  # (Mistral 3, LLaVA-NeXT: a second image)
     if not packed:
         ids = text(1) + visual("image") + text(6) + visual(second, 1)
         return [(ids + text(24 * world - len(ids)), ["image", second])]
@@ -307,7 +333,8 @@ def vlm_parity(env: Env, family: str, layout: str, packed: bool) -> dict:
     batch = {}
     for key in {k for p in parts for k in p}:
         held = [p[key] for p in parts if key in p]  # ids, token types and SmolVLM's [1, N, ...] images join along dim 1
-        batch[key] = torch.cat(held, dim=1 if key in ("input_ids", "mm_token_type_ids") or held[0].dim() == 5 else 0)
+        rows_of_images = held[0].dim() == 5 and family in ("smolvlm", "idefics3")  # [1, N, ...]; LLaVA-NeXT's [N, tiles, ...]
+        batch[key] = torch.cat(held, dim=1 if key in ("input_ids", "mm_token_type_ids") or rows_of_images else 0)
     if not _takes_token_types(model):
         batch.pop("mm_token_type_ids")
     batch["labels"] = _labels(batch["input_ids"])

@@ -17,6 +17,7 @@ as for any replicated parameter, gives the one-process gradient.
 from __future__ import annotations
 
 import inspect
+import itertools
 import re
 from dataclasses import dataclass
 
@@ -110,12 +111,15 @@ class EncodedVisuals(ModelOutput):
 
 
 STYLES = {"glm4v": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
-          "llava": "images", "smolvlm": "images", "idefics3": "images", "internvl": "images", "mistral3": "sized"}
+          "llava": "images", "smolvlm": "images", "idefics3": "images", "internvl": "images", "mistral3": "sized",
+          "llava_next": "runs"}
 """How each tested family's visual inputs split into items (images, videos).
 
 Rows of patches with a ``*_grid_thw`` per item (Qwen), or one image per ``[C, H, W]`` of ``pixel_values`` (LLaVA's
 ``[N, ...]``, SmolVLM's ``[B, N, ...]`` with ``pixel_attention_mask``; all-zero padding images dropped), or one image per
-``[C, H, W]`` padded to the largest, its own size in ``image_sizes`` (Mistral 3, Pixtral's tower)."""
+``[C, H, W]`` padded to the largest, its own size in ``image_sizes`` (Mistral 3, Pixtral's tower), or one image per
+``[tiles, C, H, W]`` with its ``image_sizes``, its tokens one run of placeholders (LLaVA-NeXT's anyres tiles and
+newlines; images whose runs touch are encoded as one item)."""
 TESTED = tuple(sorted(STYLES))
 """``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact.
 
@@ -128,10 +132,20 @@ _PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
 _SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask", "image_sizes")
 
 
-def _items(model, kind: str, kwargs: dict, tokens: int):
+def _runs(token_bs: torch.Tensor) -> list[int]:
+    """The lengths of the runs of ``True`` in each row of ``token_bs``, row after row."""
+    out = []
+    for row in token_bs.tolist():
+        for on, group in itertools.groupby(row):
+            if on:
+                out.append(len(list(group)))
+    return out
+
+
+def _items(model, kind: str, kwargs: dict, token_bs: torch.Tensor):
     """(encode a list of item indices, each item's feature tokens, each item's work). Items whose
-    tokens cannot be told apart (an uneven share per image) are encoded as one."""
-    pixels = kwargs[_PIXELS[kind]]
+    tokens cannot be told apart (an uneven share per image, runs that touch) are encoded as one."""
+    pixels, tokens = kwargs[_PIXELS[kind]], int(token_bs.sum())
     if STYLES[model.config.model_type] == "grid":
         grid = kwargs[f"{kind}_grid_thw"]
         patches = grid.prod(-1).tolist()
@@ -147,6 +161,13 @@ def _items(model, kind: str, kwargs: dict, tokens: int):
         side = model.config.vision_config.patch_size * model.config.spatial_merge_size
         tokens = [(h // side) * (w // side) for h, w in sizes.tolist()]
         return (lambda idx: model.get_image_features(pixel_values=pixels[idx], image_sizes=sizes[idx], return_dict=True)), tokens, tokens
+    if STYLES[model.config.model_type] == "runs":
+        sizes, runs = kwargs["image_sizes"], _runs(token_bs)
+        def encode_runs(idx):
+            return model.get_image_features(pixel_values=pixels[idx], image_sizes=sizes[idx], return_dict=True)
+        if len(runs) != len(sizes):
+            return (lambda idx: encode_runs(list(range(len(sizes))))), [tokens], [1]
+        return encode_runs, runs, runs
     flat = pixels.flatten(0, pixels.dim() - 4)  # [N, C, H, W]
     mask = kwargs.get("pixel_attention_mask")
     real = [i for i in range(flat.shape[0]) if bool(flat[i].any())]
@@ -183,7 +204,7 @@ def _to_holders(model, topo: Topology, kind: str, kwargs: dict, token_bs: torch.
     in the SP group and its rows sent to the ranks that hold its tokens (``comm.rows_to_ranks``)."""
     index_bs = torch.full(token_bs.shape, -1, dtype=torch.long)
     index_bs[token_bs.cpu()] = torch.arange(int(token_bs.sum()))
-    encode, tokens, work = _items(model, kind, kwargs, int(token_bs.sum()))
+    encode, tokens, work = _items(model, kind, kwargs, token_bs)
     local, owner = _encode(model, topo, encode, tokens, work)
     item = torch.repeat_interleave(torch.arange(len(tokens)), torch.tensor(tokens))  # each feature token's item
     row = torch.zeros(len(tokens), dtype=torch.long)  # an item's first row in its owner's encoded rows
