@@ -17,7 +17,8 @@ gathered K and V within ``max_gather_bytes``.
 Under a sliding window of W tokens shorter than a chunk, a query sees at most
 the W - 1 keys before its own chunk: only those *tails* of every chunk are
 gathered (the union of what any rank's windows reach), and each rank attends
-its own chunks from its local K/V. Wider windows gather everything, as without one.
+its own chunks from its local K/V. Wider windows gather everything, as without one, and so do
+windows over bidirectional blocks (a block's queries see its later keys too).
 """
 
 from __future__ import annotations
@@ -41,8 +42,8 @@ def _head_chunks(kv_heads: int, stride: int) -> list[tuple[int, int]]:
 
 def tail_tokens(spec: AttnSpec, chunk: int) -> int:
     """Tokens of each chunk that other ranks need: the last W - 1 under a window W shorter
-    than a chunk, else all of them."""
-    return chunk if spec.window is None or spec.window > chunk else spec.window - 1
+    than a chunk, else (or where bidirectional blocks reach later keys) all of them."""
+    return chunk if spec.window is None or spec.window > chunk or spec.blocks else spec.window - 1
 
 
 @dataclass(frozen=True, eq=False)

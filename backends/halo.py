@@ -7,8 +7,9 @@ under zigzag on the middle rank). Those ranges are fixed by the layout, P, the c
 size and W (`halo_ranges`), so every rank knows what to send to whom without a
 handshake: one point-to-point exchange of K/V forward, and the same tokens' dK/dV (fp32
 accumulators) sent back to their owners in the backward. Bytes per rank are O(W),
-independent of the sequence length. The received halo is kept for the backward
-(O(W) memory), so K/V are not sent twice. Documents of a packed sequence are masked
+independent of the sequence length. Under bidirectional blocks (Gemma 3's images) a chunk's
+queries also see the rest of a block that starts in it or before it: those keys join its halo.
+The received halo is kept for the backward (O(W) memory), so K/V are not sent twice. Documents of a packed sequence are masked
 by the block plans; the halo itself is not trimmed to them.
 """
 
@@ -43,13 +44,15 @@ def _minus(intervals, holes):
     return out
 
 
-def halo_ranges(table: list[list[int]], chunk: int, window: int) -> dict[tuple[int, int], list[tuple[int, int]]]:
+def halo_ranges(table: list[list[int]], chunk: int, window: int, blocks=None) -> dict[tuple[int, int], list[tuple[int, int]]]:
     """``ranges[(src, dst)]``: the global token ranges rank ``src`` sends to rank ``dst``
-    (sorted), for ranks holding the chunks of ``table`` and a window of ``window`` tokens."""
+    (sorted), for ranks holding the chunks of ``table``, a window of ``window`` tokens and the
+    bidirectional ``blocks`` (global ``(start, end)``)."""
     held = [sorted((c * chunk, (c + 1) * chunk) for c in chunks) for chunks in table]
     ranges = {}
     for dst, chunks in enumerate(held):
-        wanted = sorted((max(0, a - window + 1), a) for a, _ in chunks if a > 0 and window > 1)
+        wanted = [(max(0, a - window + 1), a) for a, _ in chunks if a > 0 and window > 1]
+        wanted = sorted(wanted + [(b, d) for a, b in chunks for c, d in blocks or () if c < b < d])  # a block's keys after the chunk
         merged = []
         for a, b in wanted:
             if merged and a <= merged[-1][1]:
@@ -90,7 +93,7 @@ def _plan(q, spec: AttnSpec, topo) -> _Plan:
     chunk = q.shape[1] // len(table[r])
 
     def make():
-        ranges = halo_ranges(table, chunk, spec.window)
+        ranges = halo_ranges(table, chunk, spec.window, spec.blocks)
         sends = [(dst, local_positions(table[r], chunk, rs, q.device)) for (src, dst), rs in sorted(ranges.items()) if src == r]
         incoming = sorted((src, rs) for (src, dst), rs in ranges.items() if dst == r)
         halo_segments = [(a, b - a) for _, rs in incoming for a, b in rs]
@@ -99,7 +102,8 @@ def _plan(q, spec: AttnSpec, topo) -> _Plan:
         own_calls, halo_calls = cached_plan(topo, own, own, spec, q.device), cached_plan(topo, own, halo_segments, spec, q.device)
         return _Plan(sends, recvs, own_calls, halo_calls, tuple(first_writes([own_calls, halo_calls])))
 
-    return topo.cached(("halo", spec.layout, topo.sp_size, r, chunk, spec.causal, spec.window, spec.cu_seqlens, spec.batch, str(q.device)), make)
+    return topo.cached(("halo", spec.layout, topo.sp_size, r, chunk, spec.causal, spec.window, spec.cu_seqlens, spec.blocks, spec.batch,
+                                str(q.device)), make)
 
 
 def _recv_like(t, n: int, dtype=None):
@@ -170,7 +174,7 @@ class HaloBackend:
     def _tokens(self, spec: AttnSpec, topo) -> tuple[int, int]:
         """(tokens this rank sends, tokens it receives)."""
         table = spec.chunk_table(topo.sp_size)
-        ranges = halo_ranges(table, spec.local_seq_len // len(table[0]), spec.window)
+        ranges = halo_ranges(table, spec.local_seq_len // len(table[0]), spec.window, spec.blocks)
         count = {"sent": 0, "recv": 0}
         for (src, dst), rs in ranges.items():
             n = sum(b - a for a, b in rs)

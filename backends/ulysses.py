@@ -19,11 +19,22 @@ from contextlib import contextmanager
 import torch
 
 from ulysses_sp import comm, kernels
+from ulysses_sp.blocks import PlannedKernel, cached_plan
 from ulysses_sp.profile import Profile, profile_for
 from ulysses_sp.spec import AttnSpec, Estimate
 from ulysses_sp.streams import CommStream
 
 __all__ = ["UlyssesBackend", "head_groups_for"]
+
+
+def _kernel(spec: AttnSpec, topo, device):
+    """The kernel of the call over whole sequences: the named one, or where the mask has
+    bidirectional blocks, which no kernel's own mask states, one that runs the block plan of the
+    whole sequence (`blocks.PlannedKernel`)."""
+    if spec.blocks is None:
+        return kernels.get_kernel(spec.kernel)
+    whole = ((0, spec.seq_len),)
+    return topo.cached(("ulysses-planned", spec, str(device)), lambda: PlannedKernel(spec.kernel, cached_plan(topo, whole, whole, spec, device), spec))
 
 
 def _kernel_options(spec: AttnSpec, topo, device) -> dict:
@@ -39,7 +50,7 @@ def _kernel_options(spec: AttnSpec, topo, device) -> dict:
 
 
 def _attend(q, k, v, spec: AttnSpec, topo, sinks=None) -> torch.Tensor:
-    return kernels.attend(q, k, v, kernel=spec.kernel, sinks=sinks, **_kernel_options(spec, topo, q.device))
+    return kernels.attend(q, k, v, kernel=_kernel(spec, topo, q.device), sinks=sinks, **_kernel_options(spec, topo, q.device))
 
 
 def head_groups_for(requested: int, q_heads: int, kv_heads: int) -> int:
@@ -258,7 +269,7 @@ class UlyssesBackend:
         groups = self.groups(spec, topo)
         if groups > 1:
             into, back = (topo.cached((f"comm-stream-{way}", str(q.device)), lambda: CommStream(q.device)) for way in ("into", "back"))
-            return _Pipelined.apply(q, k, v, sinks, kernels.get_kernel(spec.kernel), _kernel_options(spec, topo, q.device), topo.sp_group, table,
+            return _Pipelined.apply(q, k, v, sinks, _kernel(spec, topo, q.device), _kernel_options(spec, topo, q.device), topo.sp_group, table,
                                     groups, into, back)
         q_h, k_h, v_h = comm.seq_to_heads([q, k, v], topo.sp_group, table)
         (out,) = comm.heads_to_seq([_attend(q_h, k_h, v_h, spec, topo, sinks)], topo.sp_group, table)

@@ -189,6 +189,8 @@ class Parity:
     """Learned attention sinks (GPT-OSS), drawn away from 0 so a dropped or doubled sink shows."""
     profile: Profile | None = None
     """For ``auto`` (None: the built-in one)."""
+    blocks: tuple | None = None
+    """Bidirectional blocks (Gemma 3's images): global (start, end) runs that see each other's later tokens."""
 
 
 BACKENDS = ("ulysses", "allgather", "ring", "hybrid")
@@ -275,6 +277,22 @@ for _backend in (*WINDOW_BACKENDS, "ulysses-g2"):  # learned sinks: once per row
                                                                  window=13, sinks=True, backend=_backend), _worlds)
 _parity("auto/zigzag-window5-sinks", Parity(window=5, sinks=True, backend="auto"))
 _parity("ring/zigzag-causal-sinks-flash_attn", Parity(hq=12, hkv=4, sinks=True, dtype=torch.bfloat16, kernel="flash_attn", backend="ring"))
+BLOCKS = {"": ((3, 20), (26, 27), (30, 45)), "-packed": ((1, 4), (6, 12), (20, 37), (40, 46))}
+"""Bidirectional blocks across zigzag chunks and ranks at every P (chunks of 6 to 24 tokens), one of a single token;
+packed: within the documents of PACKINGS["packed"]."""
+for _backend in (*WINDOW_BACKENDS, "ulysses-g2"):  # bidirectional blocks: every backend and layout, packed or not, windows
+    _hq, _hkv = (24, 8) if _backend == "ulysses-g2" else (12, 12) if _backend == "ulysses" else (12, 4)
+    _worlds = (1, 2, 4) if _backend == "ulysses-g2" else WORLDS
+    _full = 5 if _backend == "halo" else None  # halo runs windowed layers only
+    for _layout in layout.LAYOUTS:
+        _parity(f"{_backend}/{_layout}-blocks{'-window5' if _full else ''}", Parity(_layout, hq=_hq, hkv=_hkv, window=_full, blocks=BLOCKS[""],
+                                                                                   backend=_backend), _worlds)
+        _parity(f"{_backend}/{_layout}-blocks-window13-packed", Parity(_layout, hq=_hq, hkv=_hkv, window=13, cu_seqlens=PACKINGS["packed"],
+                                                                       blocks=BLOCKS["-packed"], backend=_backend), _worlds)
+    _parity(f"{_backend}/zigzag-blocks-window13-packed-softcap-sinks-flash_attn", Parity(
+        hq=_hq, hkv=_hkv, cu_seqlens=PACKINGS["packed"], window=13, softcap=2.0, sinks=True, blocks=BLOCKS["-packed"], dtype=torch.bfloat16,
+        kernel="flash_attn", backend=_backend), _worlds)
+_parity("auto/zigzag-blocks-window5", Parity(window=5, blocks=BLOCKS[""], backend="auto"))
 PIPELINED = ("ulysses-g2", "ulysses-g3")
 """Ulysses over head groups. 24 q heads leave every rank 2 or more groups at P = 1..4; a rank's
 KV heads travel with the groups where they divide into them (GQA 24/8 at P=2, G=2) and whole with
@@ -321,7 +339,7 @@ def _parity_run(env: Env, name: str, cfg: Parity) -> dict:
     sinks = (torch.randn(cfg.hq, generator=gen, dtype=torch.float64) + 1.0).requires_grad_() if cfg.sinks else None
     leaves = {n: t.clone().requires_grad_(n in cfg.grads) for n, t in zip("qkv", (q, k, v))}
     ref = reference_attention(*leaves.values(), causal=cfg.causal, scale=cfg.scale, cu_seqlens=cfg.cu_seqlens, window=cfg.window,
-                              softcap=cfg.softcap or 0.0, sinks=sinks)
+                              softcap=cfg.softcap or 0.0, sinks=sinks, blocks=cfg.blocks)
     ref.backward(dout)
 
     docs = cfg.cu_seqlens or (0, cfg.seq)  # the balanced layout places tokens by document
@@ -335,7 +353,7 @@ def _parity_run(env: Env, name: str, cfg: Parity) -> dict:
     attn = usp.SequenceParallelAttention(run_topo, backend=cfg.backend, layer_idx=0, kernel=cfg.kernel, profile=cfg.profile)
     local_sinks = None if sinks is None else sinks.detach().clone().requires_grad_()  # a replicated parameter: the same on every rank
     out = attn(*shards.values(), causal=cfg.causal, softmax_scale=cfg.scale, cu_seqlens=cfg.cu_seqlens, window=cfg.window,
-               softcap=cfg.softcap, sinks=local_sinks)
+               softcap=cfg.softcap, sinks=local_sinks, blocks=cfg.blocks)
     (out * usp.shard_sequence(dout, topo, cu_seqlens=docs).to(cfg.dtype)).sum().backward()
 
     with torch.no_grad():
@@ -359,7 +377,7 @@ def _parity_run(env: Env, name: str, cfg: Parity) -> dict:
             result.update(dsinks=max_err(summed, sinks.grad), dsinks_scale=sinks.grad.abs().max().item(), dsinks_rms=rel_rms(summed, sinks.grad))
     result["chosen"] = [b.name for b in attn._chosen.values()]
     if cfg.backend == "auto":
-        _, considered = choose_backend(usp.attention.make_spec(*shards.values(), topo, sinks=local_sinks), topo, cfg.profile)
+        _, considered = choose_backend(usp.attention.make_spec(*shards.values(), topo, sinks=local_sinks, blocks=cfg.blocks), topo, cfg.profile)
         result["considered"] = {n: e.seconds if isinstance(e, Estimate) else e for n, e in considered.items()}
     return result
 
@@ -412,8 +430,8 @@ for _backend in (*BACKENDS, "ulysses-g2"):
         case(f"bytes/{_backend}/{_name}", WORLDS)(lambda env, be=_backend, a=_args: backend_bytes(env, be, *a))
 
 
-def halo_bytes(env: Env, lay: str, window: int) -> dict:
-    """Bytes of a windowed layer per rank, forward and backward, for every backend that runs it."""
+def halo_bytes(env: Env, lay: str, window: int, blocks=None) -> dict:
+    """Bytes of a windowed layer (with bidirectional ``blocks``) per rank, forward and backward, for every backend that runs it."""
     topo = env.topo(None, lay, 2 if env.world % 2 == 0 else 1)
     b, s, d = BYTES_SHAPE
     gen = generator("halo-bytes")
@@ -421,7 +439,7 @@ def halo_bytes(env: Env, lay: str, window: int) -> dict:
     shards = [usp.shard_sequence(t, topo, cu_seqlens=(0, s)).requires_grad_() for t in full]
     result = {}
     for backend in ("halo", "ring", "allgather", "hybrid"):
-        fwd, bwd, estimate = _counted(topo, backend, shards, window=window)
+        fwd, bwd, estimate = _counted(topo, backend, shards, window=window, blocks=blocks)
         result[backend] = {"fwd": (fwd.bytes_sent, fwd.bytes_recv), "bwd": (bwd.bytes_sent, bwd.bytes_recv), "estimate": estimate}
     return result
 
@@ -464,10 +482,34 @@ def planted_sink_per_ring_block(env: Env) -> dict:
 case("parity-planted/sink-per-ring-block", (2, 4))(planted_sink_per_ring_block)
 
 
+def planted_blocks_lost_across_ring_steps(env: Env, name: str) -> dict:
+    """Control: the ring planning its calls against another rank's keys without the blocks (a block
+    id lost across a ring step, as if each rank had its shard's blocks only). The blocks' parity case must see it."""
+    from ulysses_sp import ring_pass
+
+    honest = ring_pass.cached_plan
+
+    def own_blocks_only(topo, q_segments, k_segments, spec, device):
+        return honest(topo, q_segments, k_segments, spec if tuple(q_segments) == tuple(k_segments) else dataclasses.replace(spec, blocks=None),
+                      device)
+
+    ring_pass.cached_plan = own_blocks_only
+    try:
+        return parity(env, name, PARITY[name])
+    finally:
+        ring_pass.cached_plan = honest
+
+
+for _name in ("ring/zigzag-blocks", "ring/zigzag-blocks-window13-packed"):
+    case(f"parity-planted/blocks-lost-{_name}", (2, 3, 4))(lambda env, n=_name: planted_blocks_lost_across_ring_steps(env, n))
+
+
 HALO_WINDOWS = (1, 5, 13, 40)
 for _layout in layout.LAYOUTS:
     for _w in HALO_WINDOWS:
         case(f"bytes/windowed/{_layout}-{_w}", WORLDS)(lambda env, lay=_layout, w=_w: halo_bytes(env, lay, w))
+    for _w in (5, 13):
+        case(f"bytes/windowed/{_layout}-{_w}-blocks", WORLDS)(lambda env, lay=_layout, w=_w: halo_bytes(env, lay, w, BLOCKS[""]))
 
 
 @functools.lru_cache(maxsize=None)
@@ -1012,6 +1054,10 @@ def _bad_attention(env: Env) -> dict:
         "window without causal": lambda: attn(t(), t(), t(), causal=False, window=4),
         "negative softcap": lambda: attn(t(), t(), t(), softcap=-1.0),
         "halo without a window": lambda: usp.sp_attention(t(), t(), t(), topo, backend="halo"),
+        "blocks overlapping": lambda: attn(t(), t(), t(), blocks=[(0, 3), (2, 4)]),
+        "blocks past the end": lambda: attn(t(), t(), t(), blocks=[(1, s * p + 1)]),
+        "blocks without causal": lambda: attn(t(), t(), t(), causal=False, blocks=[(0, 2)]),
+        "blocks crossing a document": lambda: attn(t(), t(), t(), cu_seqlens=[0, 2, s * p], blocks=[(1, 3)]),
         "cu_seqlens not ending at length": lambda: attn(t(), t(), t(), cu_seqlens=torch.tensor([0, 2, s * p - 1])),
         "cu_seqlens not increasing": lambda: attn(t(), t(), t(), cu_seqlens=torch.tensor([0, 3, 3, s * p])),
         "unknown backend (module)": lambda: usp.SequenceParallelAttention(topo, backend="ringg"),
@@ -1028,6 +1074,7 @@ def _bad_attention(env: Env) -> dict:
         # With the default shape_check="once" for shapes no rank has seen (batch 5 here)...
         cases["shard length differs per rank"] = lambda: attn(t(b=5, seq=s + 2 * r), t(b=5, seq=s + 2 * r), t(b=5, seq=s + 2 * r))
         cases["cu_seqlens differ per rank"] = lambda: attn(t(b=5), t(b=5), t(b=5), cu_seqlens=torch.tensor([0, 1 + r, s * p]))
+        cases["blocks differ per rank"] = lambda: attn(t(b=5), t(b=5), t(b=5), blocks=[(0, 2 + r)])
         # ...and inputs that need a gradient on one rank only (the backward would carry different tensors)
         cases["requires_grad differs per rank"] = lambda: attn(t(b=6).requires_grad_(r == 0), t(b=6), t(b=6))
         dt = torch.float64 if r == 0 else torch.float32

@@ -35,6 +35,11 @@ EXPECTED = {
     "window without causal": "ValueError: window must be an int >= 1 with causal=True (query i sees keys i - window < j <= i), got window=4 with causal=False",
     "negative softcap": "ValueError: softcap must be a finite float >= 0",
     "halo without a window": "ValueError: halo: only for sliding-window layers (window=W)",
+    "blocks overlapping": "ValueError: blocks must be (start, end) integer pairs, 0 <= start < end <= the global length",
+    "blocks past the end": "ValueError: blocks must be (start, end) integer pairs, 0 <= start < end <= the global length",
+    "blocks without causal": "ValueError: blocks overlay a causal mask (causal=True)",
+    "blocks crossing a document": "ValueError: blocks [(1, 3)] cross a document boundary of cu_seqlens [0, 2, ",
+    "blocks differ per rank": "ValueError: the ranks of the SP group called attention with different cu_seqlens/backend/scale/kernel/window/softcap/sinks/blocks",
 }
 MULTI_ONLY = {k for k in EXPECTED if "per rank" in k or k.startswith(("ulysses ", "allgather "))}
 

@@ -23,7 +23,7 @@ fp32 and bf16 are bounded by their rounding (observed about 2e-7 and 8e-3),
 fp64 is the mask/scale/layout check."""
 
 QUICK = {f"{b}/{lay}-causal-gqa" for b in BACKENDS for lay in LAYOUTS} | {"halo/zigzag-window5", "ulysses-g2/zigzag-causal-gqa", "auto/zigzag-causal-gqa",
-                                                                    "ring/zigzag-causal-sinks"}
+                                                                    "ring/zigzag-causal-sinks", "ring/zigzag-blocks-window13-packed"}
 """At P=2 in the quick slice: every backend under every layout."""
 PARAMS = [
     pytest.param(world, name, id=f"P{world}-{name}", marks=[pytest.mark.quick] if world == 2 and name in QUICK else [])
@@ -63,6 +63,15 @@ def test_a_sink_per_ring_block_is_caught(ranks, world):
     """The sink enters each row's softmax once: folded in at every hop as well, the ring's output is off."""
     for r in values(ranks(world), "parity-planted/sink-per-ring-block"):
         assert r["out_rms"] > 1e-2 and r["dsinks_rms"] > 1e-2, r
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("name", ["ring/zigzag-blocks", "ring/zigzag-blocks-window13-packed"])
+def test_a_block_lost_across_ring_steps_is_caught(ranks, world, name):
+    """Each rank's blocks applied to its own keys only (the bidirectional block computed from the
+    local shard): the ring's output and gradients are off on some rank."""
+    got = values(ranks(world), f"parity-planted/blocks-lost-{name}")
+    assert max(r["out_rms"] for r in got) > 1e-2 and max(r["dk_rms"] for r in got) > 1e-2, got
 
 
 @pytest.mark.parametrize("world", [w for w in WORLDS if w > 1])

@@ -17,7 +17,7 @@ import pytest
 
 from ulysses_sp import layout
 
-from .cases import BYTES_SHAPE, HALO_WINDOWS
+from .cases import BLOCKS, BYTES_SHAPE, HALO_WINDOWS
 from .conftest import WORLDS, values
 
 B, N, D = BYTES_SHAPE
@@ -29,11 +29,10 @@ def _owned(lay, p):
     return [set(layout.positions(lay, N, p, r, (0, N)).tolist()) for r in range(p)]
 
 
-def _sees(i, j, w):
-    return i - w < j <= i
+def expected(backend, lay, p, w, blocks=()):
+    def _sees(i, j, w):  # bidirectional blocks: a block's query also sees its later keys
+        return i - w < j <= i or any(a <= i < j < b for a, b in blocks)
 
-
-def expected(backend, lay, p, w):
     owned = _owned(lay, p)
     if backend == "halo":
         needed = [{j for i in mine for j in range(N) if j not in mine and _sees(i, j, w)} for mine in owned]
@@ -50,7 +49,7 @@ def expected(backend, lay, p, w):
         a2a = B * N // p * D * ELT * (2 * 12 + 2 * HKV) * (u - 1) // u
         return [((fwd + a2a, fwd + a2a), (bwd + a2a, bwd + a2a))] * p
     chunk = N // (layout.chunks_per_rank(lay, N, p) * p)
-    tail = chunk if w > chunk else w - 1
+    tail = chunk if w > chunk or blocks else w - 1
     fwd = TOKEN * tail * layout.chunks_per_rank(lay, N, p) * (p - 1)
     return [((fwd, fwd), (2 * fwd, 2 * fwd))] * p
 
@@ -65,6 +64,19 @@ def test_windowed_bytes_are_exact(ranks, world, lay, window):
             fwd, bwd = expected(backend, lay, world, window)[rank]
             assert got["fwd"] == fwd, (backend, rank, got)
             assert got["bwd"] == bwd, (backend, rank, got)
+            assert got["estimate"] == (fwd[0], bwd[0]), f"{backend}: estimate() must predict the bytes"
+
+
+@pytest.mark.parametrize("world", WORLDS)
+@pytest.mark.parametrize("window", [5, 13])
+@pytest.mark.parametrize("lay", layout.LAYOUTS)
+def test_windowed_bytes_with_bidirectional_blocks_are_exact(ranks, world, lay, window):
+    """Blocks across chunks and ranks: halo also receives each block's keys past a chunk, the ring runs
+    as many hops as a block reaches, the all-gather gathers every token (its tails are off)."""
+    for rank, r in enumerate(values(ranks(world), f"bytes/windowed/{lay}-{window}-blocks")):
+        for backend, got in r.items():
+            fwd, bwd = expected(backend, lay, world, window, BLOCKS[""])[rank]
+            assert (got["fwd"], got["bwd"]) == (fwd, bwd), (backend, rank, got)
             assert got["estimate"] == (fwd[0], bwd[0]), f"{backend}: estimate() must predict the bytes"
 
 

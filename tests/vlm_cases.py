@@ -185,6 +185,16 @@ def _internvl_visuals(kinds: list[str], g: torch.Generator) -> dict:
     return {"pixel_values": torch.randn(len(kinds), 3, 32, 32, generator=g, dtype=torch.float64)} if kinds else {}
 
 
+def _gemma3():
+    import transformers
+
+    cfg = transformers.Gemma3Config(
+        text_config=dict(TEXT, head_dim=8, query_pre_attn_scalar=8, sliding_window=8, layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8),
+        mm_tokens_per_image=16, image_token_index=IMAGE, boi_token_index=START, eoi_token_index=END)
+    return transformers.Gemma3ForConditionalGeneration(cfg)
+
+
 FAMILIES = {
     "qwen2_vl": (_qwen2_vl, _qwen_visuals, "whole"),
     "qwen2_5_vl": (_qwen2_5_vl, _qwen_visuals, "whole"),
@@ -197,16 +207,18 @@ FAMILIES = {
     "idefics3": (_idefics3, _smolvlm_visuals, None),
     "mistral3": (_mistral3, _mistral3_visuals, "rows"),
     "llava_next": (_llava_next, _llava_next_visuals, "anyres"),
+    "gemma3": (_gemma3, _llava_visuals, None),  # each image's 16 tokens one bidirectional block; a window of 8 on sliding layers
 }
 """name: (tiny model, the visual inputs of a list of "image"/"video", its videos: None, "whole" (one run of
 tokens) or "frames" (Qwen3-VL: each frame its own run, after a timestamp); "rows": no video, an image's
 tokens in rows of 4 with a text token between (Mistral 3's break tokens); "anyres": no video, 14 and 16 tokens (LLaVA-NeXT))."""
 
 
-def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator) -> list[tuple[list[int], list[str]]]:
+def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator, rows: bool = False) -> list[tuple[list[int], list[str]]]:
     """Token ids and visuals (in order) of each document. Unpacked: one document of 24 P tokens, so
     that a zigzag chunk is 12 tokens and the first image (tokens 2 to 17) straddles its end.
-    Packed: three documents of 23, 7 and 47 tokens, the middle one without an image."""
+    Packed: three documents of 23, 7 and 47 tokens, the middle one without an image. Rows: that
+    unpacked document and one as long with its images elsewhere, each a row of the batch."""
     def text(n):
         return torch.randint(0, END, (n,), generator=g).tolist()
 
@@ -221,8 +233,9 @@ def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator)
 
     second = "video" if videos in ("whole", "frames") else "image"  # (Mistral 3, LLaVA-NeXT: a second image)
     if not packed:
-        ids = text(1) + visual("image") + text(6) + visual(second, 1)
-        return [(ids + text(24 * world - len(ids)), ["image", second])]
+        leads = (1, 9) if rows else (1,)
+        docs = [text(lead) + visual("image") + text(6 - lead // 2) + visual(second, 1) for lead in leads]
+        return [(ids + text(24 * world - len(ids)), ["image", second]) for ids in docs]
     return [(text(1) + visual("image") + text(4), ["image"]),
             (text(7), []),
             (text(3) + visual(second) + text(6) + visual("image", 1) + text(2), [second, "image"])]
@@ -234,6 +247,7 @@ def _inputs(ids: list[int], kinds: list[str], visuals, g_state) -> dict:
     input_ids = torch.tensor([ids])
     out = {"input_ids": input_ids, **visuals(kinds, g)}
     out["mm_token_type_ids"] = (input_ids == IMAGE).int() + 2 * (input_ids == VIDEO).int()
+    out["token_type_ids"] = (input_ids == IMAGE).int()  # Gemma 3's: its image tokens see each other both ways
     return out
 
 
@@ -241,8 +255,10 @@ def _labels(input_ids: torch.Tensor) -> torch.Tensor:
     return input_ids.masked_fill((input_ids == IMAGE) | (input_ids == VIDEO), -100)
 
 
-def _takes_token_types(model) -> bool:
-    return "mm_token_type_ids" in inspect.signature(type(model).forward).parameters
+def _drop_untaken(model, inputs: dict) -> dict:
+    """``inputs`` without the token types the model's forward does not take."""
+    taken = inspect.signature(type(model).forward).parameters
+    return {k: v for k, v in inputs.items() if k not in ("mm_token_type_ids", "token_type_ids") or k in taken}
 
 
 @contextlib.contextmanager
@@ -284,9 +300,7 @@ def _one_process(model, docs, visuals, states) -> tuple[torch.Tensor, torch.Tens
     positions its text decoder got, end to end, and the rows its vision tower encoded."""
     total, count, positions, encoded = 0, 0, [], 0
     for (ids, kinds), state in zip(docs, states):
-        inputs = _inputs(ids, kinds, visuals, state)
-        if not _takes_token_types(model):
-            inputs.pop("mm_token_type_ids")
+        inputs = _drop_untaken(model, _inputs(ids, kinds, visuals, state))
         with _decoder_positions(model) as seen, _encoded(model) as rows:
             logits = model(**inputs).logits
         encoded += rows[0]
@@ -303,14 +317,14 @@ _REFERENCES: dict = {}
 rank for the next layout's case (the model, its data and gradients do not depend on the layout)."""
 
 
-def _reference(family: str, world: int, packed: bool) -> tuple:
-    key = (family, world, packed)
+def _reference(family: str, world: int, packed: bool, rows: bool = False) -> tuple:
+    key = (family, world, packed, rows)
     if key not in _REFERENCES:
         make, visuals, videos = FAMILIES[family]
         torch.manual_seed(0)
         ref = make().double()
         g = torch.Generator().manual_seed(1)
-        docs = _documents(world, videos, packed, g)
+        docs = _documents(world, videos, packed, g, rows)
         states = []
         for _, kinds in docs:  # each document's pixels from its own generator state: the same in the row and alone
             states.append(g.get_state())
@@ -321,9 +335,9 @@ def _reference(family: str, world: int, packed: bool) -> tuple:
     return _REFERENCES[key]
 
 
-def vlm_parity(env: Env, family: str, layout: str, packed: bool) -> dict:
+def vlm_parity(env: Env, family: str, layout: str, packed: bool, as_rows: bool = False) -> dict:
     visuals = FAMILIES[family][1]
-    ref, docs, states, ref_loss, ref_positions, ref_encoded = _reference(family, env.world, packed)
+    ref, docs, states, ref_loss, ref_positions, ref_encoded = _reference(family, env.world, packed, as_rows)
 
     model = copy.deepcopy(ref)
     model.zero_grad(set_to_none=True)
@@ -334,9 +348,9 @@ def vlm_parity(env: Env, family: str, layout: str, packed: bool) -> dict:
     for key in {k for p in parts for k in p}:
         held = [p[key] for p in parts if key in p]  # ids, token types and SmolVLM's [1, N, ...] images join along dim 1
         rows_of_images = held[0].dim() == 5 and family in ("smolvlm", "idefics3")  # [1, N, ...]; LLaVA-NeXT's [N, tiles, ...]
-        batch[key] = torch.cat(held, dim=1 if key in ("input_ids", "mm_token_type_ids") or rows_of_images else 0)
-    if not _takes_token_types(model):
-        batch.pop("mm_token_type_ids")
+        by_token = key in ("input_ids", "mm_token_type_ids", "token_type_ids")
+        batch[key] = torch.cat(held, dim=1 if by_token and not as_rows or rows_of_images else 0)
+    batch = _drop_untaken(model, batch)
     batch["labels"] = _labels(batch["input_ids"])
     if packed:
         batch["position_ids"] = torch.cat([torch.arange(len(ids)) for ids, _ in docs])[None]
@@ -345,6 +359,8 @@ def vlm_parity(env: Env, family: str, layout: str, packed: bool) -> dict:
         logits = model(**usp.model_inputs(local)).logits
     encoded = int(usp.comm.all_reduce_sum(torch.tensor([rows[0]]), topo.sp_group))
     # this rank's positions are its shard of each document's own, numbered alone (padding: -1, not compared)
+    if as_rows:
+        ref_positions = torch.cat(ref_positions.chunk(len(docs), dim=-1), dim=-2)
     expected = F.pad(ref_positions, (0, local["multimodal"]["input_ids"].shape[1] - ref_positions.shape[-1]), value=-1)
     cu = local.get("cu_seqlens")
     expected = usp.shard_sequence(expected, topo, dim=-1, cu_seqlens=None if cu is None else cu.tolist())
@@ -380,6 +396,30 @@ for _family in FAMILIES:
     for _layout, _packed in PLACEMENTS:
         case(f"vlm/{_family}/{_layout}{'-packed' if _packed else ''}", (2, 3, 4))(
             lambda env, f=_family, lay=_layout, p=_packed: vlm_parity(env, f, lay, p))
+case("vlm/gemma3/zigzag-rows", (2, 3, 4))(lambda env: vlm_parity(env, "gemma3", "zigzag", False, as_rows=True))  # each row its own blocks
+
+
+def planted_blocks_cut_at_shards(env: Env, layout: str, packed: bool) -> dict:
+    """Control: Gemma 3's image blocks cut at the layout's chunk edges, as if each rank had found them
+    in its own shard of the token types (and so all ranks agree on them). The parity case must see it."""
+    from ulysses_sp.models import image_text
+
+    honest = image_text.image_blocks
+
+    def cut(types, cu_seqlens=None):
+        n = types.shape[1] // (usp.layout.chunks_per_rank(layout, types.shape[1], env.world) * env.world)  # a chunk's tokens
+        return tuple(tuple((max(a, e), min(b, e + n)) for a, b in row for e in range(a - a % n, b, n)) for row in honest(types, cu_seqlens))
+
+    image_text.image_blocks = cut
+    try:
+        return vlm_parity(env, "gemma3", layout, packed)
+    finally:
+        image_text.image_blocks = honest
+
+
+for _layout, _packed in (("zigzag", False), ("zigzag", True)):
+    case(f"vlm-planted/gemma3-blocks-cut/{_layout}{'-packed' if _packed else ''}", (2, 3, 4))(
+        lambda env, lay=_layout, p=_packed: planted_blocks_cut_at_shards(env, lay, p))
 
 
 HIDDEN = 512
@@ -416,7 +456,7 @@ def embed_memory(env: Env) -> dict:
     return {"peak": peak, "images": rows[0] // 64, "embeds": tuple(seen["inputs_embeds"].shape)}
 
 
-VERIFIED = {2: ("LlavaConfig", "Qwen2_5_VLConfig", "Qwen3VLMoeConfig", "SmolVLMConfig", "Qwen3_5Config", "Qwen3_5MoeConfig"),
+VERIFIED = {2: ("LlavaConfig", "Qwen2_5_VLConfig", "Qwen3VLMoeConfig", "SmolVLMConfig", "Qwen3_5Config", "Qwen3_5MoeConfig", "Gemma3Config"),
             3: ("LlavaConfig", "Qwen3VLConfig", "InternVLConfig", "Mistral3Config", "Glm4vConfig"), 4: ("SmolVLMConfig", "Qwen2VLConfig", "Idefics3Config")}
 """The default (full-size) configs ``verify_sequence_parallel`` shrinks and checks, per P: each family at some P,
 each way of giving images (patch rows, [N, ...] and [B, N, ...] pixels) at every P. Qwen3.5 (Gated DeltaNet and

@@ -63,8 +63,31 @@ def _check_cu_seqlens(values: list, seq_len: int) -> tuple[int, ...]:
     return tuple(values)
 
 
+def _check_blocks(blocks, seq_len: int, cu_seqlens, causal: bool) -> tuple[tuple[int, int], ...] | None:
+    """The bidirectional blocks as a tuple of ``(start, end)``; ValueError naming the constraint."""
+    if blocks is None:
+        return None
+    if isinstance(blocks, torch.Tensor):
+        blocks = blocks.tolist()
+    try:
+        values = tuple((int(a), int(b)) for a, b in blocks)
+        valid = all(isinstance(x, int) and not isinstance(x, bool) for pair in blocks for x in pair)
+    except (TypeError, ValueError):
+        values, valid = (), False
+    if not valid or any(not 0 <= a < b <= seq_len for a, b in values) or any(b > c for (_, b), (c, _) in zip(values, values[1:])):
+        raise ValueError(f"blocks must be (start, end) integer pairs, 0 <= start < end <= the global length {seq_len}, sorted and "
+                         f"disjoint: each a run of tokens that attend to each other both ways; got {blocks!r}")
+    if values and not causal:
+        raise ValueError("blocks overlay a causal mask (causal=True); without one every token already sees every other")
+    bounds = cu_seqlens or (0, seq_len)
+    crossing = [(a, b) for a, b in values if any(a < x < b for x in bounds)]
+    if crossing:
+        raise ValueError(f"blocks {crossing} cross a document boundary of cu_seqlens {list(bounds)}: a block lies within one document")
+    return values or None
+
+
 def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=None, cu_seqlens=None, kernel: str = "auto",
-              window: int | None = None, softcap: float | None = None, sinks=None) -> AttnSpec:
+              window: int | None = None, softcap: float | None = None, sinks=None, blocks=None) -> AttnSpec:
     """Validate this rank's shards and describe the call, with the kernel that will run it
     (``kernels.resolve_kernel``). Local only: no communication."""
     for name, t in (("q", q), ("k", k), ("v", v)):
@@ -108,6 +131,7 @@ def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=Non
     sliding_band(window, causal)
     check_options(None, softcap)
     seq_len = s * topo.sp_size
+    cu = _cu_seqlens_tuple(cu_seqlens, seq_len, topo.cache)
     return AttnSpec(
         batch=b,
         seq_len=seq_len,
@@ -119,11 +143,12 @@ def make_spec(q, k, v, topo: Topology, *, causal: bool = True, softmax_scale=Non
         causal=bool(causal),
         softmax_scale=float(softmax_scale) if softmax_scale is not None else 1.0 / math.sqrt(d),
         layout=topo.layout,
-        cu_seqlens=_cu_seqlens_tuple(cu_seqlens, seq_len, topo.cache),
+        cu_seqlens=cu,
         kernel=resolve_kernel(kernel, q.dtype, q.device, d),
         window=window if window is not None and window < seq_len else None,  # a window over everything is none
         softcap=float(softcap),
         sinks=sinks is not None,
+        blocks=_check_blocks(blocks, seq_len, cu, causal),
     )
 
 
@@ -131,11 +156,11 @@ def _signature(spec: AttnSpec, backend: str, tensors) -> tuple[int, ...]:
     dtype_code = zlib.crc32(str(spec.dtype).encode())
     # which inputs need a gradient decides which tensors the backward all-to-all carries
     grads = sum(1 << i for i, t in enumerate(tensors) if t.requires_grad and torch.is_grad_enabled())
-    extras = zlib.crc32(repr((spec.cu_seqlens, backend, spec.softmax_scale, spec.kernel, spec.window, spec.softcap, spec.sinks)).encode())
+    extras = zlib.crc32(repr((spec.cu_seqlens, backend, spec.softmax_scale, spec.kernel, spec.window, spec.softcap, spec.sinks, spec.blocks)).encode())
     return (spec.batch, spec.local_seq_len, spec.q_heads, spec.kv_heads, spec.head_dim, dtype_code, int(spec.causal), grads, extras)
 
 
-_SIGNATURE_FIELDS = ("batch", "local_seq_len", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "requires_grad", "cu_seqlens/backend/scale/kernel/window/softcap/sinks")
+_SIGNATURE_FIELDS = ("batch", "local_seq_len", "q_heads", "kv_heads", "head_dim", "dtype", "causal", "requires_grad", "cu_seqlens/backend/scale/kernel/window/softcap/sinks/blocks")
 
 
 def _check_ranks_agree(spec: AttnSpec, backend: str, topo: Topology, tensors) -> None:
@@ -242,7 +267,7 @@ class SequenceParallelAttention(nn.Module):
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, causal: bool = True, softmax_scale: float | None = None,
                 cu_seqlens: torch.Tensor | list[int] | None = None, window: int | None = None, softcap: float | None = None,
-                sinks: torch.Tensor | None = None) -> torch.Tensor:
+                sinks: torch.Tensor | None = None, blocks: list[tuple[int, int]] | None = None) -> torch.Tensor:
         """Attention of this rank's query shard over the whole sequence's keys and values.
 
         Args:
@@ -260,6 +285,9 @@ class SequenceParallelAttention(nn.Module):
             softcap: Caps the scaled scores at ``softcap * tanh(s / softcap)`` (Gemma 2).
             sinks: Learned attention sinks (GPT-OSS's ``s_aux``), ``[Hq]``: one logit per head
                 added to every row's softmax denominator, with no value; the same on every rank.
+            blocks: Bidirectional blocks: global ``(start, end)`` pairs, sorted and disjoint, each
+                within a document; a query of a block also sees the block's later keys (Gemma 3's
+                image tokens), on sliding-window layers those within the window. The same on every rank.
 
         Returns:
             This rank's output shard, ``[B, S/P, Hq, Dv]``.
@@ -268,25 +296,25 @@ class SequenceParallelAttention(nn.Module):
             TypeError: Inputs that are not floating-point tensors of one dtype.
             ValueError: Shards of the wrong shape, device or length for the layout, ranks of
                 the group that disagree on shapes or options, a backend that cannot run the
-                call, or invalid ``cu_seqlens``, ``softmax_scale``, ``window``, ``softcap`` or ``sinks``.
+                call, or invalid ``cu_seqlens``, ``softmax_scale``, ``window``, ``softcap``, ``sinks`` or
+                ``blocks`` (or blocks under torch.compile).
         """
         options = dict(causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, softcap=softcap, sinks=sinks)
         if torch.compiler.is_compiling():
+            _no_compiled_blocks(blocks)
             return compiled_attention(self._eager, q, k, v, **options)
-        return self._forward(q, k, v, **options)
+        return self._forward(q, k, v, **options, blocks=blocks)
 
-    def _forward(self, q, k, v, *, causal, softmax_scale, cu_seqlens, window, softcap, sinks=None) -> torch.Tensor:
+    def _forward(self, q, k, v, *, causal, softmax_scale, cu_seqlens, window, softcap, sinks=None, blocks=None) -> torch.Tensor:
+        options = dict(causal=causal, cu_seqlens=cu_seqlens, window=window, softcap=softcap, sinks=sinks, blocks=blocks)
         dtype = _autocast(q, k, v)
         if dtype is not None:
             with torch.autocast(q.device.type, enabled=False):
-                return self._forward(q.to(dtype), k.to(dtype), v.to(dtype), causal=causal, softmax_scale=softmax_scale,
-                                     cu_seqlens=cu_seqlens, window=window, softcap=softcap, sinks=sinks)
+                return self._forward(q.to(dtype), k.to(dtype), v.to(dtype), softmax_scale=softmax_scale, **options)
         q, k, v, softmax_scale, d_v = _same_head_dim(q, k, v, softmax_scale)
         if d_v is not None:
-            return self._forward(q, k, v, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, window=window, softcap=softcap,
-                                 sinks=sinks)[..., :d_v]
-        spec = make_spec(q, k, v, self.topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, kernel=self.kernel,
-                         window=window, softcap=softcap, sinks=sinks)
+            return self._forward(q, k, v, softmax_scale=softmax_scale, **options)[..., :d_v]
+        spec = make_spec(q, k, v, self.topo, softmax_scale=softmax_scale, kernel=self.kernel, **options)
         _check_ranks_agree(spec, self.backend, self.topo, (q, k, v))
         backend = self._chosen.get(spec)
         if backend is None:
@@ -303,7 +331,7 @@ def sp_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, topo: Topology, *, backend: str = "auto", causal: bool = True,
     softmax_scale: float | None = None, cu_seqlens: torch.Tensor | list[int] | None = None, profile: Profile | None = None,
     kernel: str = "auto", window: int | None = None,
-    softcap: float | None = None, sinks: torch.Tensor | None = None,
+    softcap: float | None = None, sinks: torch.Tensor | None = None, blocks: list[tuple[int, int]] | None = None,
 ) -> torch.Tensor:
     """Functional form of `SequenceParallelAttention`, without its per-layer cache of ``auto``'s choice.
 
@@ -322,6 +350,7 @@ def sp_attention(
         window: Causal sliding window: query i sees keys ``i - window < j <= i``.
         softcap: Caps the scaled scores at ``softcap * tanh(s / softcap)``.
         sinks: Learned attention sinks, ``[Hq]`` (`SequenceParallelAttention.forward`).
+        blocks: Bidirectional blocks, global ``(start, end)`` pairs (`SequenceParallelAttention.forward`).
 
     Returns:
         This rank's output shard, ``[B, S/P, Hq, Dv]``.
@@ -332,24 +361,29 @@ def sp_attention(
             ``profile`` given under torch.compile.
     """
     if torch.compiler.is_compiling():  # one op of the graph, which calls this again outside it
+        _no_compiled_blocks(blocks)
         if profile is not None:
             raise ValueError("sp_attention(profile=...) cannot be compiled: give the profile to init_sequence_parallel, "
                              "or use SequenceParallelAttention(topo, profile=...)")
         return compiled_attention(topo.eager_attention, q, k, v, backend=backend, kernel=kernel, causal=causal, softmax_scale=softmax_scale,
                                   cu_seqlens=cu_seqlens, window=window, softcap=softcap, sinks=sinks)
+    options = dict(causal=causal, cu_seqlens=cu_seqlens, kernel=kernel, window=window, softcap=softcap, sinks=sinks, blocks=blocks)
     dtype = _autocast(q, k, v)
     if dtype is not None:
         with torch.autocast(q.device.type, enabled=False):
-            return sp_attention(q.to(dtype), k.to(dtype), v.to(dtype), topo, backend=backend, causal=causal, softmax_scale=softmax_scale,
-                                cu_seqlens=cu_seqlens, profile=profile, kernel=kernel, window=window, softcap=softcap, sinks=sinks)
+            return sp_attention(q.to(dtype), k.to(dtype), v.to(dtype), topo, backend=backend, softmax_scale=softmax_scale, profile=profile,
+                                **options)
     q, k, v, softmax_scale, d_v = _same_head_dim(q, k, v, softmax_scale)
     if d_v is not None:
-        return sp_attention(q, k, v, topo, backend=backend, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, profile=profile,
-                            kernel=kernel, window=window, softcap=softcap, sinks=sinks)[..., :d_v]
-    spec = make_spec(q, k, v, topo, causal=causal, softmax_scale=softmax_scale, cu_seqlens=cu_seqlens, kernel=kernel, window=window,
-                     softcap=softcap, sinks=sinks)
+        return sp_attention(q, k, v, topo, backend=backend, softmax_scale=softmax_scale, profile=profile, **options)[..., :d_v]
+    spec = make_spec(q, k, v, topo, softmax_scale=softmax_scale, **options)
     _check_ranks_agree(spec, backend, topo, (q, k, v))
     return _run(_resolve(backend, spec, topo, profile, None), q, k, v, spec, topo, sinks)
+
+
+def _no_compiled_blocks(blocks) -> None:
+    if blocks is not None:
+        raise ValueError("bidirectional blocks are not supported under torch.compile; run the model eagerly")
 
 
 def _run(backend, q, k, v, spec: AttnSpec, topo: Topology, sinks):

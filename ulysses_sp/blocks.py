@@ -18,7 +18,11 @@ so every zigzag ring step after the first is one kernel call, not two, as in tor
 head-tail ring (both plans timed: ``benchmarks/results/block-calls-P4-bf16.json``); and the first, a rank's
 own block (two diagonals and the block between them), is one causal call
 (`_merge_diagonals`).
-Plans are pure functions of the layout, the window and the packing, computed once per call
+Bidirectional blocks (Gemma 3's image tokens: a query sees every key of its own block, and on
+sliding layers those within the window) add to that causal plan only the pairs it leaves out,
+the strict upper triangle of each block (key > query), as calls of their own (`_after_in_block`):
+the causal plan itself is not cut at block edges.
+Plans are pure functions of the layout, the window, the packing and the blocks, computed once per call
 signature and kept in ``Topology.cache`` with their device tensors.
 """
 
@@ -27,9 +31,12 @@ from __future__ import annotations
 import bisect
 from dataclasses import dataclass
 
-from .kernels import Varlen, get_kernel, merge_into
+import torch
 
-__all__ = ["BlockCall", "chunk_segments", "plan_blocks", "sees_any", "cached_plan", "first_writes", "blocks_forward", "blocks_backward"]
+from .kernels import Varlen, accumulator_dtype, get_kernel, merge_into
+
+__all__ = ["BlockCall", "PlannedKernel", "chunk_segments", "plan_blocks", "sees_any", "cached_plan", "first_writes", "blocks_forward",
+           "blocks_backward"]
 
 
 @dataclass(frozen=True, eq=False)
@@ -174,11 +181,30 @@ def _merge_diagonals(calls) -> list[BlockCall]:
     return list(calls)
 
 
+def _after_in_block(q_run, k_run, blocks):
+    """Per block that both runs overlap: its pairs with key > query, which a bidirectional block adds
+    to the causal mask (on sliding layers too: a later key is always within the window), as
+    ``(q0, q1, k0, k1, left)`` in global positions, trimmed to the queries that see a key and the
+    keys some query sees; query i sees key j iff ``j >= i + 1``, the kernel's band ``(left, -1)``
+    (None: every pair)."""
+    (qa, qb, _), (ka, kb, _) = q_run, k_run
+    first = max(0, bisect.bisect_right(blocks, (max(qa, ka), float("inf"))) - 1)  # blocks before it end before both runs
+    for a, b in blocks[first:]:
+        if a >= min(qb, kb):
+            break
+        q0, q1, k0, k1 = max(qa, a), min(qb, b), max(ka, a), min(kb, b)
+        q1, k0 = min(q1, k1 - 1), max(k0, q0 + 1)
+        if q1 > q0 and k1 > k0:
+            yield q0, q1, k0, k1, (None if q1 - 1 < k0 else k1 - q1 - 1)
+
+
 def plan_blocks(q_segments, k_segments, *, causal: bool, window: int | None = None, cu_seqlens=None, batch: int = 1,
-                device=None) -> tuple[BlockCall, ...]:
+                device=None, blocks=None) -> tuple[BlockCall, ...]:
     """The kernel calls that attend the local queries (``q_segments``) to the local keys
     (``k_segments``) under a causal mask, a sliding ``window`` (Hugging Face's W: key >
-    query - W; needs ``causal``) and the documents of ``cu_seqlens`` (global boundaries)."""
+    query - W; needs ``causal``), the documents of ``cu_seqlens`` (global boundaries) and the
+    bidirectional ``blocks`` (sorted global ``(start, end)``, each within a document: a query of
+    a block also sees the block's later keys)."""
     calls = []
     for q_run in _runs(q_segments):
         for k_run in _split_at(_runs(k_segments), q_run[0] if causal else None):
@@ -188,20 +214,28 @@ def plan_blocks(q_segments, k_segments, *, causal: bool, window: int | None = No
                 if i == len(rows) or rows[i][1] != rows[start][1]:
                     calls.append(_call(rows[start:i], q_run, k_run, batch, device))
                     start = i
-    return tuple(_coalesce(_merge_diagonals(calls), max_keys=sum(n for _, n in q_segments)))
+    calls = _merge_diagonals(calls)
+    for q_run in _runs(q_segments) if blocks else ():
+        for k_run in _runs(k_segments):
+            q_shift, k_shift = q_run[2] - q_run[0], k_run[2] - k_run[0]
+            calls += [BlockCall(q0 + q_shift, q1 + q_shift, k0 + k_shift, k1 + k_shift, False, None, None if left is None else (left, -1))
+                      for q0, q1, k0, k1, left in _after_in_block(q_run, k_run, blocks)]
+    return tuple(_coalesce(calls, max_keys=sum(n for _, n in q_segments)))
 
 
-def sees_any(q_segments, k_segments, *, causal: bool, window: int | None = None, cu_seqlens=None) -> bool:
+def sees_any(q_segments, k_segments, *, causal: bool, window: int | None = None, cu_seqlens=None, blocks=None) -> bool:
     """Whether any query of ``q_segments`` sees any key of ``k_segments`` (no tensors built)."""
-    return any(_rows(q, k, causal, window, cu_seqlens) for q in _runs(q_segments) for k in _runs(k_segments))
+    runs = [(q, k) for q in _runs(q_segments) for k in _runs(k_segments)]
+    return any(_rows(q, k, causal, window, cu_seqlens) or blocks and next(_after_in_block(q, k, blocks), None) for q, k in runs)
 
 
 def cached_plan(topo, q_segments, k_segments, spec, device) -> tuple[BlockCall, ...]:
-    """`plan_blocks` for ``spec``'s mask, window, packing and batch, kept in ``topo.cache``."""
+    """`plan_blocks` for ``spec``'s mask, window, packing, blocks and batch, kept in ``topo.cache``."""
     q_segments, k_segments = tuple(q_segments), tuple(k_segments)
-    key = ("blocks", q_segments, k_segments, spec.causal, spec.window, spec.cu_seqlens, spec.batch, str(device))
+    key = ("blocks", q_segments, k_segments, spec.causal, spec.window, spec.cu_seqlens, spec.blocks, spec.batch, str(device))
     return topo.cached(key, lambda: plan_blocks(
-        q_segments, k_segments, causal=spec.causal, window=spec.window, cu_seqlens=spec.cu_seqlens, batch=spec.batch, device=device
+        q_segments, k_segments, causal=spec.causal, window=spec.window, cu_seqlens=spec.cu_seqlens, batch=spec.batch, device=device,
+        blocks=spec.blocks,
     ))
 
 
@@ -245,3 +279,26 @@ def blocks_backward(kernel: str, dout, q, k, v, out, lse, calls, spec, dq_acc, d
         dq_acc[:, c.q0 : c.q1] += dq
         dk_acc[:, c.k0 : c.k1] += dk
         dv_acc[:, c.k0 : c.k1] += dv
+
+
+class PlannedKernel:
+    """A kernel whose one call over whole sequences runs a plan (`plan_blocks` on ``[(0, S)]``):
+    what the Ulysses backend computes with when the mask has bidirectional blocks, which no
+    kernel's own mask states. ``block_forward`` / ``block_backward`` keep the kernel contract
+    (`ulysses_sp.kernels`) for the sequences the plan was made for; their mask options are the plan's."""
+
+    def __init__(self, kernel: str, calls, spec):
+        self.kernel, self.calls, self.spec, self.first = kernel, calls, spec, first_writes([calls])[0]
+
+    def block_forward(self, q, k, v, **_options):
+        acc = accumulator_dtype(q.dtype)
+        out = torch.zeros(q.shape, dtype=acc, device=q.device)
+        lse = torch.full((q.shape[0], q.shape[2], q.shape[1]), float("-inf"), dtype=acc, device=q.device)
+        blocks_forward(self.kernel, q, k, v, self.calls, self.spec, out, lse, self.first)
+        return out.to(q.dtype), lse
+
+    def block_backward(self, dout, q, k, v, out, lse, **_options):
+        acc = accumulator_dtype(q.dtype)
+        grads = [torch.zeros(t.shape, dtype=acc, device=t.device) for t in (q, k, v)]
+        blocks_backward(self.kernel, dout, q, k, v, out, lse, self.calls, self.spec, *grads)
+        return tuple(g.to(t.dtype) for g, t in zip(grads, (q, k, v)))

@@ -130,14 +130,14 @@ def ring_hops(chunk_lists, chunk: int, spec) -> int:
     """The farthest ring distance at which some rank's queries see some key (0: none beyond its own)."""
     p = len(chunk_lists)
     segs = [chunk_segments(c, chunk) for c in chunk_lists]
-    mask = dict(causal=spec.causal, window=spec.window, cu_seqlens=spec.cu_seqlens)
+    mask = dict(causal=spec.causal, window=spec.window, cu_seqlens=spec.cu_seqlens, blocks=spec.blocks)
     return max((d for d in range(1, p) for r in range(p) if sees_any(segs[r], segs[(r - d) % p], **mask)), default=0)
 
 
 def ring_plans(topo, chunk_lists, rank: int, spec, q) -> RingPlans:
     """This rank's `RingPlans` when ring rank ``src`` holds chunks ``chunk_lists[src]``."""
     chunk = q.shape[1] // len(chunk_lists[rank])
-    hops = topo.cached(("ring-hops", tuple(map(tuple, chunk_lists)), chunk, spec.causal, spec.window, spec.cu_seqlens),
+    hops = topo.cached(("ring-hops", tuple(map(tuple, chunk_lists)), chunk, spec.causal, spec.window, spec.cu_seqlens, spec.blocks),
                        lambda: ring_hops(chunk_lists, chunk, spec))
     mine = chunk_segments(chunk_lists[rank], chunk)
     calls = [cached_plan(topo, mine, chunk_segments(c, chunk), spec, q.device) for c in chunk_lists]

@@ -39,6 +39,9 @@ class AttnSpec:
             0: none.
         sinks: Learned attention sinks (GPT-OSS): one logit per query head in each row's softmax
             denominator, no value; they cost no transfer beyond the ulysses backend's slice of them.
+        blocks: Bidirectional blocks, global ``(start, end)`` sorted and disjoint, each within a
+            document (causal only): a query of a block also sees the block's later keys (Gemma 3's
+            image tokens; within the window on sliding layers); None: none. Costs ignore the pairs they add.
     """
 
     batch: int
@@ -56,6 +59,7 @@ class AttnSpec:
     window: int | None = None
     softcap: float = 0.0
     sinks: bool = False
+    blocks: tuple[tuple[int, int], ...] | None = None
 
     def chunk_table(self, sp_size: int) -> list[list[int]]:
         """The layout's chunk table for this call (``balanced`` reads the documents)."""

@@ -109,16 +109,16 @@ class _Attention(torch.autograd.Function):
         return *kernel.block_backward(dout, q, k, v, out, lse, **options), dsinks, None, None
 
 
-def attend(q_bshd, k_bshd, v_bshd, *, kernel: str, causal: bool, scale: float, varlen: Varlen | None = None,
+def attend(q_bshd, k_bshd, v_bshd, *, kernel, causal: bool, scale: float, varlen: Varlen | None = None,
            window: tuple[int, int] | None = None, softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
-    """Differentiable attention of whole (or packed) sequences with the named kernel; the
-    backward recomputes from (q, k, v, out, lse) through the same kernel. ``sinks``: one learned
-    logit per query head (`add_sink`)."""
+    """Differentiable attention of whole (or packed) sequences with the named kernel (or a kernel
+    object with the contract's ``block_forward`` / ``block_backward``); the backward recomputes from
+    (q, k, v, out, lse) through the same kernel. ``sinks``: one learned logit per query head (`add_sink`)."""
     if q_bshd.shape[1] == 0 or k_bshd.shape[1] == 0:  # the CPU op dies with SIGFPE on it
         raise ValueError(f"attention needs non-empty sequences, got q {tuple(q_bshd.shape)} and k {tuple(k_bshd.shape)}")
     check_options(window, softcap)
     options = dict(causal=causal, scale=scale, varlen=varlen, window=None if window is None else tuple(window), softcap=float(softcap))
-    return _Attention.apply(q_bshd, k_bshd, v_bshd, sinks, get_kernel(kernel), options)
+    return _Attention.apply(q_bshd, k_bshd, v_bshd, sinks, get_kernel(kernel) if isinstance(kernel, str) else kernel, options)
 
 
 def local_attention(q_bshd, k_bshd, v_bshd, *, causal: bool, scale: float | None = None, kernel: str = "auto",

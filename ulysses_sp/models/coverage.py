@@ -284,13 +284,13 @@ def mark_called(module, kwargs) -> None:
         return
     running = calls[0]
     running[:] = [True] * len(running)
-    # not in a checkpointed layer's recompute (in the backward): checked in its forward, and the flag now is the
+    # not in a checkpointed layer's recompute (in the backward): checked in its forward, and the flags now are the
     # model's last forward's (the SP fused head runs one forward per left-padding group, packed or not)
-    if calls[1] and kwargs.get("cu_seq_lens_q") is None and torch._C._current_graph_task_id() == -1:
+    missing = [name for name in calls[1] if kwargs.get(name) is None]
+    if missing and torch._C._current_graph_task_id() == -1:
         raise ValueError(
-            f"{type(module).__name__} (layer {_layer_of('', module)}) did not receive the packed documents' boundaries "
-            "(cu_seq_lens_q) that the model was given: its attention does not forward the model's keyword arguments, so "
-            "under SP packed documents would attend to each other; train it unpacked (--no-packing)"
+            f"{type(module).__name__} (layer {_layer_of('', module)}) did not receive the {FORWARDED[missing[0]][0]} that the model was "
+            f"given: its attention does not forward the model's keyword arguments, so under SP {FORWARDED[missing[0]][1]}"
         )
 
 
@@ -315,12 +315,21 @@ which takes whole rows and calls the model again with this rank's shard (``SHARD
 SHARD_CALL = "_usp_shard_call"
 
 
+BLOCKS = "ulysses_sp_blocks"
+"""The text decoder's keyword argument that carries each batch row's bidirectional blocks (global
+``(start, end)`` of each image's tokens: Gemma 3) from the image-text split to the attention function."""
+FORWARDED = {"cu_seq_lens_q": ("packed documents' boundaries (cu_seq_lens_q)", "packed documents would attend to each other; train it "
+                                                                              "unpacked (--no-packing)"),
+             BLOCKS: (f"bidirectional image blocks ({BLOCKS})", "image tokens would not see their image's later tokens")}
+"""Keyword arguments the model is given that every attention call must receive: what they are, and what goes wrong without them."""
+
+
 def _before_model(sp_size: int, calls: list):
     def hook(model, args, kwargs):
         if FUSED_HEAD in model.__dict__ and kwargs.get("fused_lm_head") and not kwargs.get(SHARD_CALL):
             return  # whole rows for the SP fused head, which shards them and calls the model again: checked then
         calls[0].clear()  # what a forward that raised left
-        calls[1] = kwargs.get("cu_seq_lens_q") is not None  # packed input: every attention call must get it
+        calls[1] = [name for name in FORWARDED if kwargs.get(name) is not None]  # every attention call must get them
         if sp_size > 1 and kwargs.get("position_ids") is None and len(args) < 3:  # (input_ids, attention_mask, position_ids)
             raise ValueError(
                 f"{type(model).__name__} under sequence parallelism (sp_size {sp_size}) needs the global position_ids of this rank's "
@@ -337,7 +346,7 @@ def install_guards(model, sp_size: int) -> None:
     # whether each attention module running now (outermost first) has called our attention function: a list,
     # not a count, so that torch.compile reads no value it would have to guard on; whether the model was
     # given packed-document boundaries
-    calls = [[], False]
+    calls = [[], []]
     handles = [model.register_forward_pre_hook(_before_model(sp_size, calls), with_kwargs=True)]
     mixed = [path for path, m in model.named_modules() if MIXER in m.__dict__]
     for path, module in attention_modules(model):

@@ -110,7 +110,7 @@ class EncodedVisuals(ModelOutput):
     deepstack_features: list | None = None
 
 
-STYLES = {"glm4v": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
+STYLES = {"gemma3": "images", "glm4v": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
           "llava": "images", "smolvlm": "images", "idefics3": "images", "internvl": "images", "mistral3": "sized",
           "llava_next": "runs"}
 """How each tested family's visual inputs split into items (images, videos).
@@ -126,8 +126,11 @@ TESTED = tuple(sorted(STYLES))
 The others are refused by name until a test holds them too."""
 IMAGES_ONLY = ("glm4v",)
 """Families whose videos no test holds yet (GLM-4.1V numbers each frame as its own run): refused."""
-_TENSOR_FEATURES = ("internvl",)
+_TENSOR_FEATURES = ("gemma3", "internvl")
 """Families whose merge takes the features as one tensor, not a tuple of tensors."""
+BIDIRECTIONAL = {"gemma3": "token_type_ids"}
+"""Families whose image tokens attend to each other both ways, and the input whose 1s mark them: each
+run of them in the whole row (cut at document boundaries) is a block of the attention's mask (`image_blocks`)."""
 _PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
 _SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask", "image_sizes")
 
@@ -140,6 +143,30 @@ def _runs(token_bs: torch.Tensor) -> list[int]:
             if on:
                 out.append(len(list(group)))
     return out
+
+
+def image_blocks(types_bs: torch.Tensor, cu_seqlens: list[int] | None = None) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each row's bidirectional blocks: the global ``(start, end)`` of every run of 1s in the row's
+    token types (an image's tokens), cut at the documents' boundaries ``cu_seqlens``.
+
+    Args:
+        types_bs (torch.Tensor): ``[B, S]`` token types of the whole rows (1: image).
+        cu_seqlens (list[int] | None): the packed documents' boundaries, or None.
+
+    Returns:
+        One tuple of ``(start, end)`` per row."""
+    cuts = sorted(set(cu_seqlens or ()))
+    rows = []
+    for row in (types_bs == 1).tolist():
+        blocks, start = [], 0
+        for on, group in itertools.groupby(row):
+            end = start + len(list(group))
+            if on:
+                edges = [start, *(x for x in cuts if start < x < end), end]
+                blocks += [(a, b) for a, b in zip(edges, edges[1:])]
+            start = end
+        rows.append(tuple(blocks))
+    return tuple(rows)
 
 
 def _items(model, kind: str, kwargs: dict, token_bs: torch.Tensor):
@@ -231,7 +258,10 @@ def _to_holders(model, topo: Topology, kind: str, kwargs: dict, token_bs: torch.
 
 
 def _check_mask(mask, who: str) -> None:
-    """Only a mask that masks nothing (all-ones ``[B, S]``) may pass: the split drops it."""
+    """Only a mask that masks nothing (all-ones ``[B, S]``, or the mapping of no masks that "ulysses_sp"'s
+    mask function makes) may pass: the split drops it."""
+    if isinstance(mask, dict) and all(m is None for m in mask.values()):
+        return
     if mask is not None and not (isinstance(mask, torch.Tensor) and mask.dim() == 2 and bool(mask.all())):
         what = "a mapping of" if isinstance(mask, dict) else f"a {mask.dim()}-D" if isinstance(mask, torch.Tensor) else "an"
         raise ValueError(
@@ -283,6 +313,8 @@ def _model_hook(topo: Topology, state: dict):
         positions = _whole_positions(model, kwargs)
         if cu is not None:
             positions = _per_document(positions, cu_seqlens)
+        types = kwargs.pop(BIDIRECTIONAL.get(model.config.model_type, ""), None)  # the model would mask by them: the blocks' job now
+        state["blocks"] = None if types is None else image_blocks(types, cu)
         encoded = {}
         for kind, token in (("image", "image_token_id"), ("video", "video_token_id")):
             if kwargs.get(_PIXELS[kind]) is not None:
@@ -308,9 +340,11 @@ def _decoder_hook(topo: Topology, state: dict):
             raise ValueError(f"{type(decoder).__name__} of a model split by ulysses_sp runs inside that model's forward, not alone")
         _check_mask(kwargs.get("attention_mask"), f"{type(decoder).__name__} was handed")
         kwargs["attention_mask"] = None
-        cu_seqlens = state.pop("cu_seqlens")
+        cu_seqlens, blocks = state.pop("cu_seqlens"), state.pop("blocks", None)
         if cu_seqlens is not None:
             kwargs["cu_seq_lens_q"] = cu_seqlens
+        if blocks is not None and any(blocks):
+            kwargs[coverage.BLOCKS] = blocks
         return args, kwargs
     return hook
 

@@ -70,8 +70,10 @@ def sp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
             layers): query i sees keys ``i - W < j <= i``, as ``masking_utils.sliding_window_overlay``
             and flash-attn's ``window_size=(W - 1, W - 1)``.
         softcap: Gemma 2's ``attn_logit_softcapping``: scores capped at ``softcap * tanh(s / softcap)``.
-        **kwargs: What transformers passes besides; ``cu_seq_lens_q`` (packed documents) and
-            ``s_aux`` (learned attention sinks, one logit per head: GPT-OSS and its kin) are used.
+        **kwargs: What transformers passes besides; ``cu_seq_lens_q`` (packed documents),
+            ``s_aux`` (learned attention sinks, one logit per head: GPT-OSS and its kin) and
+            ``ulysses_sp_blocks`` (each batch row's bidirectional image blocks, from the image-text
+            split: Gemma 3) are used.
 
     Returns:
         The output ``[B, S/P, Hq, Dv]`` and None (no attention weights).
@@ -110,12 +112,13 @@ def sp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     query, cu_seqlens = llama4.scale_queries(module, query), kwargs.get("cu_seq_lens_q")
     chunked = llama4.boundaries(module, cu_seqlens, query.shape[2] * spa.topo.sp_size)  # Llama 4's chunked layers: cuts in each document
     cu_seqlens = cu_seqlens if chunked is None else chunked
-    out = spa(
-        query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2),
-        causal=True, softmax_scale=scaling, cu_seqlens=cu_seqlens, window=sliding_window, softcap=softcap,
-        sinks=kwargs.get("s_aux"),
-    )
-    return out, None
+    q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
+    options = dict(causal=True, softmax_scale=scaling, cu_seqlens=cu_seqlens, window=sliding_window, softcap=softcap, sinks=kwargs.get("s_aux"))
+    rows = kwargs.get(coverage.BLOCKS)
+    if not rows or len(set(rows)) == 1:
+        return spa(q, k, v, **options, blocks=rows[0] if rows else None), None
+    # each row's own image blocks: one call per row (every rank holds the same rows, so the calls match)
+    return torch.cat([spa(q[i:i + 1], k[i:i + 1], v[i:i + 1], **options, blocks=blocks) for i, blocks in enumerate(rows)]), None
 
 
 def _whole_sequence_attention(query, key, value, scaling, sliding_window, softcap, sinks):

@@ -71,7 +71,12 @@ def install_mixers(model, topo, mixer: str = "auto") -> dict[str, str]:
 
 def check_supported(model, topo, mixer: str = "auto") -> None:
     """The coverage check as `ulysses_sp.apply_sequence_parallel` will see the model (its
-    mixers under ``mixer``), without switching anything: a ``ValueError`` naming each uncovered module."""
+    mixers under ``mixer``; an image-text model's text decoder alone, which is all it switches),
+    without switching anything: a ``ValueError`` naming each uncovered module."""
+    from .image_text import decoder_to_switch
+
+    decoder = decoder_to_switch(model)
+    model = model if decoder is None else decoder
     install_mixers(model, topo, mixer)
     try:
         check_coverage(model)

@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from .image_text import IMAGES_ONLY, STYLES
+from .image_text import BIDIRECTIONAL, IMAGES_ONLY, STYLES
 
 __all__ = ["shrink_image_text_config", "build", "rows", "one_process_loss", "noise_part"]
 
@@ -27,7 +27,7 @@ _VISION = {  # vision config fields per family in the small copy ("TEXT": the te
     "internvl": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4),
     "mistral3": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, head_dim=8),
 }
-_VISION["idefics3"] = _VISION["smolvlm"]
+_VISION["idefics3"] = _VISION["gemma3"] = _VISION["smolvlm"]
 _VISION["qwen3_vl_moe"] = _VISION["qwen3_vl"]
 _VISION["glm4v"] = {k: v for k, v in _VISION["qwen2_5_vl"].items() if k != "fullatt_block_indexes"}
 _VISION["qwen3_5"] = _VISION["qwen3_5_moe"] = {k: v for k, v in _VISION["qwen3_vl"].items() if k != "deepstack_visual_indexes"}
@@ -61,6 +61,8 @@ def shrink_image_text_config(config, shrink_text):
             setattr(vision, name, text.hidden_size if value == "TEXT" else value)
     if STYLES[small.model_type] in ("images", "sized"):  # 4 x 4 tokens (SmolVLM, InternVL, Mistral 3: times their patches per token)
         vision.image_size = _per_side(vision.patch_size, lambda p: p * 4 * _shuffle(small))
+    if hasattr(small, "mm_tokens_per_image"):  # Gemma 3 pools the 4 x 4 patches to this many tokens
+        small.mm_tokens_per_image = 16
     for i, name in enumerate(n for n in _TOKENS if isinstance(getattr(small, n, None), int)):
         for holder in (small, text):
             if isinstance(getattr(holder, name, None), int):
@@ -134,6 +136,8 @@ def _document(config, parts: list, g: torch.Generator) -> dict:
     out = {"input_ids": input_ids, "labels": input_ids.masked_fill(visual, -100), **inputs}
     if STYLES[config.model_type] == "grid":
         out["mm_token_type_ids"] = (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
+    if config.model_type in BIDIRECTIONAL:  # Gemma 3: 1 on image tokens, which attend to each other both ways
+        out[BIDIRECTIONAL[config.model_type]] = (input_ids == config.image_token_id).int()
     return out
 
 
@@ -151,7 +155,7 @@ def rows(config, sp_size: int, packed: bool, seed: int) -> tuple[dict, list[dict
     batch = {}
     for key in docs[0].keys() | {k for d in docs for k in d}:
         held = [d[key] for d in docs if key in d]
-        batch[key] = torch.cat(held, dim=1 if key in ("input_ids", "labels", "mm_token_type_ids") or held[0].dim() == 5 else 0)
+        batch[key] = torch.cat(held, dim=1 if key in ("input_ids", "labels", "mm_token_type_ids", "token_type_ids") or held[0].dim() == 5 else 0)
     if packed:  # shard_batch drops the targets across documents
         batch["position_ids"] = torch.cat([torch.arange(d["input_ids"].shape[1]) for d in docs])[None]
     return batch, docs
