@@ -236,13 +236,13 @@ def _verify_on_every_rank(name: str, rank: int, inspect, run) -> None:
 def vlm_checks(topo=None, rank: int = 0) -> None:
     """Image-text models on the GPU: verify_sequence_parallel on shrunk Qwen2.5-VL (patch rows, the
     window attention of its vision tower), Qwen3-VL (deepstack), LLaVA (CLIP), InternVL (tiles), Mistral 3
-    (Pixtral's tower, image_sizes) and GLM-4.1V (its 3-D positions) with random images,
+    (Pixtral's tower, image_sizes), GLM-4.1V (its 3-D positions) and Gemma 3 (bidirectional image blocks) with random images,
     fp64, each image encoded on one rank and its features sent to the ranks holding its tokens (NCCL's
     uneven all-to-all); on NCCL ranks over the whole group (rank 0 prints)."""
     import transformers
 
     topo = topo or usp.init_sequence_parallel(1)
-    for cls in ("Qwen2_5_VLConfig", "Qwen3VLConfig", "LlavaConfig", "InternVLConfig", "Mistral3Config", "Glm4vConfig"):
+    for cls in ("Qwen2_5_VLConfig", "Qwen3VLConfig", "LlavaConfig", "InternVLConfig", "Mistral3Config", "Glm4vConfig", "Gemma3Config"):
         _verify_on_every_rank(f"verify {cls[:-6]} (shrunk, random images) fp64 P={topo.sp_size} on the GPU", rank, lambda report: None,
                               lambda cls=cls: usp.verify_sequence_parallel(getattr(transformers, cls)(), topo))
 

@@ -175,6 +175,18 @@ def test_videos_of_a_family_tested_on_images_alone_are_refused_by_name():
         model(input_ids=ids, pixel_values_videos=torch.zeros(64, 96), video_grid_thw=torch.tensor([[2, 4, 8]]), mm_token_type_ids=(ids == 62).int() * 2)
 
 
+def test_multi_image_samples_of_llava_onevision_are_refused_by_name():
+    """Its images of a sample with several are not tiled (batch_num_images > 1); no test holds that yet."""
+    from .vlm_cases import _llava_onevision
+
+    model = _llava_onevision()
+    usp.apply_sequence_parallel(model, Topology.for_planning(2))
+    ids = torch.tensor([[1, 2] + [IMAGE] * 10 + [3, 4]])
+    with pytest.raises(ValueError, match=r"takes one image per sample \(batch_num_images \[2\]\)"):
+        model(input_ids=ids, pixel_values=torch.zeros(2, 3, 3, 16, 16), image_sizes=torch.tensor([[16, 32], [16, 32]]),
+              batch_num_images=torch.tensor([2]))
+
+
 def test_shard_batch_keeps_the_whole_ids_and_images_for_the_model():
     ids = torch.randint(0, 60, (1, 45))
     batch = {"input_ids": ids, "labels": ids, "mm_token_type_ids": torch.zeros_like(ids), "pixel_values": torch.ones(64, 96),

@@ -171,6 +171,32 @@ def _llava_next_visuals(kinds: list[str], g: torch.Generator) -> dict:
             "image_sizes": torch.tensor(NEXT_SIZES[:len(kinds)])}
 
 
+def _llava_onevision():
+    import transformers
+
+    cfg = transformers.LlavaOnevisionConfig(
+        text_config=dict(TEXT, model_type="qwen2"), image_token_id=IMAGE, video_token_id=VIDEO, vision_feature_layer=-1,
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=16, patch_size=8),
+        image_grid_pinpoints=[[16, 16], [16, 32], [32, 16], [32, 32]])
+    return transformers.LlavaOnevisionForConditionalGeneration(cfg)
+
+
+def _llava_onevision_visuals(kinds: list[str], g: torch.Generator) -> dict:
+    """Each image 16 x 32 (a base tile and two anyres tiles): 14 tokens; each video 15 frames of 16 x 16, pooled to a token
+    a frame and a newline token: 16."""
+    images, videos = kinds.count("image"), kinds.count("video")
+    out = {}
+    for kind in kinds:  # in the order the items come, from one generator
+        key, shape = ("pixel_values", (1, 3, 3, 16, 16)) if kind == "image" else ("pixel_values_videos", (1, 15, 3, 16, 16))
+        pixels = torch.randn(shape, generator=g, dtype=torch.float64)
+        out[key] = torch.cat([out[key], pixels]) if key in out else pixels
+    if images:
+        out["image_sizes"] = torch.tensor([NEXT_SIZES[0]] * images)
+    assert images + videos == len(kinds)
+    return out
+
+
 def _internvl():
     import transformers
 
@@ -207,11 +233,13 @@ FAMILIES = {
     "idefics3": (_idefics3, _smolvlm_visuals, None),
     "mistral3": (_mistral3, _mistral3_visuals, "rows"),
     "llava_next": (_llava_next, _llava_next_visuals, "anyres"),
+    "llava_onevision": (_llava_onevision, _llava_onevision_visuals, "onevision"),
     "gemma3": (_gemma3, _llava_visuals, None),  # each image's 16 tokens one bidirectional block; a window of 8 on sliding layers
 }
 """name: (tiny model, the visual inputs of a list of "image"/"video", its videos: None, "whole" (one run of
 tokens) or "frames" (Qwen3-VL: each frame its own run, after a timestamp); "rows": no video, an image's
-tokens in rows of 4 with a text token between (Mistral 3's break tokens); "anyres": no video, 14 and 16 tokens (LLaVA-NeXT))."""
+tokens in rows of 4 with a text token between (Mistral 3's break tokens); "anyres": no video, 14 and 16 tokens (LLaVA-NeXT);
+"onevision": images of 14 tokens and videos of 16 without markers (LLaVA-OneVision))."""
 
 
 def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator, rows: bool = False) -> list[tuple[list[int], list[str]]]:
@@ -225,13 +253,15 @@ def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator,
     def visual(kind, i=0):  # i: the item's place in its document
         if videos == "anyres":
             return [IMAGE] * (14 if i == 0 else 16)
+        if videos == "onevision":
+            return [IMAGE] * 14 if kind == "image" else [VIDEO] * 16
         if videos == "rows":  # Mistral 3: a document's second image is half as tall (see _mistral3_visuals)
             return [IMAGE] * 4 + ([END] + [IMAGE] * 4) * (3 if i == 0 else 1)
         if kind == "video" and videos == "frames":
             return [START] + [VIDEO] * (TOKENS // 2) + [END] + text(1) + [START] + [VIDEO] * (TOKENS // 2) + [END]
         return [START] + [IMAGE if kind == "image" else VIDEO] * TOKENS + [END]
 
-    second = "video" if videos in ("whole", "frames") else "image"  # (Mistral 3, LLaVA-NeXT: a second image)
+    second = "video" if videos in ("whole", "frames", "onevision") else "image"  # (Mistral 3, LLaVA-NeXT: a second image)
     if not packed:
         leads = (1, 9) if rows else (1,)
         docs = [text(lead) + visual("image") + text(6 - lead // 2) + visual(second, 1) for lead in leads]

@@ -112,14 +112,15 @@ class EncodedVisuals(ModelOutput):
 
 STYLES = {"gemma3": "images", "glm4v": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
           "llava": "images", "smolvlm": "images", "idefics3": "images", "internvl": "images", "mistral3": "sized",
-          "llava_next": "runs"}
+          "llava_next": "runs", "llava_onevision": "runs"}
 """How each tested family's visual inputs split into items (images, videos).
 
 Rows of patches with a ``*_grid_thw`` per item (Qwen), or one image per ``[C, H, W]`` of ``pixel_values`` (LLaVA's
 ``[N, ...]``, SmolVLM's ``[B, N, ...]`` with ``pixel_attention_mask``; all-zero padding images dropped), or one image per
 ``[C, H, W]`` padded to the largest, its own size in ``image_sizes`` (Mistral 3, Pixtral's tower), or one image per
-``[tiles, C, H, W]`` with its ``image_sizes``, its tokens one run of placeholders (LLaVA-NeXT's anyres tiles and
-newlines; images whose runs touch are encoded as one item)."""
+``[tiles, C, H, W]`` with its ``image_sizes``, its tokens one run of placeholders (LLaVA-NeXT's and LLaVA-OneVision's anyres
+tiles and newlines; images whose runs touch are encoded as one item; LLaVA-OneVision's videos, ``[frames, C, H, W]`` each,
+likewise)."""
 TESTED = tuple(sorted(STYLES))
 """``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact.
 
@@ -132,7 +133,9 @@ BIDIRECTIONAL = {"gemma3": "token_type_ids"}
 """Families whose image tokens attend to each other both ways, and the input whose 1s mark them: each
 run of them in the whole row (cut at document boundaries) is a block of the attention's mask (`image_blocks`)."""
 _PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
-_SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask", "image_sizes")
+_VIDEO_BATCHED = ("llava_onevision",)
+"""Families whose merge takes the video features as one ``[videos, tokens, H]`` tensor."""
+_SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask", "image_sizes", "batch_num_images")
 
 
 def _runs(token_bs: torch.Tensor) -> list[int]:
@@ -189,11 +192,17 @@ def _items(model, kind: str, kwargs: dict, token_bs: torch.Tensor):
         tokens = [(h // side) * (w // side) for h, w in sizes.tolist()]
         return (lambda idx: model.get_image_features(pixel_values=pixels[idx], image_sizes=sizes[idx], return_dict=True)), tokens, tokens
     if STYLES[model.config.model_type] == "runs":
-        sizes, runs = kwargs["image_sizes"], _runs(token_bs)
-        def encode_runs(idx):
-            return model.get_image_features(pixel_values=pixels[idx], image_sizes=sizes[idx], return_dict=True)
-        if len(runs) != len(sizes):
-            return (lambda idx: encode_runs(list(range(len(sizes))))), [tokens], [1]
+        runs = _runs(token_bs)
+        if kind == "video":  # LLaVA-OneVision: [videos, frames, C, H, W], each video's tokens a run
+            def encode_runs(idx):
+                return model.get_video_features(pixel_values_videos=pixels[idx], return_dict=True)
+        else:
+            sizes = kwargs["image_sizes"]
+
+            def encode_runs(idx):
+                return model.get_image_features(pixel_values=pixels[idx], image_sizes=sizes[idx], return_dict=True)
+        if len(runs) != pixels.shape[0]:
+            return (lambda idx: encode_runs(list(range(pixels.shape[0])))), [tokens], [1]
         return encode_runs, runs, runs
     flat = pixels.flatten(0, pixels.dim() - 4)  # [N, C, H, W]
     mask = kwargs.get("pixel_attention_mask")
@@ -254,6 +263,8 @@ def _to_holders(model, topo: Topology, kind: str, kwargs: dict, token_bs: torch.
     features = received.index_select(0, torch.argsort(order).to(received.device))
     levels = features.chunk(features.shape[-1] // model.config.text_config.hidden_size, dim=-1)
     first = levels[0] if model.config.model_type in _TENSOR_FEATURES else (levels[0],)
+    if kind == "video" and model.config.model_type in _VIDEO_BATCHED:
+        first = levels[0][None]
     return EncodedVisuals(pooler_output=first, deepstack_features=[(x,) for x in levels[1:]] or None)
 
 
@@ -309,6 +320,10 @@ def _model_hook(topo: Topology, state: dict):
             raise ValueError(f"cu_seq_lens_q ends at {cu[-1]}, the sequence has {s} tokens: pass the whole row's document boundaries")
         if model.config.model_type in IMAGES_ONLY and kwargs.get("pixel_values_videos") is not None:
             raise ValueError(f"{who} ({model.config.model_type}) under sequence parallelism takes images, not videos yet")
+        grouped = kwargs.get("batch_num_images")
+        if grouped is not None and any(int(n) > 1 for n in grouped):
+            raise ValueError(f"{who} under sequence parallelism takes one image per sample (batch_num_images {[int(n) for n in grouped]}): "
+                             "its multi-image samples, whose images are not tiled, are not tested yet")
         _layout.check_seq_len(s, topo.layout, topo.sp_size)
         positions = _whole_positions(model, kwargs)
         if cu is not None:
