@@ -187,6 +187,16 @@ def test_multi_image_samples_of_llava_onevision_are_refused_by_name():
               batch_num_images=torch.tensor([2]))
 
 
+def test_audio_inside_videos_is_refused_by_name():
+    """Qwen2.5-Omni's use_audio_in_video interleaves a video's audio with its frames in the positions: not tested yet."""
+    from .vlm_cases import _qwen2_5_omni
+
+    model = _qwen2_5_omni()
+    usp.apply_sequence_parallel(model, Topology.for_planning(2))
+    with pytest.raises(ValueError, match="takes audio clips apart from videos: use_audio_in_video is not tested yet"):
+        model(input_ids=torch.tensor([[1, 2, 3, 4]]), use_audio_in_video=True)
+
+
 def test_shard_batch_keeps_the_whole_ids_and_images_for_the_model():
     ids = torch.randint(0, 60, (1, 45))
     batch = {"input_ids": ids, "labels": ids, "mm_token_type_ids": torch.zeros_like(ids), "pixel_values": torch.ones(64, 96),

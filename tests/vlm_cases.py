@@ -15,10 +15,14 @@ import torch.nn.functional as F
 
 import ulysses_sp as usp
 
+from ulysses_sp.models.image_text import AUDIO as AUDIO_FAMILIES
+
 from .cases import Env, case
 
 IMAGE, VIDEO, START, END = 63, 62, 61, 60
 """Placeholder ids of an image's and a video's tokens, and Qwen's vision start and end markers."""
+AUDIO, AUDIO_START, AUDIO_END = 59, 58, 57
+"""Qwen2.5-Omni's audio placeholder and markers (its text tokens stay below them)."""
 TEXT = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
             max_position_embeddings=512, tie_word_embeddings=False)
 TOKENS = 16
@@ -197,6 +201,30 @@ def _llava_onevision_visuals(kinds: list[str], g: torch.Generator) -> dict:
     return out
 
 
+def _qwen2_5_omni():
+    import transformers
+
+    cfg = transformers.Qwen2_5OmniThinkerConfig(
+        text_config=dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2]}),
+        vision_config=_qwen_vision(window_size=16, fullatt_block_indexes=[1]),
+        audio_config=dict(num_mel_bins=16, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=48, d_model=32, output_dim=32, n_window=8,
+                          max_source_positions=64),
+        image_token_index=IMAGE, video_token_index=VIDEO, audio_token_index=AUDIO, vision_start_token_id=START, vision_end_token_id=END,
+        audio_start_token_id=AUDIO_START, audio_end_token_id=AUDIO_END)
+    return transformers.Qwen2_5OmniThinkerForConditionalGeneration(cfg)
+
+
+def _omni_visuals(kinds: list[str], g: torch.Generator) -> dict:
+    """Qwen's image patches (`_qwen_visuals`) and audio clips of 64 mel frames (16 tokens after the tower's two halvings), in order."""
+    out: dict = {}
+    for kind in kinds:
+        part = _qwen_visuals([kind], g) if kind != "audio" else {
+            "input_features": torch.randn(1, 16, 64, generator=g, dtype=torch.float64), "feature_attention_mask": torch.ones(1, 64, dtype=torch.long)}
+        for key, value in part.items():
+            out[key] = torch.cat([out[key], value]) if key in out else value
+    return out
+
+
 def _internvl():
     import transformers
 
@@ -234,12 +262,14 @@ FAMILIES = {
     "mistral3": (_mistral3, _mistral3_visuals, "rows"),
     "llava_next": (_llava_next, _llava_next_visuals, "anyres"),
     "llava_onevision": (_llava_onevision, _llava_onevision_visuals, "onevision"),
-    "gemma3": (_gemma3, _llava_visuals, None),  # each image's 16 tokens one bidirectional block; a window of 8 on sliding layers
+    "gemma3": (_gemma3, _llava_visuals, None),
+    "qwen2_5_omni_thinker": (_qwen2_5_omni, _omni_visuals, "audio"),  # each image's 16 tokens one bidirectional block; a window of 8 on sliding layers
 }
 """name: (tiny model, the visual inputs of a list of "image"/"video", its videos: None, "whole" (one run of
 tokens) or "frames" (Qwen3-VL: each frame its own run, after a timestamp); "rows": no video, an image's
 tokens in rows of 4 with a text token between (Mistral 3's break tokens); "anyres": no video, 14 and 16 tokens (LLaVA-NeXT);
-"onevision": images of 14 tokens and videos of 16 without markers (LLaVA-OneVision))."""
+"onevision": images of 14 tokens and videos of 16 without markers (LLaVA-OneVision); "audio": an audio clip of 16 tokens
+between its markers as the second item (Qwen2.5-Omni))."""
 
 
 def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator, rows: bool = False) -> list[tuple[list[int], list[str]]]:
@@ -248,20 +278,22 @@ def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator,
     Packed: three documents of 23, 7 and 47 tokens, the middle one without an image. Rows: that
     unpacked document and one as long with its images elsewhere, each a row of the batch."""
     def text(n):
-        return torch.randint(0, END, (n,), generator=g).tolist()
+        return torch.randint(0, AUDIO_END if videos == "audio" else END, (n,), generator=g).tolist()
 
     def visual(kind, i=0):  # i: the item's place in its document
         if videos == "anyres":
             return [IMAGE] * (14 if i == 0 else 16)
         if videos == "onevision":
             return [IMAGE] * 14 if kind == "image" else [VIDEO] * 16
+        if kind == "audio":
+            return [AUDIO_START] + [AUDIO] * TOKENS + [AUDIO_END]
         if videos == "rows":  # Mistral 3: a document's second image is half as tall (see _mistral3_visuals)
             return [IMAGE] * 4 + ([END] + [IMAGE] * 4) * (3 if i == 0 else 1)
         if kind == "video" and videos == "frames":
             return [START] + [VIDEO] * (TOKENS // 2) + [END] + text(1) + [START] + [VIDEO] * (TOKENS // 2) + [END]
         return [START] + [IMAGE if kind == "image" else VIDEO] * TOKENS + [END]
 
-    second = "video" if videos in ("whole", "frames", "onevision") else "image"  # (Mistral 3, LLaVA-NeXT: a second image)
+    second = "video" if videos in ("whole", "frames", "onevision") else "audio" if videos == "audio" else "image"  # (Mistral 3: a second image)
     if not packed:
         leads = (1, 9) if rows else (1,)
         docs = [text(lead) + visual("image") + text(6 - lead // 2) + visual(second, 1) for lead in leads]
@@ -282,7 +314,7 @@ def _inputs(ids: list[int], kinds: list[str], visuals, g_state) -> dict:
 
 
 def _labels(input_ids: torch.Tensor) -> torch.Tensor:
-    return input_ids.masked_fill((input_ids == IMAGE) | (input_ids == VIDEO), -100)
+    return input_ids.masked_fill((input_ids == IMAGE) | (input_ids == VIDEO) | (input_ids == AUDIO), -100)
 
 
 def _drop_untaken(model, inputs: dict) -> dict:
@@ -293,18 +325,25 @@ def _drop_untaken(model, inputs: dict) -> dict:
 
 @contextlib.contextmanager
 def _encoded(model):
-    """How many rows (Qwen's patches, LLaVA's and SmolVLM's images) the vision tower encodes."""
+    """How many rows (Qwen's patches, LLaVA's and SmolVLM's images) the vision tower encodes, and
+    audio clips the audio tower does (Qwen2.5-Omni)."""
     tower = next(getattr(model.model, name) for name in ("visual", "vision_tower", "vision_model") if hasattr(model.model, name))
     rows = [0]
 
     def count(module, args, kwargs):
         rows[0] += (args[0] if args else next(iter(kwargs.values()))).shape[0]
 
-    handle = tower.register_forward_pre_hook(count, with_kwargs=True)
+    def count_clips(module, args, kwargs):
+        rows[0] += kwargs["feature_lens"].shape[0]
+
+    handles = [tower.register_forward_pre_hook(count, with_kwargs=True)]
+    if hasattr(model.model, "audio_tower"):
+        handles.append(model.model.audio_tower.register_forward_pre_hook(count_clips, with_kwargs=True))
     try:
         yield rows
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 @contextlib.contextmanager
@@ -331,6 +370,8 @@ def _one_process(model, docs, visuals, states) -> tuple[torch.Tensor, torch.Tens
     total, count, positions, encoded = 0, 0, [], 0
     for (ids, kinds), state in zip(docs, states):
         inputs = _drop_untaken(model, _inputs(ids, kinds, visuals, state))
+        if model.config.model_type in AUDIO_FAMILIES:  # Omni numbers its 3-D positions only given a mask, as its processor gives
+            inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
         with _decoder_positions(model) as seen, _encoded(model) as rows:
             logits = model(**inputs).logits
         encoded += rows[0]

@@ -34,8 +34,9 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
-_OTHER_INPUTS = re.compile(r"^pixel_|^image_|^video_")
-"""Batch keys of images and videos: ``pixel_values``, ``pixel_attention_mask``, ``image_grid_thw``, ``pixel_values_videos``, ..."""
+_OTHER_INPUTS = re.compile(r"^pixel_|^image_|^video_|^input_features$|^feature_attention_mask$|^audio_")
+"""Batch keys of images, videos and audio clips: ``pixel_values``, ``pixel_attention_mask``, ``image_grid_thw``, ``pixel_values_videos``,
+``input_features``, ..."""
 
 
 def shard_sequence(x: torch.Tensor, topo: Topology, dim: int = 1, cu_seqlens: torch.Tensor | list[int] | None = None) -> torch.Tensor:

@@ -73,7 +73,8 @@ def decoder_to_switch(model) -> nn.Module | None:
     if not others:
         return None
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    decoder = None if any(_AUDIO.search(n) for n in others) or model_type not in TESTED else text_decoder(model)
+    audio = any(_AUDIO.search(n) for n in others) and model_type not in AUDIO
+    decoder = None if audio or model_type not in TESTED else text_decoder(model)
     if decoder is None:
         raise ValueError(
             f"{type(model).__name__} ({model_type}) takes inputs besides text ({', '.join(others)}): ulysses_sp splits the "
@@ -110,7 +111,7 @@ class EncodedVisuals(ModelOutput):
     deepstack_features: list | None = None
 
 
-STYLES = {"gemma3": "images", "glm4v": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
+STYLES = {"gemma3": "images", "glm4v": "grid", "qwen2_5_omni_thinker": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
           "llava": "images", "smolvlm": "images", "idefics3": "images", "internvl": "images", "mistral3": "sized",
           "llava_next": "runs", "llava_onevision": "runs"}
 """How each tested family's visual inputs split into items (images, videos).
@@ -132,10 +133,14 @@ _TENSOR_FEATURES = ("gemma3", "internvl")
 BIDIRECTIONAL = {"gemma3": "token_type_ids"}
 """Families whose image tokens attend to each other both ways, and the input whose 1s mark them: each
 run of them in the whole row (cut at document boundaries) is a block of the attention's mask (`image_blocks`)."""
-_PIXELS = {"image": "pixel_values", "video": "pixel_values_videos"}
+_PIXELS = {"image": "pixel_values", "video": "pixel_values_videos", "audio": "input_features"}
+AUDIO = ("qwen2_5_omni_thinker",)
+"""Families whose audio clips (``input_features`` ``[clips, mels, frames]`` with ``feature_attention_mask``) are encoded
+like images, each on one rank of the group: Qwen2.5-Omni's thinker. Other audio-text models are refused."""
 _VIDEO_BATCHED = ("llava_onevision",)
 """Families whose merge takes the video features as one ``[videos, tokens, H]`` tensor."""
-_SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask", "image_sizes", "batch_num_images")
+_SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask", "image_sizes", "batch_num_images",
+          "input_features", "feature_attention_mask", "audio_feature_lengths", "video_second_per_grid", "use_audio_in_video")
 
 
 def _runs(token_bs: torch.Tensor) -> list[int]:
@@ -176,6 +181,14 @@ def _items(model, kind: str, kwargs: dict, token_bs: torch.Tensor):
     """(encode a list of item indices, each item's feature tokens, each item's work). Items whose
     tokens cannot be told apart (an uneven share per image, runs that touch) are encoded as one."""
     pixels, tokens = kwargs[_PIXELS[kind]], int(token_bs.sum())
+    if kind == "audio":  # each clip's frames in feature_attention_mask; its tokens the audio tower's output length
+        mask = kwargs["feature_attention_mask"]
+        lengths = model.model.audio_tower._get_feat_extract_output_lengths(mask.sum(-1))[1].tolist()
+
+        def encode_audio(idx):
+            out = model.model.get_audio_features(pixels[idx], mask[idx], return_dict=True)
+            return EncodedVisuals(pooler_output=out.last_hidden_state)
+        return encode_audio, lengths, lengths
     if STYLES[model.config.model_type] == "grid":
         grid = kwargs[f"{kind}_grid_thw"]
         patches = grid.prod(-1).tolist()
@@ -289,7 +302,11 @@ def _whole_positions(model, kwargs: dict) -> torch.Tensor:
     positions = None
     if compute is not None:
         named = [p.name for p in inspect.signature(compute).parameters.values() if p.kind is p.POSITIONAL_OR_KEYWORD]
-        positions = compute(**{name: kwargs.get(name) if name != "attention_mask" else None for name in named})
+        given = {name: kwargs.get(name) for name in named}
+        given["attention_mask"] = torch.ones_like(ids) if model.config.model_type in AUDIO else None  # Omni numbers nothing without
+        if kwargs.get("feature_attention_mask") is not None and "audio_feature_lengths" in named:  # as the model's forward
+            given["audio_feature_lengths"] = kwargs["feature_attention_mask"].sum(1)
+        positions = compute(**given)
     return torch.arange(ids.shape[1], device=ids.device).expand(ids.shape) if positions is None else positions
 
 
@@ -320,6 +337,8 @@ def _model_hook(topo: Topology, state: dict):
             raise ValueError(f"cu_seq_lens_q ends at {cu[-1]}, the sequence has {s} tokens: pass the whole row's document boundaries")
         if model.config.model_type in IMAGES_ONLY and kwargs.get("pixel_values_videos") is not None:
             raise ValueError(f"{who} ({model.config.model_type}) under sequence parallelism takes images, not videos yet")
+        if kwargs.get("use_audio_in_video"):
+            raise ValueError(f"{who} under sequence parallelism takes audio clips apart from videos: use_audio_in_video is not tested yet")
         grouped = kwargs.get("batch_num_images")
         if grouped is not None and any(int(n) > 1 for n in grouped):
             raise ValueError(f"{who} under sequence parallelism takes one image per sample (batch_num_images {[int(n) for n in grouped]}): "
@@ -331,16 +350,21 @@ def _model_hook(topo: Topology, state: dict):
         types = kwargs.pop(BIDIRECTIONAL.get(model.config.model_type, ""), None)  # the model would mask by them: the blocks' job now
         state["blocks"] = None if types is None else image_blocks(types, cu)
         encoded = {}
-        for kind, token in (("image", "image_token_id"), ("video", "video_token_id")):
+        for kind, token in (("image", "image_token_id"), ("video", "video_token_id"), ("audio", "audio_token_id")):
             if kwargs.get(_PIXELS[kind]) is not None:
                 encoded[kind] = _to_holders(model, topo, kind, kwargs, ids == getattr(model.config, token), cu)
         for key in _SPENT if encoded else ():
             kwargs.pop(key, None)
+        audio = encoded.pop("audio", None)
         if encoded:
             kwargs["mm_encoder_outputs"] = encoded
         for key, value in kwargs.items():
             if isinstance(value, torch.Tensor) and value.shape == (b, s):
                 kwargs[key] = shard_sequence(value, topo, dim=1, cu_seqlens=cu)
+        if audio is not None:  # the model's own merge of its audio, on this rank's tokens (it has no mm_encoder_outputs for audio)
+            local = kwargs["input_ids"]
+            embeds = model.get_input_embeddings()(local)
+            kwargs["inputs_embeds"] = embeds.masked_scatter((local == model.config.audio_token_id)[..., None], audio.pooler_output[0].to(embeds))
         kwargs["position_ids"] = shard_sequence(positions, topo, dim=positions.dim() - 1, cu_seqlens=cu)
         state["cu_seqlens"] = cu_seqlens
         return args, kwargs
