@@ -214,12 +214,29 @@ def _qwen2_5_omni():
     return transformers.Qwen2_5OmniThinkerForConditionalGeneration(cfg)
 
 
-def _omni_visuals(kinds: list[str], g: torch.Generator) -> dict:
-    """Qwen's image patches (`_qwen_visuals`) and audio clips of 64 mel frames (16 tokens after the tower's two halvings), in order."""
+def _qwen3_omni():
+    import transformers
+
+    text = dict(TEXT, head_dim=8, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2],
+                                                   "mrope_interleaved": True},
+                num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, decoder_sparse_step=1)
+    cfg = transformers.Qwen3OmniMoeThinkerConfig(
+        text_config=text, vision_config=_qwen_vision(num_position_embeddings=64, deepstack_visual_indexes=[0, 1]),
+        audio_config=dict(num_mel_bins=16, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=48, d_model=32, output_dim=32,
+                          max_source_positions=64, downsample_hidden_size=8),
+        image_token_id=IMAGE, video_token_id=VIDEO, audio_token_id=AUDIO, vision_start_token_id=START, vision_end_token_id=END,
+        audio_start_token_id=AUDIO_START, audio_end_token_id=AUDIO_END)
+    return transformers.Qwen3OmniMoeThinkerForConditionalGeneration._from_config(cfg, experts_implementation="eager")  # grouped_mm: no fp64
+
+
+def _omni_visuals(kinds: list[str], g: torch.Generator, frames: int = 64) -> dict:
+    """Qwen's image patches (`_qwen_visuals`) and audio clips of 64 mel frames (Qwen2.5-Omni's tower: 16 tokens after its two
+    halvings; Qwen3-Omni's: 100 frames, 13 tokens), in order."""
     out: dict = {}
     for kind in kinds:
         part = _qwen_visuals([kind], g) if kind != "audio" else {
-            "input_features": torch.randn(1, 16, 64, generator=g, dtype=torch.float64), "feature_attention_mask": torch.ones(1, 64, dtype=torch.long)}
+            "input_features": torch.randn(1, 16, frames, generator=g, dtype=torch.float64),
+            "feature_attention_mask": torch.ones(1, frames, dtype=torch.long)}
         for key, value in part.items():
             out[key] = torch.cat([out[key], value]) if key in out else value
     return out
@@ -263,13 +280,14 @@ FAMILIES = {
     "llava_next": (_llava_next, _llava_next_visuals, "anyres"),
     "llava_onevision": (_llava_onevision, _llava_onevision_visuals, "onevision"),
     "gemma3": (_gemma3, _llava_visuals, None),
-    "qwen2_5_omni_thinker": (_qwen2_5_omni, _omni_visuals, "audio"),  # each image's 16 tokens one bidirectional block; a window of 8 on sliding layers
+    "qwen2_5_omni_thinker": (_qwen2_5_omni, _omni_visuals, "audio"),
+    "qwen3_omni_moe_thinker": (_qwen3_omni, lambda kinds, g: _omni_visuals(kinds, g, frames=100), "audio13"),  # each image's 16 tokens one bidirectional block; a window of 8 on sliding layers
 }
 """name: (tiny model, the visual inputs of a list of "image"/"video", its videos: None, "whole" (one run of
 tokens) or "frames" (Qwen3-VL: each frame its own run, after a timestamp); "rows": no video, an image's
 tokens in rows of 4 with a text token between (Mistral 3's break tokens); "anyres": no video, 14 and 16 tokens (LLaVA-NeXT);
-"onevision": images of 14 tokens and videos of 16 without markers (LLaVA-OneVision); "audio": an audio clip of 16 tokens
-between its markers as the second item (Qwen2.5-Omni))."""
+"onevision": images of 14 tokens and videos of 16 without markers (LLaVA-OneVision); "audio" ("audio13"): an audio clip of 16
+(13) tokens between its markers as the second item (Qwen2.5-Omni, Qwen3-Omni))."""
 
 
 def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator, rows: bool = False) -> list[tuple[list[int], list[str]]]:
@@ -278,7 +296,7 @@ def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator,
     Packed: three documents of 23, 7 and 47 tokens, the middle one without an image. Rows: that
     unpacked document and one as long with its images elsewhere, each a row of the batch."""
     def text(n):
-        return torch.randint(0, AUDIO_END if videos == "audio" else END, (n,), generator=g).tolist()
+        return torch.randint(0, AUDIO_END if videos in ("audio", "audio13") else END, (n,), generator=g).tolist()
 
     def visual(kind, i=0):  # i: the item's place in its document
         if videos == "anyres":
@@ -286,14 +304,14 @@ def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator,
         if videos == "onevision":
             return [IMAGE] * 14 if kind == "image" else [VIDEO] * 16
         if kind == "audio":
-            return [AUDIO_START] + [AUDIO] * TOKENS + [AUDIO_END]
+            return [AUDIO_START] + [AUDIO] * (13 if videos == "audio13" else TOKENS) + [AUDIO_END]
         if videos == "rows":  # Mistral 3: a document's second image is half as tall (see _mistral3_visuals)
             return [IMAGE] * 4 + ([END] + [IMAGE] * 4) * (3 if i == 0 else 1)
         if kind == "video" and videos == "frames":
             return [START] + [VIDEO] * (TOKENS // 2) + [END] + text(1) + [START] + [VIDEO] * (TOKENS // 2) + [END]
         return [START] + [IMAGE if kind == "image" else VIDEO] * TOKENS + [END]
 
-    second = "video" if videos in ("whole", "frames", "onevision") else "audio" if videos == "audio" else "image"  # (Mistral 3: a second image)
+    second = "video" if videos in ("whole", "frames", "onevision") else "audio" if videos in ("audio", "audio13") else "image"  # (Mistral 3: a second image)
     if not packed:
         leads = (1, 9) if rows else (1,)
         docs = [text(lead) + visual("image") + text(6 - lead // 2) + visual(second, 1) for lead in leads]

@@ -111,7 +111,7 @@ class EncodedVisuals(ModelOutput):
     deepstack_features: list | None = None
 
 
-STYLES = {"gemma3": "images", "glm4v": "grid", "qwen2_5_omni_thinker": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
+STYLES = {"gemma3": "images", "glm4v": "grid", "qwen2_5_omni_thinker": "grid", "qwen3_omni_moe_thinker": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
           "llava": "images", "smolvlm": "images", "idefics3": "images", "internvl": "images", "mistral3": "sized",
           "llava_next": "runs", "llava_onevision": "runs"}
 """How each tested family's visual inputs split into items (images, videos).
@@ -134,9 +134,9 @@ BIDIRECTIONAL = {"gemma3": "token_type_ids"}
 """Families whose image tokens attend to each other both ways, and the input whose 1s mark them: each
 run of them in the whole row (cut at document boundaries) is a block of the attention's mask (`image_blocks`)."""
 _PIXELS = {"image": "pixel_values", "video": "pixel_values_videos", "audio": "input_features"}
-AUDIO = ("qwen2_5_omni_thinker",)
+AUDIO = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
 """Families whose audio clips (``input_features`` ``[clips, mels, frames]`` with ``feature_attention_mask``) are encoded
-like images, each on one rank of the group: Qwen2.5-Omni's thinker. Other audio-text models are refused."""
+like images, each on one rank of the group: Qwen2.5-Omni's and Qwen3-Omni's thinkers. Other audio-text models are refused."""
 _VIDEO_BATCHED = ("llava_onevision",)
 """Families whose merge takes the video features as one ``[videos, tokens, H]`` tensor."""
 _SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask", "image_sizes", "batch_num_images",
@@ -181,14 +181,15 @@ def _items(model, kind: str, kwargs: dict, token_bs: torch.Tensor):
     """(encode a list of item indices, each item's feature tokens, each item's work). Items whose
     tokens cannot be told apart (an uneven share per image, runs that touch) are encoded as one."""
     pixels, tokens = kwargs[_PIXELS[kind]], int(token_bs.sum())
-    if kind == "audio":  # each clip's frames in feature_attention_mask; its tokens the audio tower's output length
-        mask = kwargs["feature_attention_mask"]
-        lengths = model.model.audio_tower._get_feat_extract_output_lengths(mask.sum(-1))[1].tolist()
+    if kind == "audio":  # each clip's frames in feature_attention_mask; its tokens one run of placeholders
+        mask, runs = kwargs["feature_attention_mask"], _runs(token_bs)
 
         def encode_audio(idx):
             out = model.model.get_audio_features(pixels[idx], mask[idx], return_dict=True)
             return EncodedVisuals(pooler_output=out.last_hidden_state)
-        return encode_audio, lengths, lengths
+        if len(runs) != pixels.shape[0]:
+            return (lambda idx: encode_audio(list(range(pixels.shape[0])))), [tokens], [1]
+        return encode_audio, runs, runs
     if STYLES[model.config.model_type] == "grid":
         grid = kwargs[f"{kind}_grid_thw"]
         patches = grid.prod(-1).tolist()
@@ -231,7 +232,7 @@ def _items(model, kind: str, kwargs: dict, token_bs: torch.Tensor):
     return encode, [tokens // len(real)] * len(real), [1] * len(real)
 
 
-def _encode(model, topo: Topology, encode, tokens: list[int], work: list[int]) -> tuple[torch.Tensor, list[int]]:
+def _encode(model, topo: Topology, encode, tokens: list[int], work: list[int], kind: str) -> tuple[torch.Tensor, list[int]]:
     """This rank's share of the items (``owners`` by ``work``), encoded: one row per feature token,
     Qwen3-VL's deepstack levels beside the features (``[rows, levels * H]``), and which rank owns each item."""
     owner = owners(work, topo.sp_size)
@@ -244,7 +245,7 @@ def _encode(model, topo: Topology, encode, tokens: list[int], work: list[int]) -
     # nothing to encode here: no rows, but still the encoder's, so its gradients exist (0) on every rank (DDP)
     text = {id(p) for p in text_decoder(model).parameters()}
     anchor = sum(p.sum() for p in model.parameters() if id(p) not in text and p.requires_grad) * 0
-    levels = 1 + len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
+    levels = 1 if kind == "audio" else 1 + len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
     return anchor.new_zeros(0, levels * model.config.text_config.hidden_size) + anchor, owner
 
 
@@ -254,7 +255,7 @@ def _to_holders(model, topo: Topology, kind: str, kwargs: dict, token_bs: torch.
     index_bs = torch.full(token_bs.shape, -1, dtype=torch.long)
     index_bs[token_bs.cpu()] = torch.arange(int(token_bs.sum()))
     encode, tokens, work = _items(model, kind, kwargs, token_bs)
-    local, owner = _encode(model, topo, encode, tokens, work)
+    local, owner = _encode(model, topo, encode, tokens, work, kind)
     item = torch.repeat_interleave(torch.arange(len(tokens)), torch.tensor(tokens))  # each feature token's item
     row = torch.zeros(len(tokens), dtype=torch.long)  # an item's first row in its owner's encoded rows
     load = [0] * topo.sp_size
