@@ -6,6 +6,8 @@ bias, whose exact gradient is 0), the decoder's positions equal to each document
 Qwen and LLaVA image encoded once per SP group (SmolVLM's on every rank). Other image-text families and audio-text models are refused
 by name."""
 
+import re
+
 import pytest
 import torch
 
@@ -185,6 +187,18 @@ def test_multi_image_samples_of_llava_onevision_are_refused_by_name():
     with pytest.raises(ValueError, match=r"takes one image per sample \(batch_num_images \[2\]\)"):
         model(input_ids=ids, pixel_values=torch.zeros(2, 3, 3, 16, 16), image_sizes=torch.tensor([[16, 32], [16, 32]]),
               batch_num_images=torch.tensor([2]))
+
+
+@pytest.mark.parametrize("types,where", [([0] * 24, "[(0, 24)]"), ([0] * 4 + [1] * 8 + [0] * 4 + [1] * 8, "[(0, 4), (12, 16)]")])
+def test_paligemma_prefixes_it_cannot_place_are_refused(types, where):
+    """A prefix running to the end of an unpacked row (where padding, also token type 0, would join it), and a
+    second prefix inside a document (transformers makes one block of both): refused before any collective."""
+    from .vlm_cases import _paligemma
+
+    model = _paligemma()
+    usp.apply_sequence_parallel(model, Topology.for_planning(2))
+    with pytest.raises(ValueError, match=f"takes one prefix .* document \\[0, 24\\) has its 0s at {re.escape(where)}"):
+        model(input_ids=torch.randint(0, 60, (1, 24)), token_type_ids=torch.tensor([types]))
 
 
 def test_audio_inside_videos_is_refused_by_name():

@@ -266,6 +266,16 @@ def _gemma3():
     return transformers.Gemma3ForConditionalGeneration(cfg)
 
 
+def _paligemma():
+    import transformers
+
+    cfg = transformers.PaliGemmaConfig(
+        text_config=dict(TEXT, model_type="gemma", head_dim=8), projection_dim=32, image_token_index=IMAGE,
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, image_size=32, patch_size=8,
+                           projection_dim=32))
+    return transformers.PaliGemmaForConditionalGeneration(cfg)
+
+
 FAMILIES = {
     "qwen2_vl": (_qwen2_vl, _qwen_visuals, "whole"),
     "qwen2_5_vl": (_qwen2_5_vl, _qwen_visuals, "whole"),
@@ -280,6 +290,7 @@ FAMILIES = {
     "llava_next": (_llava_next, _llava_next_visuals, "anyres"),
     "llava_onevision": (_llava_onevision, _llava_onevision_visuals, "onevision"),
     "gemma3": (_gemma3, _llava_visuals, None),
+    "paligemma": (_paligemma, _llava_visuals, None),  # each document's prefix (its first image and 3 tokens) one block
     "qwen2_5_omni_thinker": (_qwen2_5_omni, _omni_visuals, "audio"),
     "qwen3_omni_moe_thinker": (_qwen3_omni, lambda kinds, g: _omni_visuals(kinds, g, frames=100), "audio13"),  # each image's 16 tokens one bidirectional block; a window of 8 on sliding layers
 }
@@ -321,13 +332,16 @@ def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator,
             (text(3) + visual(second) + text(6) + visual("image", 1) + text(2), [second, "image"])]
 
 
-def _inputs(ids: list[int], kinds: list[str], visuals, g_state) -> dict:
+def _inputs(ids: list[int], kinds: list[str], visuals, g_state, prefix_lm: bool = False) -> dict:
     g = torch.Generator()
     g.set_state(g_state)
     input_ids = torch.tensor([ids])
     out = {"input_ids": input_ids, **visuals(kinds, g)}
     out["mm_token_type_ids"] = (input_ids == IMAGE).int() + 2 * (input_ids == VIDEO).int()
     out["token_type_ids"] = (input_ids == IMAGE).int()  # Gemma 3's: its image tokens see each other both ways
+    if prefix_lm:  # PaliGemma's: 0 on the prefix (through its first image and two tokens more), which sees itself both ways; 1 after
+        prefix = (ids.index(END) if END in ids else 0) + 3
+        out["token_type_ids"] = (torch.arange(len(ids)) >= prefix).int()[None]
     return out
 
 
@@ -387,7 +401,7 @@ def _one_process(model, docs, visuals, states) -> tuple[torch.Tensor, torch.Tens
     positions its text decoder got, end to end, and the rows its vision tower encoded."""
     total, count, positions, encoded = 0, 0, [], 0
     for (ids, kinds), state in zip(docs, states):
-        inputs = _drop_untaken(model, _inputs(ids, kinds, visuals, state))
+        inputs = _drop_untaken(model, _inputs(ids, kinds, visuals, state, model.config.model_type == "paligemma"))
         if model.config.model_type in AUDIO_FAMILIES:  # Omni numbers its 3-D positions only given a mask, as its processor gives
             inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
         with _decoder_positions(model) as seen, _encoded(model) as rows:
@@ -424,7 +438,19 @@ def _reference(family: str, world: int, packed: bool, rows: bool = False) -> tup
     return _REFERENCES[key]
 
 
+LIFTED = ("paligemma",)
+"""Families compared with float32 lifted to float64 (`fp64_throughout`): Gemma's RMSNorm computes in float32 inside an fp64
+model, which leaves its weights' gradients 1e-7 apart between a whole row and its shards."""
+
+
 def vlm_parity(env: Env, family: str, layout: str, packed: bool, as_rows: bool = False) -> dict:
+    from .coverage_cases import fp64_throughout
+
+    with fp64_throughout() if family in LIFTED else contextlib.nullcontext():
+        return _vlm_parity(env, family, layout, packed, as_rows)
+
+
+def _vlm_parity(env: Env, family: str, layout: str, packed: bool, as_rows: bool) -> dict:
     visuals = FAMILIES[family][1]
     ref, docs, states, ref_loss, ref_positions, ref_encoded = _reference(family, env.world, packed, as_rows)
 
@@ -432,7 +458,7 @@ def vlm_parity(env: Env, family: str, layout: str, packed: bool, as_rows: bool =
     model.zero_grad(set_to_none=True)
     topo = env.topo(layout=layout)
     usp.apply_sequence_parallel(model, topo)
-    parts = [_inputs(ids, kinds, visuals, state) for (ids, kinds), state in zip(docs, states)]
+    parts = [_inputs(ids, kinds, visuals, state, family == "paligemma") for (ids, kinds), state in zip(docs, states)]
     batch = {}
     for key in {k for p in parts for k in p}:
         held = [p[key] for p in parts if key in p]  # ids, token types and SmolVLM's [1, N, ...] images join along dim 1

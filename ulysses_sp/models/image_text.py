@@ -111,7 +111,7 @@ class EncodedVisuals(ModelOutput):
     deepstack_features: list | None = None
 
 
-STYLES = {"gemma3": "images", "glm4v": "grid", "qwen2_5_omni_thinker": "grid", "qwen3_omni_moe_thinker": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
+STYLES = {"gemma3": "images", "paligemma": "images", "glm4v": "grid", "qwen2_5_omni_thinker": "grid", "qwen3_omni_moe_thinker": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
           "llava": "images", "smolvlm": "images", "idefics3": "images", "internvl": "images", "mistral3": "sized",
           "llava_next": "runs", "llava_onevision": "runs"}
 """How each tested family's visual inputs split into items (images, videos).
@@ -128,11 +128,14 @@ TESTED = tuple(sorted(STYLES))
 The others are refused by name until a test holds them too."""
 IMAGES_ONLY = ("glm4v",)
 """Families whose videos no test holds yet (GLM-4.1V numbers each frame as its own run): refused."""
-_TENSOR_FEATURES = ("gemma3", "internvl")
+_TENSOR_FEATURES = ("gemma3", "internvl", "paligemma")
 """Families whose merge takes the features as one tensor, not a tuple of tensors."""
-BIDIRECTIONAL = {"gemma3": "token_type_ids"}
-"""Families whose image tokens attend to each other both ways, and the input whose 1s mark them: each
-run of them in the whole row (cut at document boundaries) is a block of the attention's mask (`image_blocks`)."""
+BIDIRECTIONAL = {"gemma3": ("token_type_ids", 1), "paligemma": ("token_type_ids", 0)}
+"""Families whose tokens of one kind attend to each other both ways: the input that marks them, and its value there
+(Gemma 3: 1, each image's tokens; PaliGemma: 0, each document's prefix, its image and prompt). Each run of them in the
+whole row (cut at document boundaries) is a block of the attention's mask (`image_blocks`)."""
+_POSITIONS_FROM = {"paligemma": 1}
+"""Families that number a document's positions from another first value than 0."""
 _PIXELS = {"image": "pixel_values", "video": "pixel_values_videos", "audio": "input_features"}
 AUDIO = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
 """Families whose audio clips (``input_features`` ``[clips, mels, frames]`` with ``feature_attention_mask``) are encoded
@@ -153,19 +156,20 @@ def _runs(token_bs: torch.Tensor) -> list[int]:
     return out
 
 
-def image_blocks(types_bs: torch.Tensor, cu_seqlens: list[int] | None = None) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Each row's bidirectional blocks: the global ``(start, end)`` of every run of 1s in the row's
-    token types (an image's tokens), cut at the documents' boundaries ``cu_seqlens``.
+def image_blocks(types_bs: torch.Tensor, cu_seqlens: list[int] | None = None, marker: int = 1) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each row's bidirectional blocks: the global ``(start, end)`` of every run of ``marker`` in the
+    row's token types (an image's tokens, or a prefix), cut at the documents' boundaries ``cu_seqlens``.
 
     Args:
-        types_bs (torch.Tensor): ``[B, S]`` token types of the whole rows (1: image).
+        types_bs (torch.Tensor): ``[B, S]`` token types of the whole rows.
         cu_seqlens (list[int] | None): the packed documents' boundaries, or None.
+        marker (int): the token type of a block's tokens.
 
     Returns:
         One tuple of ``(start, end)`` per row."""
     cuts = sorted(set(cu_seqlens or ()))
     rows = []
-    for row in (types_bs == 1).tolist():
+    for row in (types_bs == marker).tolist():
         blocks, start = [], 0
         for on, group in itertools.groupby(row):
             end = start + len(list(group))
@@ -311,6 +315,20 @@ def _whole_positions(model, kwargs: dict) -> torch.Tensor:
     return torch.arange(ids.shape[1], device=ids.device).expand(ids.shape) if positions is None else positions
 
 
+def _check_prefixes(blocks, cu: list[int], s: int, who: str) -> None:
+    """PaliGemma's prefix (token type 0) is one block per document, before its suffix (1): a second
+    run of 0s in a document is refused unless it ends the row (padding, which no real token sees), and
+    so is an unpacked row whose prefix runs to its end, where padding (also 0) would join the prefix."""
+    for row in blocks:
+        for a, b in zip(cu, cu[1:]):
+            runs = [(x, y) for x, y in row if a <= x < b]
+            inner = [r for r in runs[1:] if r[1] != s]
+            if inner or len(cu) == 2 and runs and runs[0][1] == s:
+                raise ValueError(f"{who} under sequence parallelism takes one prefix (token type 0) per document, before its suffix "
+                                 f"(token type 1), not ending an unpacked row (padding would join it); document [{a}, {b}) has "
+                                 f"its 0s at {runs}")
+
+
 def _model_hook(topo: Topology, state: dict):
     """Before any collective: the checks. Then the whole row's positions, this rank's shard of every
     ``[B, S]`` input and the features of its image and video tokens (``_to_holders``)."""
@@ -348,8 +366,13 @@ def _model_hook(topo: Topology, state: dict):
         positions = _whole_positions(model, kwargs)
         if cu is not None:
             positions = _per_document(positions, cu_seqlens)
-        types = kwargs.pop(BIDIRECTIONAL.get(model.config.model_type, ""), None)  # the model would mask by them: the blocks' job now
-        state["blocks"] = None if types is None else image_blocks(types, cu)
+        positions = positions + _POSITIONS_FROM.get(model.config.model_type, 0)
+        name, marker = BIDIRECTIONAL.get(model.config.model_type, ("", 1))
+        state["causal"] = model.config.model_type in BIDIRECTIONAL
+        types = kwargs.pop(name, None)  # the model would mask by them: the blocks' job now
+        state["blocks"] = None if types is None else image_blocks(types, cu, marker)
+        if types is not None and marker == 0:
+            _check_prefixes(state["blocks"], cu or [0, s], s, who)
         encoded = {}
         for kind, token in (("image", "image_token_id"), ("video", "video_token_id"), ("audio", "audio_token_id")):
             if kwargs.get(_PIXELS[kind]) is not None:
@@ -385,6 +408,8 @@ def _decoder_hook(topo: Topology, state: dict):
             kwargs["cu_seq_lens_q"] = cu_seqlens
         if blocks is not None and any(blocks):
             kwargs[coverage.BLOCKS] = blocks
+        if state.pop("causal", False):  # PaliGemma's layers say bidirectional (is_causal=False) but its own mask is causal
+            kwargs["is_causal"] = True
         return args, kwargs
     return hook
 

@@ -136,8 +136,8 @@ def _document(config, parts: list, g: torch.Generator) -> dict:
     out = {"input_ids": input_ids, "labels": input_ids.masked_fill(visual, -100), **inputs}
     if STYLES[config.model_type] == "grid":
         out["mm_token_type_ids"] = (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
-    if config.model_type in BIDIRECTIONAL:  # Gemma 3: 1 on image tokens, which attend to each other both ways
-        out[BIDIRECTIONAL[config.model_type]] = (input_ids == config.image_token_id).int()
+    if config.model_type == "gemma3":  # 1 on image tokens, which attend to each other both ways
+        out[BIDIRECTIONAL[config.model_type][0]] = (input_ids == config.image_token_id).int()
     return out
 
 
