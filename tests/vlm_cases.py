@@ -65,6 +65,17 @@ def _glm4v():
     return transformers.Glm4vForConditionalGeneration(cfg)
 
 
+def _glm4v_moe():
+    import transformers
+
+    text = dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2], "partial_rotary_factor": 0.5},
+                head_dim=16, moe_intermediate_size=16, num_experts_per_tok=2, n_routed_experts=4, n_shared_experts=1, first_k_dense_replace=1)
+    cfg = transformers.Glm4vMoeConfig(
+        text_config=text, vision_config=_qwen_vision(image_size=32), image_token_id=IMAGE, video_token_id=VIDEO, image_start_token_id=START,
+        image_end_token_id=END, video_start_token_id=START, video_end_token_id=END)
+    return transformers.Glm4vMoeForConditionalGeneration._from_config(cfg, experts_implementation="eager")  # grouped_mm: no fp64
+
+
 def _llava():
     import transformers
 
@@ -282,6 +293,7 @@ FAMILIES = {
     "qwen3_vl": (_qwen3_vl, _qwen_visuals, "frames"),
     "qwen3_vl_moe": (lambda: _qwen3_vl(moe=True), _qwen_visuals, "frames"),
     "glm4v": (_glm4v, _qwen_visuals, None),  # images only: videos not yet (each frame its own run and grid row)
+    "glm4v_moe": (_glm4v_moe, _qwen_visuals, None),  # GLM-4.5V / 4.6V: GLM-4.1V's vision, a MoE text model (layer 0 dense)
     "llava": (_llava, _llava_visuals, None),
     "smolvlm": (_smolvlm, _smolvlm_visuals, None),
     "internvl": (_internvl, _internvl_visuals, None),
@@ -438,9 +450,9 @@ def _reference(family: str, world: int, packed: bool, rows: bool = False) -> tup
     return _REFERENCES[key]
 
 
-LIFTED = ("paligemma",)
-"""Families compared with float32 lifted to float64 (`fp64_throughout`): Gemma's RMSNorm computes in float32 inside an fp64
-model, which leaves its weights' gradients 1e-7 apart between a whole row and its shards."""
+LIFTED = ("paligemma", "glm4v_moe")
+"""Families compared with float32 lifted to float64 (`fp64_throughout`): Gemma's RMSNorm and GLM's MoE router compute in
+float32 inside an fp64 model, which leaves their weights' gradients 1e-7 apart between a whole row and its shards."""
 
 
 def vlm_parity(env: Env, family: str, layout: str, packed: bool, as_rows: bool = False) -> dict:
@@ -572,7 +584,7 @@ def embed_memory(env: Env) -> dict:
 
 
 VERIFIED = {2: ("LlavaConfig", "Qwen2_5_VLConfig", "Qwen3VLMoeConfig", "SmolVLMConfig", "Qwen3_5Config", "Qwen3_5MoeConfig", "Gemma3Config"),
-            3: ("LlavaConfig", "Qwen3VLConfig", "InternVLConfig", "Mistral3Config", "Glm4vConfig"), 4: ("SmolVLMConfig", "Qwen2VLConfig", "Idefics3Config")}
+            3: ("LlavaConfig", "Qwen3VLConfig", "InternVLConfig", "Mistral3Config", "Glm4vConfig"), 4: ("SmolVLMConfig", "Qwen2VLConfig", "Idefics3Config", "Glm4vMoeConfig")}
 """The default (full-size) configs ``verify_sequence_parallel`` shrinks and checks, per P: each family at some P,
 each way of giving images (patch rows, [N, ...] and [B, N, ...] pixels) at every P. Qwen3.5 (Gated DeltaNet and
 attention layers, its DeltaNet under the ulysses mixer) only here, with 2 layers, one of each kind."""

@@ -29,7 +29,7 @@ _VISION = {  # vision config fields per family in the small copy ("TEXT": the te
 }
 _VISION["idefics3"] = _VISION["gemma3"] = _VISION["smolvlm"]
 _VISION["qwen3_vl_moe"] = _VISION["qwen3_vl"]
-_VISION["glm4v"] = {k: v for k, v in _VISION["qwen2_5_vl"].items() if k != "fullatt_block_indexes"}
+_VISION["glm4v"] = _VISION["glm4v_moe"] = {k: v for k, v in _VISION["qwen2_5_vl"].items() if k != "fullatt_block_indexes"}
 _VISION["qwen3_5"] = _VISION["qwen3_5_moe"] = {k: v for k, v in _VISION["qwen3_vl"].items() if k != "deepstack_visual_indexes"}
 BUILDS = tuple(_VISION)
 """The families whose small copies and random images this module makes (LLaVA-NeXT's not yet)."""
@@ -51,8 +51,9 @@ def shrink_image_text_config(config, shrink_text):
     small = copy.deepcopy(config)
     text = shrink_text(small.text_config)
     small.text_config = text
-    half = (getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads) // 2
     rope = getattr(text, "rope_parameters", None)
+    rotary = (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) or 1.0  # GLM-4.5V rotates half of each head
+    half = int((getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads) * rotary) // 2
     if STYLES[small.model_type] == "grid" and isinstance(rope, dict):  # absent: the model's default, for the full head dim
         rope["mrope_section"] = _sections(rope.get("mrope_section") or [1, 1, 2], half)
     vision = small.vision_config
