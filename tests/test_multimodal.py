@@ -264,7 +264,7 @@ def test_every_other_image_text_family_is_refused_by_name():
         with pytest.raises(ValueError, match=f"^{name} \\({model_type}\\) takes inputs besides text"):
             usp.apply_sequence_parallel(model, Topology.for_planning(2))
         refused.append(model_type)
-    assert len(refused) > 80
+    assert len(refused) > 70
 
 
 def test_embed_and_merge_memory_falls_as_one_over_p(ranks):

@@ -186,6 +186,22 @@ def _llava_next_visuals(kinds: list[str], g: torch.Generator) -> dict:
             "image_sizes": torch.tensor(NEXT_SIZES[:len(kinds)])}
 
 
+def _llava_next_video():
+    import transformers
+
+    cfg = transformers.LlavaNextVideoConfig(
+        text_config=dict(TEXT, model_type="llama"), image_token_id=IMAGE, video_token_id=VIDEO, vision_feature_layer=-1,
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
+                           image_size=16, patch_size=8, projection_dim=32),
+        image_grid_pinpoints=[[16, 16], [16, 32], [32, 16], [32, 32]])
+    return transformers.LlavaNextVideoForConditionalGeneration(cfg)
+
+
+def _next_video_visuals(kinds: list[str], g: torch.Generator) -> dict:
+    """LLaVA-NeXT's images of 14 tokens (`_llava_onevision_visuals`) and videos of 16 frames of 16 x 16, each pooled to a token: 16."""
+    return _llava_onevision_visuals(kinds, g, frames=16)
+
+
 def _llava_onevision():
     import transformers
 
@@ -197,13 +213,13 @@ def _llava_onevision():
     return transformers.LlavaOnevisionForConditionalGeneration(cfg)
 
 
-def _llava_onevision_visuals(kinds: list[str], g: torch.Generator) -> dict:
+def _llava_onevision_visuals(kinds: list[str], g: torch.Generator, frames: int = 15) -> dict:
     """Each image 16 x 32 (a base tile and two anyres tiles): 14 tokens; each video 15 frames of 16 x 16, pooled to a token
     a frame and a newline token: 16."""
     images, videos = kinds.count("image"), kinds.count("video")
     out = {}
     for kind in kinds:  # in the order the items come, from one generator
-        key, shape = ("pixel_values", (1, 3, 3, 16, 16)) if kind == "image" else ("pixel_values_videos", (1, 15, 3, 16, 16))
+        key, shape = ("pixel_values", (1, 3, 3, 16, 16)) if kind == "image" else ("pixel_values_videos", (1, frames, 3, 16, 16))
         pixels = torch.randn(shape, generator=g, dtype=torch.float64)
         out[key] = torch.cat([out[key], pixels]) if key in out else pixels
     if images:
@@ -301,6 +317,7 @@ FAMILIES = {
     "mistral3": (_mistral3, _mistral3_visuals, "rows"),
     "llava_next": (_llava_next, _llava_next_visuals, "anyres"),
     "llava_onevision": (_llava_onevision, _llava_onevision_visuals, "onevision"),
+    "llava_next_video": (_llava_next_video, _next_video_visuals, "onevision"),
     "gemma3": (_gemma3, _llava_visuals, None),
     "paligemma": (_paligemma, _llava_visuals, None),  # each document's prefix (its first image and 3 tokens) one block
     "qwen2_5_omni_thinker": (_qwen2_5_omni, _omni_visuals, "audio"),

@@ -113,15 +113,15 @@ class EncodedVisuals(ModelOutput):
 
 STYLES = {"gemma3": "images", "paligemma": "images", "glm4v": "grid", "glm4v_moe": "grid", "qwen2_5_omni_thinker": "grid", "qwen3_omni_moe_thinker": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
           "llava": "images", "smolvlm": "images", "idefics3": "images", "internvl": "images", "mistral3": "sized",
-          "llava_next": "runs", "llava_onevision": "runs"}
+          "llava_next": "runs", "llava_next_video": "runs", "llava_onevision": "runs"}
 """How each tested family's visual inputs split into items (images, videos).
 
 Rows of patches with a ``*_grid_thw`` per item (Qwen), or one image per ``[C, H, W]`` of ``pixel_values`` (LLaVA's
 ``[N, ...]``, SmolVLM's ``[B, N, ...]`` with ``pixel_attention_mask``; all-zero padding images dropped), or one image per
 ``[C, H, W]`` padded to the largest, its own size in ``image_sizes`` (Mistral 3, Pixtral's tower), or one image per
 ``[tiles, C, H, W]`` with its ``image_sizes``, its tokens one run of placeholders (LLaVA-NeXT's and LLaVA-OneVision's anyres
-tiles and newlines; images whose runs touch are encoded as one item; LLaVA-OneVision's videos, ``[frames, C, H, W]`` each,
-likewise)."""
+tiles and newlines; images whose runs touch are encoded as one item; LLaVA-NeXT-Video's and LLaVA-OneVision's videos,
+``[frames, C, H, W]`` each, likewise)."""
 TESTED = tuple(sorted(STYLES))
 """``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact.
 
@@ -140,7 +140,7 @@ _PIXELS = {"image": "pixel_values", "video": "pixel_values_videos", "audio": "in
 AUDIO = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
 """Families whose audio clips (``input_features`` ``[clips, mels, frames]`` with ``feature_attention_mask``) are encoded
 like images, each on one rank of the group: Qwen2.5-Omni's and Qwen3-Omni's thinkers. Other audio-text models are refused."""
-_VIDEO_BATCHED = ("llava_onevision",)
+_VIDEO_BATCHED = ("llava_next_video", "llava_onevision")
 """Families whose merge takes the video features as one ``[videos, tokens, H]`` tensor."""
 _SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask", "image_sizes", "batch_num_images",
           "input_features", "feature_attention_mask", "audio_feature_lengths", "video_second_per_grid", "use_audio_in_video")
@@ -211,7 +211,7 @@ def _items(model, kind: str, kwargs: dict, token_bs: torch.Tensor):
         return (lambda idx: model.get_image_features(pixel_values=pixels[idx], image_sizes=sizes[idx], return_dict=True)), tokens, tokens
     if STYLES[model.config.model_type] == "runs":
         runs = _runs(token_bs)
-        if kind == "video":  # LLaVA-OneVision: [videos, frames, C, H, W], each video's tokens a run
+        if kind == "video":  # LLaVA-NeXT-Video, LLaVA-OneVision: [videos, frames, C, H, W], each video's tokens a run
             def encode_runs(idx):
                 return model.get_video_features(pixel_values_videos=pixels[idx], return_dict=True)
         else:
