@@ -76,6 +76,28 @@ def _glm4v_moe():
     return transformers.Glm4vMoeForConditionalGeneration._from_config(cfg, experts_implementation="eager")  # grouped_mm: no fp64
 
 
+def _kimi_k25():
+    import transformers
+
+    text = dict(TEXT, model_type="deepseek_v3", num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2, n_group=1,
+                topk_group=1, n_shared_experts=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                v_head_dim=6)  # multi-head latent attention
+    cfg = transformers.Kimi_K25Config(
+        text_config=text, projection_hidden_size=32, image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=START,
+        vision_end_token_id=END, tie_word_embeddings=False,
+        vision_config=dict(patch_size=4, pos_emb_height=8, pos_emb_width=8, num_attention_heads=4, num_hidden_layers=2, hidden_size=32,
+                           intermediate_size=48))
+    return transformers.Kimi_K25ForConditionalGeneration._from_config(cfg, experts_implementation="eager")  # grouped_mm: no fp64
+
+
+def _kimi_visuals(kinds: list[str], g: torch.Generator) -> dict:
+    """MoonViT's patch rows: an image of 8 x 8 patches of 3 x 4 x 4 pixels, merged 2 x 2: 16 tokens."""
+    if not kinds:
+        return {}
+    return {"pixel_values": torch.randn(64 * len(kinds), 3, 4, 4, generator=g, dtype=torch.float64),
+            "image_grid_thw": torch.tensor([[1, 8, 8]] * len(kinds))}
+
+
 def _llava():
     import transformers
 
@@ -309,7 +331,8 @@ FAMILIES = {
     "qwen3_vl": (_qwen3_vl, _qwen_visuals, "frames"),
     "qwen3_vl_moe": (lambda: _qwen3_vl(moe=True), _qwen_visuals, "frames"),
     "glm4v": (_glm4v, _qwen_visuals, None),  # images only: videos not yet (each frame its own run and grid row)
-    "glm4v_moe": (_glm4v_moe, _qwen_visuals, None),  # GLM-4.5V / 4.6V: GLM-4.1V's vision, a MoE text model (layer 0 dense)
+    "glm4v_moe": (_glm4v_moe, _qwen_visuals, None),
+    "kimi_k25": (_kimi_k25, _kimi_visuals, None),  # Kimi-K2.5: MoonViT's patch rows, a DeepSeek-V3 (MLA, MoE) text model  # GLM-4.5V / 4.6V: GLM-4.1V's vision, a MoE text model (layer 0 dense)
     "llava": (_llava, _llava_visuals, None),
     "smolvlm": (_smolvlm, _smolvlm_visuals, None),
     "internvl": (_internvl, _internvl_visuals, None),
@@ -467,8 +490,8 @@ def _reference(family: str, world: int, packed: bool, rows: bool = False) -> tup
     return _REFERENCES[key]
 
 
-LIFTED = ("paligemma", "glm4v_moe")
-"""Families compared with float32 lifted to float64 (`fp64_throughout`): Gemma's RMSNorm and GLM's MoE router compute in
+LIFTED = ("paligemma", "glm4v_moe", "kimi_k25")
+"""Families compared with float32 lifted to float64 (`fp64_throughout`): Gemma's RMSNorm and GLM's and DeepSeek's MoE routers compute in
 float32 inside an fp64 model, which leaves their weights' gradients 1e-7 apart between a whole row and its shards."""
 
 

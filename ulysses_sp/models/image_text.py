@@ -111,7 +111,7 @@ class EncodedVisuals(ModelOutput):
     deepstack_features: list | None = None
 
 
-STYLES = {"gemma3": "images", "paligemma": "images", "glm4v": "grid", "glm4v_moe": "grid", "qwen2_5_omni_thinker": "grid", "qwen3_omni_moe_thinker": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
+STYLES = {"gemma3": "images", "paligemma": "images", "glm4v": "grid", "glm4v_moe": "grid", "kimi_k25": "grid", "qwen2_5_omni_thinker": "grid", "qwen3_omni_moe_thinker": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
           "llava": "images", "smolvlm": "images", "idefics3": "images", "internvl": "images", "mistral3": "sized",
           "llava_next": "runs", "llava_next_video": "runs", "llava_onevision": "runs"}
 """How each tested family's visual inputs split into items (images, videos).
@@ -126,8 +126,9 @@ TESTED = tuple(sorted(STYLES))
 """``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact.
 
 The others are refused by name until a test holds them too."""
-IMAGES_ONLY = ("glm4v", "glm4v_moe")
-"""Families whose videos no test holds yet (GLM-4.1V numbers each frame as its own run): refused."""
+IMAGES_ONLY = ("glm4v", "glm4v_moe", "kimi_k25")
+"""Families whose videos no test holds yet (GLM-4.1V numbers each frame as its own run, and transformers' GLM forward cannot
+take an image and a video in one row; Kimi-K2.5 merges a video's frames in time): refused."""
 _TENSOR_FEATURES = ("gemma3", "internvl", "paligemma")
 """Families whose merge takes the features as one tensor, not a tuple of tensors."""
 BIDIRECTIONAL = {"gemma3": ("token_type_ids", 1), "paligemma": ("token_type_ids", 0)}
@@ -201,7 +202,8 @@ def _items(model, kind: str, kwargs: dict, token_bs: torch.Tensor):
         for n in patches:
             starts.append(starts[-1] + n)
         get = model.get_image_features if kind == "image" else model.get_video_features
-        merge = model.config.vision_config.spatial_merge_size ** 2
+        vision = model.config.vision_config
+        merge = vision.spatial_merge_size ** 2 if hasattr(vision, "spatial_merge_size") else vision.merge_kernel_size[0] * vision.merge_kernel_size[1]
         return (lambda idx: get(torch.cat([pixels[starts[i]:starts[i + 1]] for i in idx]), grid[idx], return_dict=True),
                 [n // merge for n in patches], patches)
     if STYLES[model.config.model_type] == "sized":  # an image's tokens: its patches merged m x m (break tokens are text)
