@@ -55,14 +55,14 @@ def _qwen_visuals(kinds: list[str], g: torch.Generator) -> dict:
     return out
 
 
-def _glm4v():
+def _glm4v(config: str = "Glm4vConfig", model: str = "Glm4vForConditionalGeneration"):
     import transformers
 
-    cfg = transformers.Glm4vConfig(
+    cfg = getattr(transformers, config)(
         text_config=dict(TEXT, rope_parameters={"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [1, 1, 2], "partial_rotary_factor": 1.0}),
         vision_config=_qwen_vision(image_size=32), image_token_id=IMAGE, video_token_id=VIDEO, image_start_token_id=START,
         image_end_token_id=END, video_start_token_id=START, video_end_token_id=END)
-    return transformers.Glm4vForConditionalGeneration(cfg)
+    return getattr(transformers, model)(cfg)
 
 
 def _glm4v_moe():
@@ -332,6 +332,7 @@ FAMILIES = {
     "qwen3_vl_moe": (lambda: _qwen3_vl(moe=True), _qwen_visuals, "frames"),
     "glm4v": (_glm4v, _qwen_visuals, None),  # images only: videos not yet (each frame its own run and grid row)
     "glm4v_moe": (_glm4v_moe, _qwen_visuals, None),
+    "glm46v": (lambda: _glm4v("Glm46VConfig", "Glm46VForConditionalGeneration"), _qwen_visuals, None),  # GLM-4.6V: GLM-4.1V's parts
     "kimi_k25": (_kimi_k25, _kimi_visuals, None),  # Kimi-K2.5: MoonViT's patch rows, a DeepSeek-V3 (MLA, MoE) text model  # GLM-4.5V / 4.6V: GLM-4.1V's vision, a MoE text model (layer 0 dense)
     "llava": (_llava, _llava_visuals, None),
     "smolvlm": (_smolvlm, _smolvlm_visuals, None),
@@ -573,9 +574,10 @@ def planted_blocks_cut_at_shards(env: Env, layout: str, packed: bool) -> dict:
 
     honest = image_text.image_blocks
 
-    def cut(types, cu_seqlens=None):
+    def cut(types, cu_seqlens=None, marker=1):
         n = types.shape[1] // (usp.layout.chunks_per_rank(layout, types.shape[1], env.world) * env.world)  # a chunk's tokens
-        return tuple(tuple((max(a, e), min(b, e + n)) for a, b in row for e in range(a - a % n, b, n)) for row in honest(types, cu_seqlens))
+        return tuple(tuple((max(a, e), min(b, e + n)) for a, b in row for e in range(a - a % n, b, n))
+                     for row in honest(types, cu_seqlens, marker))
 
     image_text.image_blocks = cut
     try:

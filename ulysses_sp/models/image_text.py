@@ -111,7 +111,7 @@ class EncodedVisuals(ModelOutput):
     deepstack_features: list | None = None
 
 
-STYLES = {"gemma3": "images", "paligemma": "images", "glm4v": "grid", "glm4v_moe": "grid", "kimi_k25": "grid", "qwen2_5_omni_thinker": "grid", "qwen3_omni_moe_thinker": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
+STYLES = {"gemma3": "images", "paligemma": "images", "glm4v": "grid", "glm4v_moe": "grid", "glm46v": "grid", "kimi_k25": "grid", "qwen2_5_omni_thinker": "grid", "qwen3_omni_moe_thinker": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
           "llava": "images", "smolvlm": "images", "idefics3": "images", "internvl": "images", "mistral3": "sized",
           "llava_next": "runs", "llava_next_video": "runs", "llava_onevision": "runs"}
 """How each tested family's visual inputs split into items (images, videos).
@@ -126,7 +126,7 @@ TESTED = tuple(sorted(STYLES))
 """``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact.
 
 The others are refused by name until a test holds them too."""
-IMAGES_ONLY = ("glm4v", "glm4v_moe", "kimi_k25")
+IMAGES_ONLY = ("glm4v", "glm4v_moe", "glm46v", "kimi_k25")
 """Families whose videos no test holds yet (GLM-4.1V numbers each frame as its own run, and transformers' GLM forward cannot
 take an image and a video in one row; Kimi-K2.5 merges a video's frames in time): refused."""
 _TENSOR_FEATURES = ("gemma3", "internvl", "paligemma")
