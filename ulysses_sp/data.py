@@ -140,8 +140,8 @@ def shard_batch(batch: dict, topo: Topology, *, pad_token_id: int = 0) -> dict:
     Args:
         batch: ``input_ids`` ``[B, S]`` and optionally ``labels``, ``position_ids`` (restarting
             at 0 at each document for packed input) and ``attention_mask`` (1 for tokens, 0 for
-            right padding). Images and videos (``pixel_values``, ``image_grid_thw``, ...) pass
-            through whole.
+            right padding). Images, videos and audio clips (``pixel_values``, ``image_grid_thw``,
+            ``input_features``, ...) pass through whole.
         topo: The topology from `init_sequence_parallel`.
         pad_token_id: The id the sequence is padded with.
 

@@ -8,8 +8,10 @@ then goes to the rank that holds its token (``comm.rows_to_ranks``). The model's
 this rank's shard of the ids and positions and the features of exactly its image and video tokens,
 so it embeds and merges only those, with each family's merge (and Qwen3-VL's deepstack) code
 unchanged: an image may straddle any shard boundary, a rank may hold none, and nothing
-hidden-sized is sequence-long on any rank. A pre-hook on the text decoder hands its attention the
-document boundaries (``cu_seq_lens_q``), which the model would also have handed its vision tower.
+hidden-sized is sequence-long on any rank. Audio clips (the Omni thinkers) are encoded the same way and
+merged into this rank's embeddings before the model runs. A pre-hook on the text decoder hands its attention
+the document boundaries (``cu_seq_lens_q``), which the model would also have handed its vision tower, and the
+bidirectional blocks (``ulysses_sp_blocks``: Gemma 3's images, PaliGemma's prefixes) read from the whole row.
 The vision tower keeps its own (bidirectional) attention; summing its gradients over the SP group,
 as for any replicated parameter, gives the one-process gradient.
 """
