@@ -331,9 +331,9 @@ FAMILIES = {
     "qwen3_vl": (_qwen3_vl, _qwen_visuals, "frames"),
     "qwen3_vl_moe": (lambda: _qwen3_vl(moe=True), _qwen_visuals, "frames"),
     "glm4v": (_glm4v, _qwen_visuals, None),  # images only: videos not yet (each frame its own run and grid row)
-    "glm4v_moe": (_glm4v_moe, _qwen_visuals, None),
+    "glm4v_moe": (_glm4v_moe, _qwen_visuals, None),  # GLM-4.5V: GLM-4.1V's vision, a MoE text model (layer 0 dense)
     "glm46v": (lambda: _glm4v("Glm46VConfig", "Glm46VForConditionalGeneration"), _qwen_visuals, None),  # GLM-4.6V: GLM-4.1V's parts
-    "kimi_k25": (_kimi_k25, _kimi_visuals, None),  # Kimi-K2.5: MoonViT's patch rows, a DeepSeek-V3 (MLA, MoE) text model  # GLM-4.5V / 4.6V: GLM-4.1V's vision, a MoE text model (layer 0 dense)
+    "kimi_k25": (_kimi_k25, _kimi_visuals, None),  # Kimi-K2.5: MoonViT's patch rows, a DeepSeek-V3 (MLA, MoE) text model
     "llava": (_llava, _llava_visuals, None),
     "smolvlm": (_smolvlm, _smolvlm_visuals, None),
     "internvl": (_internvl, _internvl_visuals, None),
@@ -342,10 +342,10 @@ FAMILIES = {
     "llava_next": (_llava_next, _llava_next_visuals, "anyres"),
     "llava_onevision": (_llava_onevision, _llava_onevision_visuals, "onevision"),
     "llava_next_video": (_llava_next_video, _next_video_visuals, "onevision"),
-    "gemma3": (_gemma3, _llava_visuals, None),
+    "gemma3": (_gemma3, _llava_visuals, None),  # each image's 16 tokens one bidirectional block; a window of 8 on sliding layers
     "paligemma": (_paligemma, _llava_visuals, None),  # each document's prefix (its first image and 3 tokens) one block
     "qwen2_5_omni_thinker": (_qwen2_5_omni, _omni_visuals, "audio"),
-    "qwen3_omni_moe_thinker": (_qwen3_omni, lambda kinds, g: _omni_visuals(kinds, g, frames=100), "audio13"),  # each image's 16 tokens one bidirectional block; a window of 8 on sliding layers
+    "qwen3_omni_moe_thinker": (_qwen3_omni, lambda kinds, g: _omni_visuals(kinds, g, frames=100), "audio13"),
 }
 """name: (tiny model, the visual inputs of a list of "image"/"video", its videos: None, "whole" (one run of
 tokens) or "frames" (Qwen3-VL: each frame its own run, after a timestamp); "rows": no video, an image's
@@ -375,7 +375,8 @@ def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator,
             return [START] + [VIDEO] * (TOKENS // 2) + [END] + text(1) + [START] + [VIDEO] * (TOKENS // 2) + [END]
         return [START] + [IMAGE if kind == "image" else VIDEO] * TOKENS + [END]
 
-    second = "video" if videos in ("whole", "frames", "onevision") else "audio" if videos in ("audio", "audio13") else "image"  # (Mistral 3: a second image)
+    # the second item: a video, an audio clip, or (Mistral 3, LLaVA-NeXT, ...) a second image
+    second = "video" if videos in ("whole", "frames", "onevision") else "audio" if videos in ("audio", "audio13") else "image"
     if not packed:
         leads = (1, 9) if rows else (1,)
         docs = [text(lead) + visual("image") + text(6 - lead // 2) + visual(second, 1) for lead in leads]
@@ -626,7 +627,8 @@ def embed_memory(env: Env) -> dict:
 
 
 VERIFIED = {2: ("LlavaConfig", "Qwen2_5_VLConfig", "Qwen3VLMoeConfig", "SmolVLMConfig", "Qwen3_5Config", "Qwen3_5MoeConfig", "Gemma3Config"),
-            3: ("LlavaConfig", "Qwen3VLConfig", "InternVLConfig", "Mistral3Config", "Glm4vConfig"), 4: ("SmolVLMConfig", "Qwen2VLConfig", "Idefics3Config", "Glm4vMoeConfig")}
+            3: ("LlavaConfig", "Qwen3VLConfig", "InternVLConfig", "Mistral3Config", "Glm4vConfig", "Glm46VConfig", "PaliGemmaConfig"),
+            4: ("SmolVLMConfig", "Qwen2VLConfig", "Idefics3Config", "Glm4vMoeConfig")}
 """The default (full-size) configs ``verify_sequence_parallel`` shrinks and checks, per P: each family at some P,
 each way of giving images (patch rows, [N, ...] and [B, N, ...] pixels) at every P. Qwen3.5 (Gated DeltaNet and
 attention layers, its DeltaNet under the ulysses mixer) only here, with 2 layers, one of each kind."""

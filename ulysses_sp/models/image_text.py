@@ -113,9 +113,10 @@ class EncodedVisuals(ModelOutput):
     deepstack_features: list | None = None
 
 
-STYLES = {"gemma3": "images", "paligemma": "images", "glm4v": "grid", "glm4v_moe": "grid", "glm46v": "grid", "kimi_k25": "grid", "qwen2_5_omni_thinker": "grid", "qwen3_omni_moe_thinker": "grid", "qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
-          "llava": "images", "smolvlm": "images", "idefics3": "images", "internvl": "images", "mistral3": "sized",
-          "llava_next": "runs", "llava_next_video": "runs", "llava_onevision": "runs"}
+STYLES = {"qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
+          "qwen2_5_omni_thinker": "grid", "qwen3_omni_moe_thinker": "grid", "glm4v": "grid", "glm4v_moe": "grid", "glm46v": "grid",
+          "kimi_k25": "grid", "llava": "images", "smolvlm": "images", "idefics3": "images", "internvl": "images", "gemma3": "images",
+          "paligemma": "images", "mistral3": "sized", "llava_next": "runs", "llava_next_video": "runs", "llava_onevision": "runs"}
 """How each tested family's visual inputs split into items (images, videos).
 
 Rows of patches with a ``*_grid_thw`` per item (Qwen), or one image per ``[C, H, W]`` of ``pixel_values`` (LLaVA's
@@ -372,7 +373,7 @@ def _model_hook(topo: Topology, state: dict):
             positions = _per_document(positions, cu_seqlens)
         positions = positions + _POSITIONS_FROM.get(model.config.model_type, 0)
         name, marker = BIDIRECTIONAL.get(model.config.model_type, ("", 1))
-        state["causal"] = model.config.model_type in BIDIRECTIONAL
+        state["causal"] = model.config.model_type == "paligemma"  # its layers' is_causal=False is a default its own mask overrides
         types = kwargs.pop(name, None)  # the model would mask by them: the blocks' job now
         state["blocks"] = None if types is None else image_blocks(types, cu, marker)
         if types is not None and marker == 0:

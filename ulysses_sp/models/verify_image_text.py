@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from .image_text import BIDIRECTIONAL, IMAGES_ONLY, STYLES
+from .image_text import IMAGES_ONLY, STYLES
 
 __all__ = ["shrink_image_text_config", "build", "rows", "one_process_loss", "noise_part"]
 
@@ -27,9 +27,9 @@ _VISION = {  # vision config fields per family in the small copy ("TEXT": the te
     "internvl": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4),
     "mistral3": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, head_dim=8),
 }
-_VISION["idefics3"] = _VISION["gemma3"] = _VISION["smolvlm"]
+_VISION["idefics3"] = _VISION["gemma3"] = _VISION["paligemma"] = _VISION["smolvlm"]
 _VISION["qwen3_vl_moe"] = _VISION["qwen3_vl"]
-_VISION["glm4v"] = _VISION["glm4v_moe"] = {k: v for k, v in _VISION["qwen2_5_vl"].items() if k != "fullatt_block_indexes"}
+_VISION["glm4v"] = _VISION["glm4v_moe"] = _VISION["glm46v"] = {k: v for k, v in _VISION["qwen2_5_vl"].items() if k != "fullatt_block_indexes"}
 _VISION["qwen3_5"] = _VISION["qwen3_5_moe"] = {k: v for k, v in _VISION["qwen3_vl"].items() if k != "deepstack_visual_indexes"}
 BUILDS = tuple(_VISION)
 """The families whose small copies and random images this module makes (LLaVA-NeXT's not yet)."""
@@ -64,6 +64,9 @@ def shrink_image_text_config(config, shrink_text):
         vision.image_size = _per_side(vision.patch_size, lambda p: p * 4 * _shuffle(small))
     if hasattr(small, "mm_tokens_per_image"):  # Gemma 3 pools the 4 x 4 patches to this many tokens
         small.mm_tokens_per_image = 16
+    if small.model_type == "paligemma":  # its projection goes to the text width; an image is its patches' tokens
+        small.projection_dim = vision.projection_dim = text.hidden_size
+        text.num_image_tokens = (vision.image_size // vision.patch_size) ** 2
     for i, name in enumerate(n for n in _TOKENS if isinstance(getattr(small, n, None), int)):
         for holder in (small, text):
             if isinstance(getattr(holder, name, None), int):
@@ -138,7 +141,11 @@ def _document(config, parts: list, g: torch.Generator) -> dict:
     if STYLES[config.model_type] == "grid":
         out["mm_token_type_ids"] = (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
     if config.model_type == "gemma3":  # 1 on image tokens, which attend to each other both ways
-        out[BIDIRECTIONAL[config.model_type][0]] = (input_ids == config.image_token_id).int()
+        out["token_type_ids"] = (input_ids == config.image_token_id).int()
+    if config.model_type == "paligemma":  # 0 on the prefix (through the first image and two tokens more, or 3 tokens), 1 after
+        image = (input_ids[0] == config.image_token_id).nonzero()
+        prefix = int(image[-1 if len(image) <= 16 else 15]) + 3 if len(image) else 3
+        out["token_type_ids"] = (torch.arange(input_ids.shape[1]) >= prefix).int()[None]
     return out
 
 
