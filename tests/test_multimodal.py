@@ -201,6 +201,18 @@ def test_paligemma_prefixes_it_cannot_place_are_refused(types, where):
         model(input_ids=torch.randint(0, 60, (1, 24)), token_type_ids=torch.tensor([types]))
 
 
+def test_an_attention_that_drops_the_blocks_is_refused():
+    """The model was given bidirectional blocks and a layer's attention call lacks them (its code does not pass
+    the keyword arguments on): refused, as a layer that drops the packed documents' boundaries is."""
+    from ulysses_sp.models import coverage
+
+    model = _switched_qwen2_vl()
+    layer = next(m for m in model.modules() if coverage._CALLS in m.__dict__)
+    layer.__dict__[coverage._CALLS][1][:] = [coverage.BLOCKS]
+    with pytest.raises(ValueError, match=r"did not receive the bidirectional blocks \(ulysses_sp_blocks\) that the model was given"):
+        coverage.mark_called(layer, {})
+
+
 def test_audio_inside_videos_is_refused_by_name():
     """Qwen2.5-Omni's use_audio_in_video interleaves a video's audio with its frames in the positions: not tested yet."""
     from .vlm_cases import _qwen2_5_omni

@@ -317,10 +317,10 @@ SHARD_CALL = "_usp_shard_call"
 
 BLOCKS = "ulysses_sp_blocks"
 """The text decoder's keyword argument that carries each batch row's bidirectional blocks (global
-``(start, end)`` of each image's tokens: Gemma 3) from the image-text split to the attention function."""
+``(start, end)``: Gemma 3's images, PaliGemma's prefixes) from the image-text split to the attention function."""
 FORWARDED = {"cu_seq_lens_q": ("packed documents' boundaries (cu_seq_lens_q)", "packed documents would attend to each other; train it "
                                                                               "unpacked (--no-packing)"),
-             BLOCKS: (f"bidirectional image blocks ({BLOCKS})", "image tokens would not see their image's later tokens")}
+             BLOCKS: (f"bidirectional blocks ({BLOCKS})", "a block's tokens (an image's, a prefix's) would not see its later tokens")}
 """Keyword arguments the model is given that every attention call must receive: what they are, and what goes wrong without them."""
 
 
