@@ -10,6 +10,7 @@ that could hang.
 
 from __future__ import annotations
 
+import bisect
 import logging
 import math
 import weakref
@@ -79,8 +80,8 @@ def _check_blocks(blocks, seq_len: int, cu_seqlens, causal: bool) -> tuple[tuple
                          f"disjoint: each a run of tokens that attend to each other both ways; got {blocks!r}")
     if values and not causal:
         raise ValueError("blocks overlay a causal mask (causal=True); without one every token already sees every other")
-    bounds = cu_seqlens or (0, seq_len)
-    crossing = [(a, b) for a, b in values if any(a < x < b for x in bounds)]
+    bounds = cu_seqlens or (0, seq_len)  # a block crosses a boundary when the first one after its start is before its end
+    crossing = [(a, b) for a, b in values if bounds[bisect.bisect_right(bounds, a)] < b]
     if crossing:
         raise ValueError(f"blocks {crossing} cross a document boundary of cu_seqlens {list(bounds)}: a block lies within one document")
     return values or None

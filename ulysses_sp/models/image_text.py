@@ -150,16 +150,6 @@ _SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_t
           "input_features", "feature_attention_mask", "audio_feature_lengths", "video_second_per_grid", "use_audio_in_video")
 
 
-def _runs(token_bs: torch.Tensor) -> list[int]:
-    """The lengths of the runs of ``True`` in each row of ``token_bs``, row after row."""
-    out = []
-    for row in token_bs.tolist():
-        for on, group in itertools.groupby(row):
-            if on:
-                out.append(len(list(group)))
-    return out
-
-
 def image_blocks(types_bs: torch.Tensor, cu_seqlens: list[int] | None = None, marker: int = 1) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Each row's bidirectional blocks: the global ``(start, end)`` of every run of ``marker`` in the
     row's token types (an image's tokens, or a prefix), cut at the documents' boundaries ``cu_seqlens``.
@@ -183,6 +173,11 @@ def image_blocks(types_bs: torch.Tensor, cu_seqlens: list[int] | None = None, ma
             start = end
         rows.append(tuple(blocks))
     return tuple(rows)
+
+
+def _runs(token_bs: torch.Tensor) -> list[int]:
+    """The lengths of the runs of ``True`` in each row of ``token_bs``, row after row."""
+    return [b - a for row in image_blocks(token_bs, marker=True) for a, b in row]
 
 
 def _items(model, kind: str, kwargs: dict, token_bs: torch.Tensor):

@@ -271,7 +271,7 @@ def _image_text(config):
         return None
     from . import image_text, verify_image_text
 
-    if getattr(config, "audio_config", None) is not None or config.model_type not in image_text.TESTED:
+    if config.model_type not in image_text.TESTED or getattr(config, "audio_config", None) is not None and config.model_type not in image_text.AUDIO:
         raise ValueError(f"verify_sequence_parallel checks text causal LMs and the image-text families ulysses_sp switches "
                          f"({', '.join(image_text.TESTED)}); {type(config).__name__} ({config.model_type}) is neither")
     if config.model_type not in verify_image_text.BUILDS:
