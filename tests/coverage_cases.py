@@ -108,9 +108,25 @@ the worlds each runs on: Granite SWA's NoPE full layers, Flint's window of 513, 
 value head dim (128) unlike its query/key one (192), sinks on its sliding layers only."""
 
 
-def sinks_default(topo, name: str, backend: str = "auto", **overrides) -> dict:
-    """A sink family from its default config shrunk by verify, float32 lifted (Granite SWA's eager
-    code forces its sink scaling and softmax to float32), so the comparison is at fp64's rounding."""
+SHRUNK_DEFAULTS = {  # case: (model type, settings over its default config, worlds)
+    "gemma4_text": ("gemma4_text", {}, (2, 3, 4)),
+    "gemma4_text-shared-moe": ("gemma4_text", dict(num_kv_shared_layers=12, attention_k_eq_v=True, num_global_key_value_heads=1, enable_moe_block=True,
+                                                   num_experts=4, top_k_experts=2, moe_intermediate_size=16), (2, 4)),
+    "gemma3n_text": ("gemma3n_text", {}, (2, 4)),
+    "longcat_flash": ("longcat_flash", {}, (2, 4)),
+}
+"""Families from their default configs shrunk by verify, with a window of 8 where they have one (verify's
+rows cross it). Gemma 4 and Gemma 3n: per-layer head dims (the full layers' 16 beside 8), per-layer
+inputs, the last layers reusing earlier layers' keys and values (the shipped Gemma 4 E2B/E4B share
+the last 20 and 18), Gemma 4's keys as values on full layers (one global KV head) and MoE block,
+Gemma 3n's AltUp, LAuReL and activation sparsity. LongCat-Flash: two multi-head latent attention
+sublayers per layer, in a class whose name does not say attention."""
+
+
+def shrunk_default(topo, name: str, backend: str = "auto", **overrides) -> dict:
+    """A family from its default config shrunk by verify, float32 lifted (Granite SWA's eager code
+    forces its sink scaling and softmax to float32, Gemma's norms compute in it), so the comparison
+    is at fp64's rounding."""
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
     with fp64_throughout():
@@ -722,9 +738,12 @@ def register(case, topo_for, hf: bool) -> None:
         case(f"hybrids-adapted/{name}", (2, 4))(lambda env, n=name: adapted_default(topo_for(env), n))
         case(f"hybrids-adapted-state/{name}", (2, 3, 4))(lambda env, n=name: adapted_default(topo_for(env), n, "state"))
     for name, worlds in SINK_DEFAULTS.items():
-        case(f"sinks/{name}", worlds)(lambda env, n=name: sinks_default(topo_for(env), n))
+        case(f"sinks/{name}", worlds)(lambda env, n=name: shrunk_default(topo_for(env), n))
+    for name, (model_type, settings, worlds) in SHRUNK_DEFAULTS.items():
+        window = {"sliding_window": 8} if model_type.startswith("gemma") else {}
+        case(f"defaults/{name}", worlds)(lambda env, t=model_type, s={**window, **settings}: shrunk_default(topo_for(env), t, **s))
     for backend in MLA_BACKENDS:  # Granite SWA under each backend: 12 heads, so every backend applies at P = 2, 3, 4
-        case(f"sinks/granite_swa/{backend}", (2, 3, 4))(lambda env, be=backend: sinks_default(
+        case(f"sinks/granite_swa/{backend}", (2, 3, 4))(lambda env, be=backend: shrunk_default(
             topo_for(env), "granite_swa", be, num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS, hidden_size=96))
     for plant in STATE_PLANTS:
         case(f"mixers-state-planted/{plant}", (2,))(lambda env, p=plant: state_planted(topo_for(env), p))

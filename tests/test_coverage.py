@@ -11,7 +11,7 @@ import pytest
 
 from .conftest import values
 from .coverage_cases import MLA_BACKENDS
-from .coverage_cases import (BALANCED_FAMILIES, LLAMA4_PLANTS, MAMBA2_ADAPTED, MIXER_LAYER_CASES, MLA_BACKENDS, SINK_DEFAULTS, STATE_BALANCED, STATE_PLANTS,
+from .coverage_cases import (BALANCED_FAMILIES, LLAMA4_PLANTS, MAMBA2_ADAPTED, MIXER_LAYER_CASES, MLA_BACKENDS, SHRUNK_DEFAULTS, SINK_DEFAULTS, STATE_BALANCED, STATE_PLANTS,
                              STRATEGY_FAMILIES)
 from .model_families import EXACT, HYBRID, REFUSED, REFUSED_AT_FORWARD, REFUSED_WITHOUT_MIXER, auto_mixer
 
@@ -114,6 +114,20 @@ def test_families_with_attention_sinks_are_exact(ranks, name, world):
     MiMo-V2-Flash, default configs shrunk, float32 lifted: loss and every gradient, sinks' included."""
     for r in values(ranks(world), f"sinks/{name}"):
         _assert_exact(r, name)
+
+
+@hf
+@pytest.mark.parametrize("name,world", [(name, world) for name, (_, _, worlds) in SHRUNK_DEFAULTS.items() for world in worlds])
+@pytest.mark.quick(world=2, name="gemma4_text")
+def test_gemma4_gemma3n_and_longcat_flash_are_exact(ranks, name, world):
+    """Gemma 4 (per-layer head dims and inputs; with its last 12 of 30 layers reusing earlier layers'
+    keys and values, keys as values and MoE), Gemma 3n (KV sharing, AltUp, LAuReL) and LongCat-Flash
+    (its attention class named ``...MLA``), default configs shrunk with the shared layers kept,
+    float32 lifted: loss and every gradient, every attention layer switched."""
+    for r in values(ranks(world), f"defaults/{name}"):
+        _assert_exact(r, name)
+        layers = {"gemma4_text": 6, "gemma4_text-shared-moe": 12, "gemma3n_text": 10, "longcat_flash": 2}[name]
+        assert r["layers"] == layers and len(r["backends"]) == layers, r
 
 
 @hf
@@ -381,7 +395,7 @@ def test_shrink_keeps_every_kind_of_layer():
     types and layer_types entry), with small widths and multi-head latent attention's unequal dims."""
     import transformers
 
-    from ulysses_sp.models.verify import shrink_config
+    from ulysses_sp.models.shrink import shrink_config
 
     def shrunk(cls):
         small = shrink_config(getattr(transformers, cls)())
@@ -400,6 +414,12 @@ def test_shrink_keeps_every_kind_of_layer():
     for cls in ("BambaConfig", "Mamba2Config", "NemotronHConfig", "Zamba2Config"):  # verify's 2 x 12 + 5 tokens cross chunks
         _, model = shrunk(cls)
         assert {m.chunk_size for m in model.modules() if hasattr(m, "chunk_size") and hasattr(m, "A_log")} == {8}, cls
+    small, model = shrunk("Gemma4TextConfig")  # the full layers' own head dim (512 beside 256) stays twice the others'
+    assert [small.per_layer_config[i].head_dim for i in range(6)] == [8] * 5 + [16]
+    assert [m.head_dim for m in model.modules() if hasattr(m, "is_kv_shared_layer")] == [8] * 5 + [16]
+    small, model = shrunk("Gemma3nTextConfig")  # 35 layers, the last 15 reuse keys and values: 5 of each, the shared ones last
+    assert small.num_hidden_layers == 10 and small.num_kv_shared_layers == 5 and small.layer_types[4::5] == ["full_attention"] * 2
+    assert len(small.intermediate_size) == len(small.activation_sparsity_pattern) == 10 and sum(p.numel() for p in model.parameters()) < 1e6
 
 
 def test_mixers_survive_transformers_kernelize(ranks):

@@ -44,7 +44,8 @@ PUBLIC = {
         "SequenceParallelSFTConfig", "SequenceParallelSFTTrainer", "SequenceParallelDPOConfig", "SequenceParallelDPOTrainer",
         "SequenceParallelGRPOConfig", "SequenceParallelGRPOTrainer", "sequence_parallel_fused_head",
     ],
-    "ulysses_sp.models.verify": ["SequenceParallelMismatch", "VerifyReport", "shrink_config", "verify_sequence_parallel"],
+    "ulysses_sp.models.verify": ["SequenceParallelMismatch", "VerifyReport", "verify_sequence_parallel"],
+    "ulysses_sp.models.shrink": ["shrink_config"],
     "ulysses_sp.models.image_text": ["STYLES", "TESTED", "decoder_to_switch", "is_split", "text_decoder", "split_at_decoder", "unsplit"],
     "ulysses_sp.step_memory": ["ENGINES", "Breakdown", "Engine", "Switches", "World", "estimate", "max_seq_len", "model_states"],
     "ulysses_sp.tiling": [

@@ -323,6 +323,28 @@ def _paligemma():
     return transformers.PaliGemmaForConditionalGeneration(cfg)
 
 
+def _gemma4():
+    import transformers
+
+    cfg = transformers.Gemma4Config(
+        text_config=dict(TEXT, model_type="gemma4_text", head_dim=8, global_head_dim=16, sliding_window=8, pad_token_id=0, num_hidden_layers=3,
+                         layer_types=["full_attention", "sliding_attention", "full_attention"], use_bidirectional_attention="vision",
+                         hidden_size_per_layer_input=8, vocab_size_per_layer_input=TEXT["vocab_size"]),
+        vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                           patch_size=4, pooling_kernel_size=2, position_embedding_size=16),
+        audio_config=None, image_token_id=IMAGE, video_token_id=VIDEO, boi_token_id=START, eoi_token_id=END, audio_token_id=AUDIO)
+    return transformers.Gemma4ForConditionalGeneration(cfg)
+
+
+def _gemma4_visuals(kinds: list[str], g: torch.Generator) -> dict:
+    """8 x 8 patches of 4 x 4 pixels per image, each patch's (x, y) in image_position_ids; pooled 2 x 2: 16 tokens."""
+    if not kinds:
+        return {}
+    ys, xs = torch.meshgrid(torch.arange(8), torch.arange(8), indexing="ij")
+    where = torch.stack([xs.flatten(), ys.flatten()], -1).repeat(len(kinds), 1, 1)
+    return {"pixel_values": torch.rand(len(kinds), 64, 48, generator=g, dtype=torch.float64), "image_position_ids": where}
+
+
 FAMILIES = {
     "qwen2_vl": (_qwen2_vl, _qwen_visuals, "whole"),
     "qwen2_5_vl": (_qwen2_5_vl, _qwen_visuals, "whole"),
@@ -342,6 +364,9 @@ FAMILIES = {
     "llava_next_video": (_llava_next_video, _next_video_visuals, "onevision"),
     "gemma3": (_gemma3, _llava_visuals, None),  # each image's 16 tokens one bidirectional block; a window of 8 on sliding layers
     "paligemma": (_paligemma, _llava_visuals, None),  # each document's prefix (its first image and 3 tokens) one block
+    # per-layer inputs, head dims 16 (full layers) and 8; each image a block on the (middle) sliding layer only: a block on the
+    # first full layer would change the loss (on the last, only image tokens' outputs, which no loss reads)
+    "gemma4": (_gemma4, _gemma4_visuals, None),
     "qwen2_5_omni_thinker": (_qwen2_5_omni, _omni_visuals, "audio"),
     "qwen3_omni_moe_thinker": (_qwen3_omni, lambda kinds, g: _omni_visuals(kinds, g, frames=100), "audio13"),
 }
@@ -421,7 +446,7 @@ def _encoded(model):
         rows[0] += kwargs["feature_lens"].shape[0]
 
     handles = [tower.register_forward_pre_hook(count, with_kwargs=True)]
-    if hasattr(model.model, "audio_tower"):
+    if getattr(model.model, "audio_tower", None) is not None:  # Gemma 4 without its audio config: None
         handles.append(model.model.audio_tower.register_forward_pre_hook(count_clips, with_kwargs=True))
     try:
         yield rows
@@ -490,9 +515,10 @@ def _reference(family: str, world: int, packed: bool, rows: bool = False) -> tup
     return _REFERENCES[key]
 
 
-LIFTED = ("paligemma", "glm4v_moe", "kimi_k25")
+LIFTED = ("paligemma", "glm4v_moe", "kimi_k25", "gemma4")
 """Families compared with float32 lifted to float64 (`fp64_throughout`): Gemma's RMSNorm and GLM's and DeepSeek's MoE routers compute in
-float32 inside an fp64 model, which leaves their weights' gradients 1e-7 apart between a whole row and its shards."""
+float32 inside an fp64 model, which leaves their weights' gradients 1e-7 apart between a whole row and its shards (Gemma 4's vision
+pooler too)."""
 
 
 def vlm_parity(env: Env, family: str, layout: str, packed: bool, as_rows: bool = False) -> dict:
@@ -590,6 +616,22 @@ for _layout, _packed in (("zigzag", False), ("zigzag", True)):
         lambda env, lay=_layout, p=_packed: planted_blocks_cut_at_shards(env, lay, p))
 
 
+def planted_gemma4_blocks_on_every_layer(env: Env) -> dict:
+    """Control: Gemma 4's image blocks applied on its full layers too (as Gemma 3 applies them), where
+    transformers keeps them causal. The parity case must see it."""
+    from ulysses_sp.models import image_text
+
+    honest = image_text.takes_blocks
+    image_text.takes_blocks = lambda attention, sliding_window: True
+    try:
+        return vlm_parity(env, "gemma4", "zigzag", False)
+    finally:
+        image_text.takes_blocks = honest
+
+
+case("vlm-planted/gemma4-blocks-on-full-layers", (2, 4))(planted_gemma4_blocks_on_every_layer)
+
+
 HIDDEN = 512
 """The text width of the embed-memory case: wide enough that the row's embeddings, not the tiny vision tower, dominate."""
 
@@ -626,13 +668,16 @@ def embed_memory(env: Env) -> dict:
 
 VERIFIED = {2: ("LlavaConfig", "Qwen2_5_VLConfig", "Qwen3VLMoeConfig", "SmolVLMConfig", "Qwen3_5Config", "Qwen3_5MoeConfig", "Gemma3Config"),
             3: ("LlavaConfig", "Qwen3VLConfig", "InternVLConfig", "Mistral3Config", "Glm4vConfig", "Glm46VConfig", "PaliGemmaConfig"),
-            4: ("SmolVLMConfig", "Qwen2VLConfig", "Idefics3Config", "Glm4vMoeConfig")}
+            4: ("SmolVLMConfig", "Qwen2VLConfig", "Idefics3Config", "Glm4vMoeConfig", "Gemma4Config")}
 """The default (full-size) configs ``verify_sequence_parallel`` shrinks and checks, per P: each family at some P,
 each way of giving images (patch rows, [N, ...] and [B, N, ...] pixels) at every P. Qwen3.5 (Gated DeltaNet and
-attention layers, its DeltaNet under the ulysses mixer) only here, with 2 layers, one of each kind."""
+attention layers, its DeltaNet under the ulysses mixer) only here, with 2 layers, one of each kind. Gemma 4's default config has
+no vision tower: its vision config's defaults, an audio tower (dropped: refused under SP) and its images' blocks on (`_SETTINGS`)."""
 VERIFIED_ONLY = ("qwen3_5", "qwen3_5_moe")
 """Image-text families held exact by the verify case alone (the parity cases above hold the others)."""
 _HYBRID_TEXT = dict(text_config=dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]))
+_SETTINGS = {"Qwen3_5Config": _HYBRID_TEXT, "Qwen3_5MoeConfig": _HYBRID_TEXT,
+             "Gemma4Config": dict(vision_config={}, audio_config={}, text_config=dict(use_bidirectional_attention="vision"))}
 
 
 @case("vlm/verify", (2, 3, 4))
@@ -643,7 +688,7 @@ def vlm_verify(env: Env) -> dict:
     import transformers
 
     topo = env.topo()
-    out = {name: str(usp.verify_sequence_parallel(getattr(transformers, name)(**(_HYBRID_TEXT if name.startswith("Qwen3_5") else {})), topo))
+    out = {name: str(usp.verify_sequence_parallel(getattr(transformers, name)(**_SETTINGS.get(name, {})), topo))
            for name in VERIFIED[env.world]}
     if env.world == 2:
         from ulysses_sp.models import verify

@@ -127,14 +127,24 @@ def _forward_source(cls) -> str:
         return ""
 
 
+def routes_attention(module) -> bool:
+    """Whether the module's own forward calls transformers' attention interface."""
+    return any(word in _forward_source(type(module)) for word in _ROUTED)
+
+
+def is_attention(module) -> bool:
+    """Whether the class name says attention (``...Attention``, ``...Attention2``) or its own forward
+    calls the attention interface (LongCat-Flash's ``LongcatFlashMLA``)."""
+    return "Attention" in type(module).__name__ or routes_attention(module)
+
+
 def attention_modules(model, innermost: bool = False) -> list[tuple[str, nn.Module]]:
-    """The modules whose class name says attention (``...Attention``, ``...Attention2``); with
-    ``innermost``, only those without another such module inside (a wrapper's forward need not
-    name the attention interface: the forward check covers it)."""
-    named = [(n, m) for n, m in model.named_modules() if "Attention" in type(m).__name__]
+    """The attention modules (`is_attention`); with ``innermost``, only those without another inside
+    (a wrapper's forward need not name the attention interface: the forward check covers it)."""
+    named = [(n, m) for n, m in model.named_modules() if is_attention(m)]
     if not innermost:
         return named
-    return [(n, m) for n, m in named if not any("Attention" in type(c).__name__ for c in m.modules() if c is not m)]
+    return [(n, m) for n, m in named if not any(is_attention(c) for c in m.modules() if c is not m)]
 
 
 def _alibi(config) -> bool | None:

@@ -75,7 +75,7 @@ def decoder_to_switch(model) -> nn.Module | None:
     if not others:
         return None
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    audio = any(_AUDIO.search(n) for n in others) and model_type not in AUDIO
+    audio = any(_AUDIO.search(n) for n in others) and model_type not in AUDIO + NO_AUDIO_YET
     decoder = None if audio or model_type not in TESTED else text_decoder(model)
     if decoder is None:
         raise ValueError(
@@ -116,7 +116,8 @@ class EncodedVisuals(ModelOutput):
 STYLES = {"qwen2_vl": "grid", "qwen2_5_vl": "grid", "qwen3_vl": "grid", "qwen3_vl_moe": "grid", "qwen3_5": "grid", "qwen3_5_moe": "grid",
           "qwen2_5_omni_thinker": "grid", "qwen3_omni_moe_thinker": "grid", "glm4v": "grid", "glm4v_moe": "grid", "glm46v": "grid",
           "kimi_k25": "grid", "llava": "images", "smolvlm": "images", "idefics3": "images", "internvl": "images", "gemma3": "images",
-          "paligemma": "images", "mistral3": "sized", "llava_next": "runs", "llava_next_video": "runs", "llava_onevision": "runs"}
+          "paligemma": "images", "mistral3": "sized", "llava_next": "runs", "llava_next_video": "runs", "llava_onevision": "runs",
+          "gemma4": "runs"}
 """How each tested family's visual inputs split into items (images, videos).
 
 Rows of patches with a ``*_grid_thw`` per item (Qwen), or one image per ``[C, H, W]`` of ``pixel_values`` (LLaVA's
@@ -124,29 +125,35 @@ Rows of patches with a ``*_grid_thw`` per item (Qwen), or one image per ``[C, H,
 ``[C, H, W]`` padded to the largest, its own size in ``image_sizes`` (Mistral 3, Pixtral's tower), or one image per
 ``[tiles, C, H, W]`` with its ``image_sizes``, its tokens one run of placeholders (LLaVA-NeXT's and LLaVA-OneVision's anyres
 tiles and newlines; images whose runs touch are encoded as one item; LLaVA-NeXT-Video's and LLaVA-OneVision's videos,
-``[frames, C, H, W]`` each, likewise)."""
+``[frames, C, H, W]`` each, likewise; Gemma 4's ``[patches, 3 * patch ** 2]`` per image, with each patch's place in
+``image_position_ids``)."""
 TESTED = tuple(sorted(STYLES))
 """``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact.
 
 The others are refused by name until a test holds them too."""
-IMAGES_ONLY = ("glm4v", "glm4v_moe", "glm46v", "kimi_k25")
+IMAGES_ONLY = ("glm4v", "glm4v_moe", "glm46v", "kimi_k25", "gemma4")
 """Families whose videos no test holds yet (GLM-4.1V numbers each frame as its own run, and transformers' GLM forward cannot
-take an image and a video in one row; Kimi-K2.5 merges a video's frames in time): refused."""
+take an image and a video in one row; Kimi-K2.5 merges a video's frames in time; Gemma 4's frames come apart from their
+videos in ``num_frames_per_video``): refused."""
 _TENSOR_FEATURES = ("gemma3", "internvl", "paligemma")
 """Families whose merge takes the features as one tensor, not a tuple of tensors."""
-BIDIRECTIONAL = {"gemma3": ("token_type_ids", 1), "paligemma": ("token_type_ids", 0)}
+BIDIRECTIONAL = {"gemma3": ("token_type_ids", 1), "paligemma": ("token_type_ids", 0), "gemma4": ("mm_token_type_ids", 1)}
 """Families whose tokens of one kind attend to each other both ways: the input that marks them, and its value there
-(Gemma 3: 1, each image's tokens; PaliGemma: 0, each document's prefix, its image and prompt). Each run of them in the
-whole row (cut at document boundaries) is a block of the attention's mask (`image_blocks`)."""
+(Gemma 3: 1, each image's tokens; PaliGemma: 0, each document's prefix, its image and prompt; Gemma 4: 1, each image's
+tokens, on its sliding layers only and where its text config's ``use_bidirectional_attention`` is ``"vision"``). Each run
+of them in the whole row (cut at document boundaries) is a block of the attention's mask (`image_blocks`)."""
 _POSITIONS_FROM = {"paligemma": 1}
 """Families that number a document's positions from another first value than 0."""
 _PIXELS = {"image": "pixel_values", "video": "pixel_values_videos", "audio": "input_features"}
 AUDIO = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
 """Families whose audio clips (``input_features`` ``[clips, mels, frames]`` with ``feature_attention_mask``) are encoded
 like images, each on one rank of the group: Qwen2.5-Omni's and Qwen3-Omni's thinkers. Other audio-text models are refused."""
+NO_AUDIO_YET = ("gemma4",)
+"""Families switched for their images whose audio clips are refused when given (Gemma 4's small models take audio: its
+per-layer inputs would have to come from the ids its audio replaces)."""
 _VIDEO_BATCHED = ("llava_next_video", "llava_onevision")
 """Families whose merge takes the video features as one ``[videos, tokens, H]`` tensor."""
-_SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask", "image_sizes", "batch_num_images",
+_SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask", "image_sizes", "batch_num_images", "image_position_ids",
           "input_features", "feature_attention_mask", "audio_feature_lengths", "video_second_per_grid", "use_audio_in_video")
 
 
@@ -173,6 +180,12 @@ def image_blocks(types_bs: torch.Tensor, cu_seqlens: list[int] | None = None, ma
             start = end
         rows.append(tuple(blocks))
     return tuple(rows)
+
+
+def takes_blocks(attention: nn.Module, sliding_window: int | None) -> bool:
+    """Whether an attention layer applies the bidirectional blocks: every layer does, but Gemma 4's
+    (``use_bidirectional_attention="vision"``) only on its sliding layers."""
+    return getattr(attention.config, "use_bidirectional_attention", None) != "vision" or bool(sliding_window)
 
 
 def _runs(token_bs: torch.Tensor) -> list[int]:
@@ -214,6 +227,11 @@ def _items(model, kind: str, kwargs: dict, token_bs: torch.Tensor):
         if kind == "video":  # LLaVA-NeXT-Video, LLaVA-OneVision: [videos, frames, C, H, W], each video's tokens a run
             def encode_runs(idx):
                 return model.get_video_features(pixel_values_videos=pixels[idx], return_dict=True)
+        elif "image_position_ids" in kwargs:  # Gemma 4: each patch's (x, y), -1 on padding
+            where = kwargs["image_position_ids"]
+
+            def encode_runs(idx):
+                return model.get_image_features(pixels[idx], where[idx], return_dict=True)
         else:
             sizes = kwargs["image_sizes"]
 
@@ -356,6 +374,8 @@ def _model_hook(topo: Topology, state: dict):
             raise ValueError(f"cu_seq_lens_q ends at {cu[-1]}, the sequence has {s} tokens: pass the whole row's document boundaries")
         if model.config.model_type in IMAGES_ONLY and kwargs.get("pixel_values_videos") is not None:
             raise ValueError(f"{who} ({model.config.model_type}) under sequence parallelism takes images, not videos yet")
+        if model.config.model_type in NO_AUDIO_YET and kwargs.get("input_features") is not None:
+            raise ValueError(f"{who} ({model.config.model_type}) under sequence parallelism takes images, not audio yet")
         if kwargs.get("use_audio_in_video"):
             raise ValueError(f"{who} under sequence parallelism takes audio clips apart from videos: use_audio_in_video is not tested yet")
         grouped = kwargs.get("batch_num_images")
@@ -370,7 +390,9 @@ def _model_hook(topo: Topology, state: dict):
         name, marker = BIDIRECTIONAL.get(model.config.model_type, ("", 1))
         state["causal"] = model.config.model_type == "paligemma"  # its layers' is_causal=False is a default its own mask overrides
         types = kwargs.pop(name, None)  # the model would mask by them: the blocks' job now
-        state["blocks"] = None if types is None else image_blocks(types, cu, marker)
+        # Gemma 4's small models attend causally: its blocks only where its text config says "vision"
+        bidirectional = model.config.model_type != "gemma4" or model.config.get_text_config().use_bidirectional_attention == "vision"
+        state["blocks"] = None if types is None or not bidirectional else image_blocks(types, cu, marker)
         if types is not None and marker == 0:
             _check_prefixes(state["blocks"], cu or [0, s], s, who)
         encoded = {}

@@ -73,7 +73,7 @@ def sp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
         **kwargs: What transformers passes besides; ``cu_seq_lens_q`` (packed documents),
             ``s_aux`` (learned attention sinks, one logit per head: GPT-OSS and its kin) and
             ``ulysses_sp_blocks`` (each batch row's bidirectional image blocks, from the image-text
-            split: Gemma 3) are used.
+            split: Gemma 3, PaliGemma, and Gemma 4 on its sliding layers) are used.
 
     Returns:
         The output ``[B, S/P, Hq, Dv]`` and None (no attention weights).
@@ -115,6 +115,8 @@ def sp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
     q, k, v = query.transpose(1, 2), key.transpose(1, 2), value.transpose(1, 2)
     options = dict(causal=True, softmax_scale=scaling, cu_seqlens=cu_seqlens, window=sliding_window, softcap=softcap, sinks=kwargs.get("s_aux"))
     rows = kwargs.get(coverage.BLOCKS)
+    if rows and not image_text.takes_blocks(module, sliding_window):
+        rows = None
     if not rows or len(set(rows)) == 1:
         return spa(q, k, v, **options, blocks=rows[0] if rows else None), None
     # each row's own image blocks: one call per row (every rank holds the same rows, so the calls match)
@@ -169,7 +171,10 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
 
 
 def _attention_layers(model):
-    return [m for m in model.modules() if type(m).__name__.endswith("Attention") and hasattr(m, "layer_idx") and coverage.MIXER not in m.__dict__]
+    """The attention modules with a layer index: classes named ``...Attention``, and those whose name
+    does not say attention but whose forward calls the attention interface (LongCat-Flash's MLA)."""
+    named = lambda m: type(m).__name__.endswith("Attention") or "Attention" not in type(m).__name__ and coverage.routes_attention(m)  # noqa: E731
+    return [m for m in model.modules() if named(m) and hasattr(m, "layer_idx") and coverage.MIXER not in m.__dict__]
 
 
 def _backend_per_layer(backend, layers) -> dict[int, str]:

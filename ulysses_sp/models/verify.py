@@ -14,7 +14,6 @@ import dataclasses
 import functools
 import hashlib
 import time
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
@@ -23,23 +22,11 @@ import torch.nn.functional as F
 from .. import comm
 from ..data import model_inputs, shard_batch, sp_cross_entropy
 from ..devices import move_batch
+from .shrink import check_small, no_randomness, shrink_config, shrink_text
 from .switch import apply_sequence_parallel, chosen_backends, remove_sequence_parallel
 from .token_mixers import check_supported, mixer_layers
 
-if TYPE_CHECKING:
-    import transformers
-
-
-__all__ = ["SequenceParallelMismatch", "VerifyReport", "shrink_config", "verify_sequence_parallel"]
-
-_WIDTHS = {  # attribute: value in the small copy (only where the config has it and it is larger)
-    "intermediate_size": 32, "moe_intermediate_size": 16, "shared_expert_intermediate_size": 16, "ffn_dim": 32, "n_inner": 32,
-    "vocab_size": 96, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
-    "n_routed_experts": 4, "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
-    "max_position_embeddings": 512, "head_dim": 8, "rotary_dim": 4,
-}
-"""v_head_dim 6 against a query/key head dim of 8 + 4 keeps multi-head latent attention's
-unequal head dims in the copy."""
+__all__ = ["SequenceParallelMismatch", "VerifyReport", "verify_sequence_parallel"]
 
 
 class SequenceParallelMismatch(AssertionError):
@@ -100,170 +87,6 @@ class VerifyReport:
                 f"relative error {err:.2e} ({name}, {run}) against tolerance {self.tolerance:.0e}{inside}, in {self.seconds:.1f} s")
 
 
-def _layer_signature(layer) -> tuple:
-    return tuple(sorted({type(m).__name__ for m in layer.modules()}))
-
-
-def _decoder_layers(model, n: int) -> list:
-    """The model's stack of ``n`` layers: its first module list of that length."""
-    stacks = [m for m in model.modules() if isinstance(m, torch.nn.ModuleList) and len(m) == n]
-    return list(stacks[0]) if stacks else []
-
-
-_MAMBA_HEADS = (("mamba_n_heads", "mamba_d_head"), ("mamba_num_heads", "mamba_head_dim"), ("n_mamba_heads", "mamba_headdim"), ("num_heads", "head_dim"))
-_MAMBA_GROUPS = ("mamba_n_groups", "mamba_ngroups", "n_groups")
-_MAMBA_STATES = ("mamba_d_state", "state_size", "ssm_state_size")  # Nemotron-H's is ssm_state_size
-_MAMBA_CHUNKS = ("chunk_size", "mamba_chunk_size")
-
-
-def _shrink_mamba(small, put) -> None:
-    """Mamba2 mixers: 4 heads whose dims fill ``mamba_expand * hidden_size`` (the width the mixer
-    projects to), a state of at most 16, and scan chunks of 8 tokens: the check's short rows then
-    cross chunk boundaries (the shipped 128 or 256 pads each document to one chunk)."""
-    hidden, expand = getattr(small, "hidden_size", None), getattr(small, "mamba_expand", getattr(small, "expand", None))
-    if not any(isinstance(getattr(small, name, None), int) for name in _MAMBA_STATES):
-        return  # not a Mamba config
-    for heads_name, dim_name in _MAMBA_HEADS:
-        heads = getattr(small, heads_name, None)
-        if not isinstance(heads, int):
-            continue
-        heads = min(heads, 4)
-        put(heads_name, heads)
-        if dim_name and isinstance(getattr(small, dim_name, None), int):
-            put(dim_name, expand * hidden // heads if isinstance(expand, int) and isinstance(hidden, int) else 8)
-            if isinstance(getattr(small, "mamba_d_ssm", None), int):
-                put("mamba_d_ssm", heads * getattr(small, dim_name))
-    for names, most in ((_MAMBA_STATES, 16), (_MAMBA_CHUNKS, 8), (_MAMBA_GROUPS, 2)):  # groups must divide the 4 heads
-        for name in names:
-            if isinstance(getattr(small, name, None), int) and getattr(small, name) > most:
-                put(name, most)
-
-
-def shrink_config(config, min_layers: int = 2) -> transformers.PretrainedConfig:
-    """A small copy of a transformers config that keeps what SP depends on.
-
-    Head counts are kept (they decide which backends can run); head dims become 8 (query/key 12
-    and value 6 under multi-head latent attention); MLPs, vocab and expert counts shrink; the
-    layers are the shortest prefix that holds every kind of layer the full model has (built on
-    the meta device to find them).
-
-    Args:
-        config (PretrainedConfig): the model's config.
-        min_layers: the fewest layers kept (fewer when the model has fewer).
-
-    Returns:
-        The small config (a copy; ``config`` is unchanged).
-    """
-    import transformers
-
-    small = _shrink_widths(config)
-    # every kind of layer: its module types on the full model (built without memory) and its layer_types entry
-    n = config.num_hidden_layers
-    with torch.device("meta"):
-        full = transformers.AutoModelForCausalLM.from_config(small)  # small widths, all n layers
-    types = list(getattr(config, "layer_types", None) or [None] * n)
-    kinds = [(_layer_signature(layer), kind) for layer, kind in zip(_decoder_layers(full, n), types)] or types
-    return _keep_layers(small, next((k for k in range(min(min_layers, n), n + 1) if set(kinds[:k]) == set(kinds)), n))
-
-
-def _keep_layers(small, keep: int):
-    """``small`` with its first ``keep`` layers, no training-time randomness and no cache."""
-    types = list(getattr(small, "layer_types", None) or [])
-    small.num_hidden_layers = keep
-    if types:
-        try:
-            small.layer_types = types[:keep]
-        except AttributeError:  # derived from other fields (Bamba's attn_layer_indices): they still hold
-            pass
-    _no_randomness(small)
-    small.use_cache = False
-    return small
-
-
-def _shrink_text(config):
-    """An image-text model's text config, small: the shortest prefix of at least 2 layers holding every
-    ``layer_types`` kind (a hybrid's linear and full attention)."""
-    n = config.num_hidden_layers
-    types = list(getattr(config, "layer_types", None) or [None] * n)
-    return _keep_layers(_shrink_widths(config), next(k for k in range(min(2, n), n + 1) if set(types[:k]) == set(types)))
-
-
-def _shrink_widths(config):
-    """A copy of ``config`` with `shrink_config`'s small widths, all its layers."""
-    small = copy.deepcopy(config)
-
-    def put(name, value):
-        try:
-            setattr(small, name, value)
-        except AttributeError:  # a property derived from other fields (Falcon's head_dim)
-            pass
-
-    heads = getattr(small, "num_attention_heads", None)
-    for name, value in _WIDTHS.items():
-        current = getattr(small, name, None)
-        if isinstance(current, int) and not isinstance(current, bool) and current > value:
-            put(name, value)
-    if not isinstance(heads, int) and isinstance(getattr(small, "hidden_size", None), int) and small.hidden_size > 64:
-        put("hidden_size", 64)  # no attention heads (Mamba, RWKV): a narrow width
-        for name in ("attention_hidden_size",):
-            if isinstance(getattr(small, name, None), int):
-                put(name, 64)
-    if isinstance(heads, int):
-        put("hidden_size", heads * 8)
-        for name, value in (("head_dim", 8), ("num_key_value_heads", heads)):  # left None by some default configs
-            if hasattr(small, name) and getattr(small, name) is None:
-                put(name, value)
-    if getattr(small, "qk_nope_head_dim", None) is not None and getattr(small, "qk_rope_head_dim", None) is not None:
-        put("qk_head_dim", small.qk_nope_head_dim + small.qk_rope_head_dim)
-        put("head_dim", small.qk_rope_head_dim)
-    _shrink_mamba(small, put)
-    try:  # what the config derives from the widths (Zamba2's attention_hidden_size, 2 x hidden), derived again
-        small.__post_init__()
-    except (AttributeError, TypeError, ValueError, KeyError):  # a config without one, or one that cannot run twice: as set
-        pass
-    for name in ("pad_token_id", "bos_token_id", "eos_token_id"):
-        token = getattr(small, name, None)
-        if isinstance(token, int) and token >= small.vocab_size:
-            put(name, small.vocab_size - 1)
-    return small
-
-
-_RANDOM = ("drop", "jitter")
-"""Config fields and module attributes of training-time randomness (dropout, layer drop, router
-jitter): one process and SP draw different random numbers, so the check runs without them."""
-
-
-def _no_randomness(config_or_model) -> None:
-    """Zero every float field named like dropout, layer drop or jitter, in a config or in each
-    module of a built model (whose ``nn.Dropout`` and functional-dropout floats it also zeroes)."""
-    objects = [config_or_model] if not isinstance(config_or_model, torch.nn.Module) else list(config_or_model.modules())
-    for obj in objects:
-        if isinstance(obj, torch.nn.Dropout):
-            obj.p = 0.0
-        for name, value in list(vars(obj).items()):
-            if isinstance(value, float) and value > 0 and any(w in name for w in _RANDOM):
-                try:
-                    setattr(obj, name, 0.0)
-                except AttributeError:  # a property derived from other fields
-                    pass
-
-
-_MAX_SHRUNK_PARAMETERS = 250_000_000
-
-
-def _check_small(config) -> None:
-    """Refuse a shrunk copy that is still large (widths under names ``shrink_config`` does not
-    know), before it is built in fp64 on every rank."""
-    import transformers
-
-    with torch.device("meta"):
-        auto = transformers.AutoModelForImageTextToText if getattr(config, "vision_config", None) is not None else transformers.AutoModelForCausalLM
-        n = sum(p.numel() for p in auto.from_config(config).parameters())
-    if n > _MAX_SHRUNK_PARAMETERS:
-        raise ValueError(f"the shrunk copy of {type(config).__name__} still has {n / 1e6:.0f}M parameters (its widths use names "
-                         "shrink_config does not know); pass a small config of the same architecture with shrink=False")
-
-
 def _image_text(config):
     """`.verify_image_text` for an image-text config of a tested family, None for a text
     model's; raises ``ValueError`` naming any other model with inputs besides text."""
@@ -271,7 +94,8 @@ def _image_text(config):
         return None
     from . import image_text, verify_image_text
 
-    if config.model_type not in image_text.TESTED or getattr(config, "audio_config", None) is not None and config.model_type not in image_text.AUDIO:
+    audio = getattr(config, "audio_config", None) is not None and config.model_type not in image_text.AUDIO + image_text.NO_AUDIO_YET
+    if config.model_type not in image_text.TESTED or audio:
         raise ValueError(f"verify_sequence_parallel checks text causal LMs and the image-text families ulysses_sp switches "
                          f"({', '.join(image_text.TESTED)}); {type(config).__name__} ({config.model_type}) is neither")
     if config.model_type not in verify_image_text.BUILDS:
@@ -498,16 +322,16 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
     image_text = _image_text(config)  # before any collective: every rank refuses alike
     build = image_text.build if image_text else _build
     if shrink:
-        config = image_text.shrink_image_text_config(config, _shrink_text) if image_text else shrink_config(config)
-        _check_small(config)
+        config = image_text.shrink_image_text_config(config, shrink_text) if image_text else shrink_config(config)
+        check_small(config)
         ref = build(config, topo.device, seed)
     elif config is model_or_config:
         config = copy.deepcopy(config)
-        _no_randomness(config)
+        no_randomness(config)
         ref = build(config, topo.device, seed)
     else:
         ref = copy.deepcopy(model_or_config).to(device=topo.device, dtype=torch.float64).train()
-        _no_randomness(ref)
+        no_randomness(ref)
     check_supported(ref, topo, mixer)  # a model SP does not cover is refused before anything runs
     device = topo.device
     if image_text:  # rows of random images; each document's own inputs for one process

@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from .image_text import IMAGES_ONLY, STYLES
+from .image_text import IMAGES_ONLY, NO_AUDIO_YET, STYLES
 
 __all__ = ["shrink_image_text_config", "build", "rows", "one_process_loss", "noise_part"]
 
@@ -26,6 +26,8 @@ _VISION = {  # vision config fields per family in the small copy ("TEXT": the te
     "smolvlm": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4),
     "internvl": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4),
     "mistral3": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, head_dim=8),
+    "gemma4": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
+                   position_embedding_size=64),
 }
 _VISION["idefics3"] = _VISION["gemma3"] = _VISION["paligemma"] = _VISION["smolvlm"]
 _VISION["qwen3_vl_moe"] = _VISION["qwen3_vl"]
@@ -33,7 +35,8 @@ _VISION["glm4v"] = _VISION["glm4v_moe"] = _VISION["glm46v"] = {k: v for k, v in 
 _VISION["qwen3_5"] = _VISION["qwen3_5_moe"] = {k: v for k, v in _VISION["qwen3_vl"].items() if k != "deepstack_visual_indexes"}
 BUILDS = tuple(_VISION)
 """The families whose small copies and random images this module makes (LLaVA-NeXT's not yet)."""
-_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "image_start_token_id", "image_end_token_id")
+_TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "image_start_token_id", "image_end_token_id",
+           "boi_token_id", "eoi_token_id")
 
 
 def _sections(sections: list[int], half: int) -> list[int]:
@@ -52,9 +55,9 @@ def shrink_image_text_config(config, shrink_text):
     text = shrink_text(small.text_config)
     small.text_config = text
     rope = getattr(text, "rope_parameters", None)
-    rotary = (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) or 1.0  # GLM-4.5V rotates half of each head
-    half = int((getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads) * rotary) // 2
     if STYLES[small.model_type] == "grid" and isinstance(rope, dict):  # absent: the model's default, for the full head dim
+        rotary = rope.get("partial_rotary_factor") or 1.0  # GLM-4.5V rotates half of each head
+        half = int((getattr(text, "head_dim", None) or text.hidden_size // text.num_attention_heads) * rotary) // 2
         rope["mrope_section"] = _sections(rope.get("mrope_section") or [1, 1, 2], half)
     vision = small.vision_config
     for name, value in _VISION[small.model_type].items():
@@ -71,6 +74,8 @@ def shrink_image_text_config(config, shrink_text):
         for holder in (small, text):
             if isinstance(getattr(holder, name, None), int):
                 setattr(holder, name, text.vocab_size - 1 - i)
+    if small.model_type in NO_AUDIO_YET:  # its audio is refused under SP: the check runs without the audio tower
+        small.audio_config = None
     small.text_config.use_cache = False
     return small
 
@@ -99,6 +104,12 @@ def _item(config, kind: str, g: torch.Generator) -> tuple[list[int], dict]:
     frame by frame, a text token between) and its inputs."""
     style, vision = STYLES[config.model_type], config.vision_config
     token = config.image_token_id if kind == "image" else config.video_token_id
+    if config.model_type == "gemma4":  # (4 k) x (4 k) patches pooled k x k: 16 tokens between its markers; each patch's (x, y)
+        side, patch = 4 * vision.pooling_kernel_size, vision.patch_size
+        ys, xs = torch.meshgrid(torch.arange(side), torch.arange(side), indexing="ij")
+        pixels = torch.rand(1, side * side, 3 * patch * patch, generator=g, dtype=torch.float64)
+        where = torch.stack([xs.flatten(), ys.flatten()], -1)[None]
+        return [config.boi_token_id] + [token] * 16 + [config.eoi_token_id], {"pixel_values": pixels, "image_position_ids": where}
     if style == "sized":  # Mistral 3: 4 rows of 4 tokens, a break token (text) after each row but the last
         side = vision.patch_size * 4 * config.spatial_merge_size
         pixels = torch.randn(1, 3, side, side, generator=g, dtype=torch.float64)
@@ -138,7 +149,7 @@ def _document(config, parts: list, g: torch.Generator) -> dict:
     input_ids = torch.tensor([ids])
     visual = (input_ids == config.image_token_id) | (input_ids == getattr(config, "video_token_id", -1))
     out = {"input_ids": input_ids, "labels": input_ids.masked_fill(visual, -100), **inputs}
-    if STYLES[config.model_type] == "grid":
+    if STYLES[config.model_type] == "grid" or config.model_type == "gemma4":
         out["mm_token_type_ids"] = (input_ids == config.image_token_id).int() + 2 * (input_ids == config.video_token_id).int()
     if config.model_type == "gemma3":  # 1 on image tokens, which attend to each other both ways
         out["token_type_ids"] = (input_ids == config.image_token_id).int()
