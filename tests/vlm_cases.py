@@ -91,11 +91,16 @@ def _kimi_k25():
 
 
 def _kimi_visuals(kinds: list[str], g: torch.Generator) -> dict:
-    """MoonViT's patch rows: an image of 8 x 8 patches of 3 x 4 x 4 pixels, merged 2 x 2: 16 tokens."""
-    if not kinds:
-        return {}
-    return {"pixel_values": torch.randn(64 * len(kinds), 3, 4, 4, generator=g, dtype=torch.float64),
-            "image_grid_thw": torch.tensor([[1, 8, 8]] * len(kinds))}
+    """MoonViT's patch rows: an image of 8 x 8 patches of 3 x 4 x 4 pixels, merged 2 x 2: 16 tokens; a video of 2 such
+    frames, averaged in time: 16 tokens too."""
+    out: dict = {}
+    for kind in kinds:
+        frames, key = (1, "image") if kind == "image" else (2, "video")
+        part = {"pixel_values" if kind == "image" else "pixel_values_videos": torch.randn(64 * frames, 3, 4, 4, generator=g, dtype=torch.float64),
+                f"{key}_grid_thw": torch.tensor([[frames, 8, 8]])}
+        for name, value in part.items():
+            out[name] = torch.cat([out[name], value]) if name in out else value
+    return out
 
 
 def _llava():
@@ -277,13 +282,15 @@ def _qwen3_omni():
 
 
 def _omni_visuals(kinds: list[str], g: torch.Generator, frames: int = 64) -> dict:
-    """Qwen's image patches (`_qwen_visuals`) and audio clips of 64 mel frames (Qwen2.5-Omni's tower: 16 tokens after its two
-    halvings; Qwen3-Omni's: 100 frames, 13 tokens), in order."""
+    """Qwen's image and video patches (`_qwen_visuals`; a video's seconds per frame pair) and audio clips of 64 mel frames
+    (Qwen2.5-Omni's tower: 16 tokens after its two halvings; Qwen3-Omni's: 100 frames, 13 tokens), in order."""
     out: dict = {}
     for kind in kinds:
         part = _qwen_visuals([kind], g) if kind != "audio" else {
             "input_features": torch.randn(1, 16, frames, generator=g, dtype=torch.float64),
             "feature_attention_mask": torch.ones(1, frames, dtype=torch.long)}
+        if kind == "video":  # seconds per temporal patch, which the thinkers' positions count in time
+            part["video_second_per_grid"] = torch.tensor([0.5])
         for key, value in part.items():
             out[key] = torch.cat([out[key], value]) if key in out else value
     return out
@@ -337,12 +344,21 @@ def _gemma4():
 
 
 def _gemma4_visuals(kinds: list[str], g: torch.Generator) -> dict:
-    """8 x 8 patches of 4 x 4 pixels per image, each patch's (x, y) in image_position_ids; pooled 2 x 2: 16 tokens."""
-    if not kinds:
-        return {}
-    ys, xs = torch.meshgrid(torch.arange(8), torch.arange(8), indexing="ij")
-    where = torch.stack([xs.flatten(), ys.flatten()], -1).repeat(len(kinds), 1, 1)
-    return {"pixel_values": torch.rand(len(kinds), 64, 48, generator=g, dtype=torch.float64), "image_position_ids": where}
+    """Each image 8 x 8 patches of 4 x 4 pixels, each patch's (x, y) in image_position_ids, pooled 2 x 2: 16 tokens; each
+    video 2 frames of 8 x 4 patches: 8 tokens a frame (`num_frames_per_video`, video_position_ids)."""
+    def where(width, height, n):
+        ys, xs = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
+        return torch.stack([xs.flatten(), ys.flatten()], -1).repeat(n, 1, 1)
+
+    out: dict = {}
+    for kind in kinds:
+        part = ({"pixel_values": torch.rand(1, 64, 48, generator=g, dtype=torch.float64), "image_position_ids": where(8, 8, 1)}
+                if kind == "image" else
+                {"pixel_values_videos": torch.rand(2, 32, 48, generator=g, dtype=torch.float64), "video_position_ids": where(8, 4, 2),
+                 "num_frames_per_video": torch.tensor([2])})
+        for key, value in part.items():
+            out[key] = torch.cat([out[key], value]) if key in out else value
+    return out
 
 
 FAMILIES = {
@@ -353,7 +369,7 @@ FAMILIES = {
     "glm4v": (_glm4v, _qwen_visuals, None),  # images only: videos not yet (each frame its own run and grid row)
     "glm4v_moe": (_glm4v_moe, _qwen_visuals, None),  # GLM-4.5V: GLM-4.1V's vision, a MoE text model (layer 0 dense)
     "glm46v": (lambda: _glm4v("Glm46VConfig", "Glm46VForConditionalGeneration"), _qwen_visuals, None),  # GLM-4.6V: GLM-4.1V's parts
-    "kimi_k25": (_kimi_k25, _kimi_visuals, None),  # Kimi-K2.5: MoonViT's patch rows, a DeepSeek-V3 (MLA, MoE) text model
+    "kimi_k25": (_kimi_k25, _kimi_visuals, "whole"),  # Kimi-K2.5: MoonViT's patch rows (a video's frames averaged), DeepSeek-V3 text
     "llava": (_llava, _llava_visuals, None),
     "smolvlm": (_smolvlm, _smolvlm_visuals, None),
     "internvl": (_internvl, _internvl_visuals, None),
@@ -364,23 +380,25 @@ FAMILIES = {
     "llava_next_video": (_llava_next_video, _next_video_visuals, "onevision"),
     "gemma3": (_gemma3, _llava_visuals, None),  # each image's 16 tokens one bidirectional block; a window of 8 on sliding layers
     "paligemma": (_paligemma, _llava_visuals, None),  # each document's prefix (its first image and 3 tokens) one block
-    # per-layer inputs, head dims 16 (full layers) and 8; each image a block on the (middle) sliding layer only: a block on the
-    # first full layer would change the loss (on the last, only image tokens' outputs, which no loss reads)
-    "gemma4": (_gemma4, _gemma4_visuals, None),
+    # per-layer inputs, head dims 16 (full layers) and 8; each image and video frame a block on the (middle) sliding layer only: a
+    # block on the first full layer would change the loss (on the last, only image tokens' outputs, which no loss reads)
+    "gemma4": (_gemma4, _gemma4_visuals, "frames"),
     "qwen2_5_omni_thinker": (_qwen2_5_omni, _omni_visuals, "audio"),
     "qwen3_omni_moe_thinker": (_qwen3_omni, lambda kinds, g: _omni_visuals(kinds, g, frames=100), "audio13"),
 }
 """name: (tiny model, the visual inputs of a list of "image"/"video", its videos: None, "whole" (one run of
-tokens) or "frames" (Qwen3-VL: each frame its own run, after a timestamp); "rows": no video, an image's
+tokens) or "frames" (Qwen3-VL, Gemma 4: each frame its own run, after a timestamp); "rows": no video, an image's
 tokens in rows of 4 with a text token between (Mistral 3's break tokens); "anyres": no video, 14 and 16 tokens (LLaVA-NeXT);
 "onevision": images of 14 tokens and videos of 16 without markers (LLaVA-OneVision); "audio" ("audio13"): an audio clip of 16
-(13) tokens between its markers as the second item (Qwen2.5-Omni, Qwen3-Omni))."""
+(13) tokens between its markers as the second item, and, packed, a whole video as the first document's (Qwen2.5-Omni,
+Qwen3-Omni))."""
 
 
 def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator, rows: bool = False) -> list[tuple[list[int], list[str]]]:
     """Token ids and visuals (in order) of each document. Unpacked: one document of 24 P tokens, so
     that a zigzag chunk is 12 tokens and the first image (tokens 2 to 17) straddles its end.
-    Packed: three documents of 23, 7 and 47 tokens, the middle one without an image. Rows: that
+    Packed: three documents of 23, 7 and 47 tokens, the middle one without an image (the Omni
+    thinkers: the first document's item a video). Rows: that
     unpacked document and one as long with its images elsewhere, each a row of the batch."""
     def text(n):
         return torch.randint(0, AUDIO_END if videos in ("audio", "audio13") else END, (n,), generator=g).tolist()
@@ -404,7 +422,8 @@ def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator,
         leads = (1, 9) if rows else (1,)
         docs = [text(lead) + visual("image") + text(6 - lead // 2) + visual(second, 1) for lead in leads]
         return [(ids + text(24 * world - len(ids)), ["image", second]) for ids in docs]
-    return [(text(1) + visual("image") + text(4), ["image"]),
+    first = "video" if videos in ("audio", "audio13") else "image"  # the Omni thinkers' videos beside their audio and images
+    return [(text(1) + visual(first) + text(4), [first]),
             (text(7), []),
             (text(3) + visual(second) + text(6) + visual("image", 1) + text(2), [second, "image"])]
 
@@ -599,7 +618,7 @@ def planted_blocks_cut_at_shards(env: Env, layout: str, packed: bool) -> dict:
 
     honest = image_text.image_blocks
 
-    def cut(types, cu_seqlens=None, marker=1):
+    def cut(types, cu_seqlens=None, marker=(1,)):
         n = types.shape[1] // (usp.layout.chunks_per_rank(layout, types.shape[1], env.world) * env.world)  # a chunk's tokens
         return tuple(tuple((max(a, e), min(b, e + n)) for a, b in row for e in range(a - a % n, b, n))
                      for row in honest(types, cu_seqlens, marker))
@@ -666,9 +685,11 @@ def embed_memory(env: Env) -> dict:
     return {"peak": peak, "images": rows[0] // 64, "embeds": tuple(seen["inputs_embeds"].shape)}
 
 
-VERIFIED = {2: ("LlavaConfig", "Qwen2_5_VLConfig", "Qwen3VLMoeConfig", "SmolVLMConfig", "Qwen3_5Config", "Qwen3_5MoeConfig", "Gemma3Config"),
-            3: ("LlavaConfig", "Qwen3VLConfig", "InternVLConfig", "Mistral3Config", "Glm4vConfig", "Glm46VConfig", "PaliGemmaConfig"),
-            4: ("SmolVLMConfig", "Qwen2VLConfig", "Idefics3Config", "Glm4vMoeConfig", "Gemma4Config")}
+VERIFIED = {2: ("LlavaConfig", "Qwen2_5_VLConfig", "Qwen3VLMoeConfig", "SmolVLMConfig", "Qwen3_5Config", "Qwen3_5MoeConfig", "Gemma3Config",
+                "Kimi_K25Config"),
+            3: ("LlavaConfig", "Qwen3VLConfig", "InternVLConfig", "Mistral3Config", "Glm4vConfig", "Glm46VConfig", "PaliGemmaConfig",
+                "Qwen2_5OmniThinkerConfig"),
+            4: ("SmolVLMConfig", "Qwen2VLConfig", "Idefics3Config", "Glm4vMoeConfig", "Gemma4Config", "Qwen3OmniMoeThinkerConfig")}
 """The default (full-size) configs ``verify_sequence_parallel`` shrinks and checks, per P: each family at some P,
 each way of giving images (patch rows, [N, ...] and [B, N, ...] pixels) at every P. Qwen3.5 (Gated DeltaNet and
 attention layers, its DeltaNet under the ulysses mixer) only here, with 2 layers, one of each kind. Gemma 4's default config has

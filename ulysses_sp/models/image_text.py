@@ -131,17 +131,18 @@ TESTED = tuple(sorted(STYLES))
 """``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact.
 
 The others are refused by name until a test holds them too."""
-IMAGES_ONLY = ("glm4v", "glm4v_moe", "glm46v", "kimi_k25", "gemma4")
+IMAGES_ONLY = ("glm4v", "glm4v_moe", "glm46v")
 """Families whose videos no test holds yet (GLM-4.1V numbers each frame as its own run, and transformers' GLM forward cannot
-take an image and a video in one row; Kimi-K2.5 merges a video's frames in time; Gemma 4's frames come apart from their
-videos in ``num_frames_per_video``): refused."""
+take an image and a video in one row): refused."""
+_TIME_POOLED = ("kimi_k25",)
+"""Grid families that average a video's frames into one frame's tokens (Kimi-K2.5's temporal pooling)."""
 _TENSOR_FEATURES = ("gemma3", "internvl", "paligemma")
 """Families whose merge takes the features as one tensor, not a tuple of tensors."""
-BIDIRECTIONAL = {"gemma3": ("token_type_ids", 1), "paligemma": ("token_type_ids", 0), "gemma4": ("mm_token_type_ids", 1)}
-"""Families whose tokens of one kind attend to each other both ways: the input that marks them, and its value there
-(Gemma 3: 1, each image's tokens; PaliGemma: 0, each document's prefix, its image and prompt; Gemma 4: 1, each image's
-tokens, on its sliding layers only and where its text config's ``use_bidirectional_attention`` is ``"vision"``). Each run
-of them in the whole row (cut at document boundaries) is a block of the attention's mask (`image_blocks`)."""
+BIDIRECTIONAL = {"gemma3": ("token_type_ids", (1,)), "paligemma": ("token_type_ids", (0,)), "gemma4": ("mm_token_type_ids", (1, 2))}
+"""Families whose tokens of some kinds attend to each other both ways: the input that marks them, and its values there
+(Gemma 3: 1, each image's tokens; PaliGemma: 0, each document's prefix, its image and prompt; Gemma 4: 1 or 2, each image's
+and each video frame's tokens, on its sliding layers only and where its text config's ``use_bidirectional_attention`` is
+``"vision"``). Each run of them in the whole row (cut at document boundaries) is a block of the attention's mask (`image_blocks`)."""
 _POSITIONS_FROM = {"paligemma": 1}
 """Families that number a document's positions from another first value than 0."""
 _PIXELS = {"image": "pixel_values", "video": "pixel_values_videos", "audio": "input_features"}
@@ -153,24 +154,24 @@ NO_AUDIO_YET = ("gemma4",)
 per-layer inputs would have to come from the ids its audio replaces)."""
 _VIDEO_BATCHED = ("llava_next_video", "llava_onevision")
 """Families whose merge takes the video features as one ``[videos, tokens, H]`` tensor."""
-_SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask", "image_sizes", "batch_num_images", "image_position_ids",
-          "input_features", "feature_attention_mask", "audio_feature_lengths", "video_second_per_grid", "use_audio_in_video")
+_SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask", "image_sizes", "batch_num_images",
+          "image_position_ids", "video_position_ids", "num_frames_per_video", "input_features", "feature_attention_mask", "audio_feature_lengths", "video_second_per_grid", "use_audio_in_video")
 
 
-def image_blocks(types_bs: torch.Tensor, cu_seqlens: list[int] | None = None, marker: int = 1) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Each row's bidirectional blocks: the global ``(start, end)`` of every run of ``marker`` in the
-    row's token types (an image's tokens, or a prefix), cut at the documents' boundaries ``cu_seqlens``.
+def image_blocks(types_bs: torch.Tensor, cu_seqlens: list[int] | None = None, marker=(1,)) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Each row's bidirectional blocks: the global ``(start, end)`` of every run of the ``marker`` types
+    in the row's token types (an image's tokens, or a prefix), cut at the documents' boundaries ``cu_seqlens``.
 
     Args:
         types_bs (torch.Tensor): ``[B, S]`` token types of the whole rows.
         cu_seqlens (list[int] | None): the packed documents' boundaries, or None.
-        marker (int): the token type of a block's tokens.
+        marker (tuple[int, ...]): the token types of a block's tokens.
 
     Returns:
         One tuple of ``(start, end)`` per row."""
     cuts = sorted(set(cu_seqlens or ()))
     rows = []
-    for row in (types_bs == marker).tolist():
+    for row in torch.isin(types_bs, torch.tensor(marker, dtype=types_bs.dtype)).tolist():
         blocks, start = [], 0
         for on, group in itertools.groupby(row):
             end = start + len(list(group))
@@ -190,7 +191,7 @@ def takes_blocks(attention: nn.Module, sliding_window: int | None) -> bool:
 
 def _runs(token_bs: torch.Tensor) -> list[int]:
     """The lengths of the runs of ``True`` in each row of ``token_bs``, row after row."""
-    return [b - a for row in image_blocks(token_bs, marker=True) for a, b in row]
+    return [b - a for row in image_blocks(token_bs.int()) for a, b in row]
 
 
 def _items(model, kind: str, kwargs: dict, token_bs: torch.Tensor):
@@ -215,8 +216,9 @@ def _items(model, kind: str, kwargs: dict, token_bs: torch.Tensor):
         get = model.get_image_features if kind == "image" else model.get_video_features
         vision = model.config.vision_config
         merge = vision.spatial_merge_size ** 2 if hasattr(vision, "spatial_merge_size") else vision.merge_kernel_size[0] * vision.merge_kernel_size[1]
+        per_frame = grid[:, 1:].prod(-1).tolist() if model.config.model_type in _TIME_POOLED else patches
         return (lambda idx: get(torch.cat([pixels[starts[i]:starts[i + 1]] for i in idx]), grid[idx], return_dict=True),
-                [n // merge for n in patches], patches)
+                [n // merge for n in per_frame], patches)
     if STYLES[model.config.model_type] == "sized":  # an image's tokens: its patches merged m x m (break tokens are text)
         sizes = kwargs["image_sizes"]
         side = model.config.vision_config.patch_size * model.config.spatial_merge_size
@@ -224,7 +226,12 @@ def _items(model, kind: str, kwargs: dict, token_bs: torch.Tensor):
         return (lambda idx: model.get_image_features(pixel_values=pixels[idx], image_sizes=sizes[idx], return_dict=True)), tokens, tokens
     if STYLES[model.config.model_type] == "runs":
         runs = _runs(token_bs)
-        if kind == "video":  # LLaVA-NeXT-Video, LLaVA-OneVision: [videos, frames, C, H, W], each video's tokens a run
+        if kind == "video" and "video_position_ids" in kwargs:  # Gemma 4: [frames, patches, ...], each frame's tokens a run
+            where = kwargs["video_position_ids"]
+
+            def encode_runs(idx):
+                return model.model.get_video_features(pixels[idx], where[idx], num_frames_per_video=torch.tensor([len(idx)]), return_dict=True)
+        elif kind == "video":  # LLaVA-NeXT-Video, LLaVA-OneVision: [videos, frames, C, H, W], each video's tokens a run
             def encode_runs(idx):
                 return model.get_video_features(pixel_values_videos=pixels[idx], return_dict=True)
         elif "image_position_ids" in kwargs:  # Gemma 4: each patch's (x, y), -1 on padding
@@ -375,7 +382,7 @@ def _model_hook(topo: Topology, state: dict):
         if model.config.model_type in IMAGES_ONLY and kwargs.get("pixel_values_videos") is not None:
             raise ValueError(f"{who} ({model.config.model_type}) under sequence parallelism takes images, not videos yet")
         if model.config.model_type in NO_AUDIO_YET and kwargs.get("input_features") is not None:
-            raise ValueError(f"{who} ({model.config.model_type}) under sequence parallelism takes images, not audio yet")
+            raise ValueError(f"{who} ({model.config.model_type}) under sequence parallelism takes images and videos, not audio yet")
         if kwargs.get("use_audio_in_video"):
             raise ValueError(f"{who} under sequence parallelism takes audio clips apart from videos: use_audio_in_video is not tested yet")
         grouped = kwargs.get("batch_num_images")
@@ -387,13 +394,13 @@ def _model_hook(topo: Topology, state: dict):
         if cu is not None:
             positions = _per_document(positions, cu_seqlens)
         positions = positions + _POSITIONS_FROM.get(model.config.model_type, 0)
-        name, marker = BIDIRECTIONAL.get(model.config.model_type, ("", 1))
+        name, marker = BIDIRECTIONAL.get(model.config.model_type, ("", (1,)))
         state["causal"] = model.config.model_type == "paligemma"  # its layers' is_causal=False is a default its own mask overrides
         types = kwargs.pop(name, None)  # the model would mask by them: the blocks' job now
         # Gemma 4's small models attend causally: its blocks only where its text config says "vision"
         bidirectional = model.config.model_type != "gemma4" or model.config.get_text_config().use_bidirectional_attention == "vision"
         state["blocks"] = None if types is None or not bidirectional else image_blocks(types, cu, marker)
-        if types is not None and marker == 0:
+        if types is not None and marker == (0,):
             _check_prefixes(state["blocks"], cu or [0, s], s, who)
         encoded = {}
         for kind, token in (("image", "image_token_id"), ("video", "video_token_id"), ("audio", "audio_token_id")):

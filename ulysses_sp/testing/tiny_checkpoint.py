@@ -2,7 +2,7 @@
 expects from a downloaded model, for tests and for trying the job without a download.
 
     python -m ulysses_sp.testing.tiny_checkpoint OUT              # OUT/model, OUT/train.jsonl, OUT/eval.jsonl
-    python -m ulysses_sp.testing.tiny_checkpoint --vlm llava OUT  # an image-text model, its processor, images/
+    python -m ulysses_sp.testing.tiny_checkpoint --vlm llava OUT  # an image-text model (llava, gemma3), its processor, images/
 
 
 The tokenizer is word-level (trained here, saved with ``save_pretrained``); the documents
@@ -10,8 +10,9 @@ follow a learnable pattern (each word mostly followed by the next), so the loss 
 a few steps. The image-text corpus puts one generated 32 x 32 image in each document, and the word
 after it is the image's: its colour encodes the word.
 
-Only LLaVA here: Qwen's processors need torchvision (their video processor), whose wheels on the
-package index are CUDA builds that do not load with the CPU build of torch.
+LLaVA and Gemma 3 here (their image processors have PIL versions): Qwen's processors need torchvision
+(their video processor), whose wheels on the package index are CUDA builds that do not load with the
+CPU build of torch.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ import random
 
 import torch
 
-__all__ = ["WORDS", "VLMS", "write_tiny_llama", "write_tiny_vlm", "write_corpus", "write_image_corpus"]
+__all__ = ["WORDS", "VLMS", "IMAGE_TOKENS", "write_tiny_llama", "write_tiny_vlm", "write_corpus", "write_image_corpus"]
 
 WORDS = [f"w{i}" for i in range(40)]
 
@@ -56,8 +57,10 @@ def write_tiny_llama(path: str, seed: int = 0) -> None:
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}{% for c in m['content'] %}"
                  "{% if c['type'] == 'image' %}<image> {% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endif %}{% endfor %}")
 """The tiny processor's chat template: each message's text and image tokens in turn (roles are not words it knows)."""
-VLMS = ("llava",)
+VLMS = ("llava", "gemma3")
 """The image-text families ``write_tiny_vlm`` writes."""
+IMAGE_TOKENS = {"llava": "<image>", "gemma3": "<start_of_image>"}
+"""Where each family's processor expands an image in a document's text."""
 IMAGE_SIZE = 32
 
 
@@ -66,6 +69,8 @@ def write_tiny_vlm(path: str, family: str = "llava", seed: int = 0) -> None:
     vision tower on 32 x 32 images in 8 x 8 patches: 16 tokens an image) and its processor, in ``path``."""
     if family not in VLMS:
         raise ValueError(f"--vlm {family}: the tiny image-text models written here are {', '.join(VLMS)}")
+    if family == "gemma3":
+        return _write_tiny_gemma3(path, seed)
     from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
     tokenizer = _tokenizer(["<image>"], extra_special_tokens={"image_token": "<image>"})
@@ -81,10 +86,31 @@ def write_tiny_vlm(path: str, family: str = "llava", seed: int = 0) -> None:
     LlavaForConditionalGeneration(config).save_pretrained(path)
 
 
-def write_image_corpus(path: str, documents: int, seed: int = 0, image_dir: str = "images") -> None:
-    """``documents`` JSON lines ``{"images": [file], "text": ...}``: words, the image token, then the
-    word the image's colour encodes and the words after it; the PNG files under ``image_dir``
-    beside ``path`` (named in the lines relative to ``path``'s folder)."""
+def _write_tiny_gemma3(path: str, seed: int) -> None:
+    """Gemma 3: its processor puts 16 image tokens, which attend to each other both ways (``token_type_ids``),
+    between the image's markers; a sliding layer (window 16) and a full one."""
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, Gemma3ImageProcessorPil, Gemma3Processor
+
+    markers = {"boi_token": "<start_of_image>", "image_token": "<image_soft_token>", "eoi_token": "<end_of_image>"}
+    tokenizer = _tokenizer(list(markers.values()), extra_special_tokens=markers)
+    Gemma3Processor(image_processor=Gemma3ImageProcessorPil(size={"height": IMAGE_SIZE, "width": IMAGE_SIZE}), tokenizer=tokenizer,
+                    image_seq_length=16, chat_template=CHAT_TEMPLATE.replace("<image>", IMAGE_TOKENS["gemma3"])).save_pretrained(path)
+    torch.manual_seed(seed)
+    ids = {name: tokenizer.convert_tokens_to_ids(token) for name, token in markers.items()}
+    text = dict(_text_config(), model_type="gemma3_text", vocab_size=len(tokenizer), query_pre_attn_scalar=8, sliding_window=16,
+                layer_types=["sliding_attention", "full_attention"])
+    config = Gemma3Config(text_config=text, mm_tokens_per_image=16, image_token_index=ids["image_token"], boi_token_index=ids["boi_token"],
+                          eoi_token_index=ids["eoi_token"], tie_word_embeddings=False,
+                          vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                             image_size=IMAGE_SIZE, patch_size=8))
+    Gemma3ForConditionalGeneration(config).save_pretrained(path)
+
+
+def write_image_corpus(path: str, documents: int, seed: int = 0, image_dir: str = "images", image_token: str = "<image>") -> None:
+    """``documents`` JSON lines ``{"images": [file], "text": ...}``: words, ``image_token`` (where the
+    processor expands the image: `IMAGE_TOKENS`), then the word the image's colour encodes and the
+    words after it; the PNG files under ``image_dir`` beside ``path`` (named in the lines relative to
+    ``path``'s folder)."""
     from PIL import Image
 
     rng = random.Random(seed)
@@ -100,7 +126,7 @@ def write_image_corpus(path: str, documents: int, seed: int = 0, image_dir: str 
             Image.frombytes("RGB", (IMAGE_SIZE, IMAGE_SIZE), pixels).save(os.path.join(folder, os.path.basename(name)))
             before = [WORDS[rng.randrange(len(WORDS))] for _ in range(rng.randrange(1, 6))]
             after = [WORDS[(word + k) % len(WORDS)] for k in range(rng.randrange(4, 30))]
-            f.write(json.dumps({"images": [name], "text": " ".join(before + ["<image>"] + after)}) + "\n")
+            f.write(json.dumps({"images": [name], "text": " ".join(before + [image_token] + after)}) + "\n")
 
 
 def write_corpus(path: str, documents: int, seed: int = 0) -> None:
@@ -120,8 +146,8 @@ def main(argv=None) -> None:
     a = parser.parse_args(argv)
     if a.vlm:
         write_tiny_vlm(os.path.join(a.out, "model"), a.vlm)
-        write_image_corpus(os.path.join(a.out, "train.jsonl"), 200, seed=0)
-        write_image_corpus(os.path.join(a.out, "eval.jsonl"), 20, seed=1)
+        write_image_corpus(os.path.join(a.out, "train.jsonl"), 200, seed=0, image_token=IMAGE_TOKENS[a.vlm])
+        write_image_corpus(os.path.join(a.out, "eval.jsonl"), 20, seed=1, image_token=IMAGE_TOKENS[a.vlm])
     else:
         write_tiny_llama(os.path.join(a.out, "model"))
         write_corpus(os.path.join(a.out, "train.jsonl"), 400, seed=0)
