@@ -125,8 +125,8 @@ Rows of patches with a ``*_grid_thw`` per item (Qwen), or one image per ``[C, H,
 ``[C, H, W]`` padded to the largest, its own size in ``image_sizes`` (Mistral 3, Pixtral's tower), or one image per
 ``[tiles, C, H, W]`` with its ``image_sizes``, its tokens one run of placeholders (LLaVA-NeXT's and LLaVA-OneVision's anyres
 tiles and newlines; images whose runs touch are encoded as one item; LLaVA-NeXT-Video's and LLaVA-OneVision's videos,
-``[frames, C, H, W]`` each, likewise; Gemma 4's ``[patches, 3 * patch ** 2]`` per image, with each patch's place in
-``image_position_ids``)."""
+``[frames, C, H, W]`` each, likewise; Gemma 4's ``[patches, 3 * patch ** 2]`` per image and per video frame, with each
+patch's place in ``image_position_ids`` / ``video_position_ids``, each frame's tokens a run)."""
 TESTED = tuple(sorted(STYLES))
 """``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact.
 
@@ -155,10 +155,11 @@ per-layer inputs would have to come from the ids its audio replaces)."""
 _VIDEO_BATCHED = ("llava_next_video", "llava_onevision")
 """Families whose merge takes the video features as one ``[videos, tokens, H]`` tensor."""
 _SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask", "image_sizes", "batch_num_images",
-          "image_position_ids", "video_position_ids", "num_frames_per_video", "input_features", "feature_attention_mask", "audio_feature_lengths", "video_second_per_grid", "use_audio_in_video")
+          "image_position_ids", "video_position_ids", "num_frames_per_video", "input_features", "feature_attention_mask", "audio_feature_lengths",
+          "video_second_per_grid", "use_audio_in_video")
 
 
-def image_blocks(types_bs: torch.Tensor, cu_seqlens: list[int] | None = None, marker=(1,)) -> tuple[tuple[tuple[int, int], ...], ...]:
+def image_blocks(types_bs: torch.Tensor, cu_seqlens: list[int] | None = None, marker: tuple[int, ...] = (1,)) -> tuple[tuple[tuple[int, int], ...], ...]:
     """Each row's bidirectional blocks: the global ``(start, end)`` of every run of the ``marker`` types
     in the row's token types (an image's tokens, or a prefix), cut at the documents' boundaries ``cu_seqlens``.
 

@@ -161,7 +161,7 @@ def _item(config, kind: str, g: torch.Generator) -> tuple[list[int], dict]:
     return ids, {key: pixels, f"{kind}_grid_thw": torch.tensor([grid]), **timing}
 
 
-def _id(config, kind: str) -> int:
+def _id(config, kind: str) -> int | None:
     """The placeholder id of an ``"image"``, ``"video"`` or ``"audio"`` token (Qwen2.5-Omni names them ``*_token_index``), or None."""
     return getattr(config, f"{kind}_token_id", None) or getattr(config, f"{kind}_token_index", None)
 
@@ -189,7 +189,8 @@ def _document(config, parts: list, g: torch.Generator) -> dict:
     if config.model_type in ("smolvlm", "idefics3") and "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"][None]  # SmolVLM, Idefics3: the images of a row in one [1, N, ...]
     input_ids = torch.tensor([ids])
-    visual = torch.isin(input_ids, torch.tensor([t for t in map(lambda kind: _id(config, kind), ("image", "video", "audio")) if t is not None]))
+    placeholders = [_id(config, kind) for kind in ("image", "video", "audio")]
+    visual = torch.isin(input_ids, torch.tensor([t for t in placeholders if t is not None]))
     out = {"input_ids": input_ids, "labels": input_ids.masked_fill(visual, -100), **inputs}
     if STYLES[config.model_type] == "grid" or config.model_type == "gemma4":
         out["mm_token_type_ids"] = (input_ids == _id(config, "image")).int() + 2 * (input_ids == _id(config, "video")).int()
