@@ -420,6 +420,9 @@ def test_shrink_keeps_every_kind_of_layer():
     small, model = shrunk("Gemma3nTextConfig")  # 35 layers, the last 15 reuse keys and values: 5 of each, the shared ones last
     assert small.num_hidden_layers == 10 and small.num_kv_shared_layers == 5 and small.layer_types[4::5] == ["full_attention"] * 2
     assert len(small.intermediate_size) == len(small.activation_sparsity_pattern) == 10 and sum(p.numel() for p in model.parameters()) < 1e6
+    from ulysses_sp.models.shrink import shrink_text  # an image-text model's text config: Gemma 4 with its last 12 layers sharing KV
+    text = shrink_text(transformers.Gemma4TextConfig(num_kv_shared_layers=12))
+    assert text.num_hidden_layers == 12 and text.num_kv_shared_layers == 6 and text.kv_sharing_modes[6:] == ["reuse"] * 6
 
 
 def test_mixers_survive_transformers_kernelize(ranks):

@@ -185,6 +185,19 @@ def test_videos_of_a_family_tested_on_images_alone_are_refused_by_name():
         model(input_ids=ids, pixel_values_videos=torch.zeros(64, 96), video_grid_thw=torch.tensor([[2, 4, 8]]), mm_token_type_ids=(ids == 62).int() * 2)
 
 
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_gemma4_whose_images_attend_causally_equals_one_process(ranks, world):
+    """Gemma 4 as its small models ship (use_bidirectional_attention None): no blocks on any layer, packed."""
+    for rank, r in enumerate(values(ranks(world), "vlm/gemma4-causal/zigzag-packed")):
+        _assert_exact(rank, r, "zigzag", world)
+
+
+def test_gemma4_blocks_where_its_images_attend_causally_are_caught(ranks):
+    """Control for the causal case above: the blocks applied on every layer move the loss and gradients."""
+    for rank, r in enumerate(values(ranks(2), "vlm-planted/gemma4-causal-blocks")):
+        assert abs(r["loss"] - r["ref_loss"]) > 1e-6 * r["ref_loss"] and r["worst"][1] > 1e-3, (rank, r)
+
+
 def test_gemma4_audio_is_refused_by_name():
     """Gemma 4's audio clips (its per-layer inputs would come from the ids they replace): no test holds them yet;
     they raise before any collective."""

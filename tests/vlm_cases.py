@@ -40,19 +40,25 @@ def _qwen2_vl(hidden: int = 32):
     return transformers.Qwen2VLForConditionalGeneration(cfg)
 
 
+def _joined(parts: list[dict]) -> dict:
+    """The inputs of a document's items (each a dict), joined along their first dim in the items' order."""
+    out: dict = {}
+    for part in parts:
+        for key, value in part.items():
+            out[key] = torch.cat([out[key], value]) if key in out else value
+    return out
+
+
+def _qwen_item(kind: str, g: torch.Generator) -> dict:
+    grid = [1, 8, 8] if kind == "image" else [2, 4, 8]
+    pixels = torch.randn(grid[0] * grid[1] * grid[2], 3 * 2 * 4 * 4, generator=g, dtype=torch.float64)
+    return {"pixel_values" if kind == "image" else "pixel_values_videos": pixels, f"{kind}_grid_thw": torch.tensor([grid])}
+
+
 def _qwen_visuals(kinds: list[str], g: torch.Generator) -> dict:
     """Qwen's flattened patches: an image is 1 x 8 x 8 patches and a video 2 x 4 x 8 (two frame pairs),
     16 tokens each after the 2 x 2 merge; each patch is 3 channels x 2 frames x 4 x 4 pixels."""
-    out: dict = {}
-    for kind in kinds:
-        grid = [1, 8, 8] if kind == "image" else [2, 4, 8]
-        key = "image" if kind == "image" else "video"
-        pixels = torch.randn(grid[0] * grid[1] * grid[2], 3 * 2 * 4 * 4, generator=g, dtype=torch.float64)
-        name = "pixel_values" if key == "image" else "pixel_values_videos"
-        out[name] = torch.cat([out[name], pixels]) if name in out else pixels
-        thw = torch.tensor([grid])
-        out[f"{key}_grid_thw"] = torch.cat([out[f"{key}_grid_thw"], thw]) if f"{key}_grid_thw" in out else thw
-    return out
+    return _joined([_qwen_item(kind, g) for kind in kinds])
 
 
 def _glm4v(config: str = "Glm4vConfig", model: str = "Glm4vForConditionalGeneration"):
@@ -93,14 +99,11 @@ def _kimi_k25():
 def _kimi_visuals(kinds: list[str], g: torch.Generator) -> dict:
     """MoonViT's patch rows: an image of 8 x 8 patches of 3 x 4 x 4 pixels, merged 2 x 2: 16 tokens; a video of 2 such
     frames, averaged in time: 16 tokens too."""
-    out: dict = {}
-    for kind in kinds:
-        frames, key = (1, "image") if kind == "image" else (2, "video")
-        part = {"pixel_values" if kind == "image" else "pixel_values_videos": torch.randn(64 * frames, 3, 4, 4, generator=g, dtype=torch.float64),
-                f"{key}_grid_thw": torch.tensor([[frames, 8, 8]])}
-        for name, value in part.items():
-            out[name] = torch.cat([out[name], value]) if name in out else value
-    return out
+    def item(kind):
+        frames = 1 if kind == "image" else 2
+        return {"pixel_values" if kind == "image" else "pixel_values_videos": torch.randn(64 * frames, 3, 4, 4, generator=g, dtype=torch.float64),
+                f"{kind}_grid_thw": torch.tensor([[frames, 8, 8]])}
+    return _joined([item(kind) for kind in kinds])
 
 
 def _llava():
@@ -243,11 +246,8 @@ def _llava_onevision():
 def _llava_onevision_visuals(kinds: list[str], g: torch.Generator, frames: int = 15) -> dict:
     """Each image 16 x 32 (a base tile and two anyres tiles): 14 tokens; each video 15 frames of 16 x 16, pooled to a token
     a frame and a newline token: 16."""
-    out = {}
-    for kind in kinds:  # in the order the items come, from one generator
-        key, shape = ("pixel_values", (1, 3, 3, 16, 16)) if kind == "image" else ("pixel_values_videos", (1, frames, 3, 16, 16))
-        pixels = torch.randn(shape, generator=g, dtype=torch.float64)
-        out[key] = torch.cat([out[key], pixels]) if key in out else pixels
+    out = _joined([{"pixel_values": torch.randn(1, 3, 3, 16, 16, generator=g, dtype=torch.float64)} if kind == "image" else
+                   {"pixel_values_videos": torch.randn(1, frames, 3, 16, 16, generator=g, dtype=torch.float64)} for kind in kinds])
     if "image" in kinds:
         out["image_sizes"] = torch.tensor([NEXT_SIZES[0]] * kinds.count("image"))
     return out
@@ -284,16 +284,13 @@ def _qwen3_omni():
 def _omni_visuals(kinds: list[str], g: torch.Generator, frames: int = 64) -> dict:
     """Qwen's image and video patches (`_qwen_visuals`; a video's seconds per frame pair) and audio clips of 64 mel frames
     (Qwen2.5-Omni's tower: 16 tokens after its two halvings; Qwen3-Omni's: 100 frames, 13 tokens), in order."""
-    out: dict = {}
-    for kind in kinds:
-        part = _qwen_visuals([kind], g) if kind != "audio" else {
-            "input_features": torch.randn(1, 16, frames, generator=g, dtype=torch.float64),
-            "feature_attention_mask": torch.ones(1, frames, dtype=torch.long)}
-        if kind == "video":  # seconds per temporal patch, which the thinkers' positions count in time
-            part["video_second_per_grid"] = torch.tensor([0.5])
-        for key, value in part.items():
-            out[key] = torch.cat([out[key], value]) if key in out else value
-    return out
+    def item(kind):
+        if kind == "audio":
+            return {"input_features": torch.randn(1, 16, frames, generator=g, dtype=torch.float64),
+                    "feature_attention_mask": torch.ones(1, frames, dtype=torch.long)}
+        seconds = {"video_second_per_grid": torch.tensor([0.5])} if kind == "video" else {}  # the thinkers' positions count time
+        return {**_qwen_item(kind, g), **seconds}
+    return _joined([item(kind) for kind in kinds])
 
 
 def _internvl():
@@ -330,12 +327,12 @@ def _paligemma():
     return transformers.PaliGemmaForConditionalGeneration(cfg)
 
 
-def _gemma4():
+def _gemma4(bidirectional: str | None = "vision"):
     import transformers
 
     cfg = transformers.Gemma4Config(
         text_config=dict(TEXT, model_type="gemma4_text", head_dim=8, global_head_dim=16, sliding_window=8, pad_token_id=0, num_hidden_layers=3,
-                         layer_types=["full_attention", "sliding_attention", "full_attention"], use_bidirectional_attention="vision",
+                         layer_types=["full_attention", "sliding_attention", "full_attention"], use_bidirectional_attention=bidirectional,
                          hidden_size_per_layer_input=8, vocab_size_per_layer_input=TEXT["vocab_size"]),
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
                            patch_size=4, pooling_kernel_size=2, position_embedding_size=16),
@@ -350,15 +347,10 @@ def _gemma4_visuals(kinds: list[str], g: torch.Generator) -> dict:
         ys, xs = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
         return torch.stack([xs.flatten(), ys.flatten()], -1).repeat(n, 1, 1)
 
-    out: dict = {}
-    for kind in kinds:
-        part = ({"pixel_values": torch.rand(1, 64, 48, generator=g, dtype=torch.float64), "image_position_ids": where(8, 8, 1)}
-                if kind == "image" else
-                {"pixel_values_videos": torch.rand(2, 32, 48, generator=g, dtype=torch.float64), "video_position_ids": where(8, 4, 2),
-                 "num_frames_per_video": torch.tensor([2])})
-        for key, value in part.items():
-            out[key] = torch.cat([out[key], value]) if key in out else value
-    return out
+    return _joined([{"pixel_values": torch.rand(1, 64, 48, generator=g, dtype=torch.float64), "image_position_ids": where(8, 8, 1)}
+                    if kind == "image" else
+                    {"pixel_values_videos": torch.rand(2, 32, 48, generator=g, dtype=torch.float64), "video_position_ids": where(8, 4, 2),
+                     "num_frames_per_video": torch.tensor([2])} for kind in kinds])
 
 
 FAMILIES = {
@@ -392,6 +384,10 @@ tokens in rows of 4 with a text token between (Mistral 3's break tokens); "anyre
 "onevision": images of 14 tokens and videos of 16 without markers (LLaVA-OneVision); "audio" ("audio13"): an audio clip of 16
 (13) tokens between its markers as the second item, and, packed, a whole video as the first document's (Qwen2.5-Omni,
 Qwen3-Omni))."""
+VARIANTS = {"gemma4-causal": (lambda: _gemma4(bidirectional=None), _gemma4_visuals, "frames")}
+"""Families built another way, held by cases of their own: Gemma 4 as its small models ship (``use_bidirectional_attention``
+None: its images and frames attend causally, on every layer)."""
+_BUILT = {**FAMILIES, **VARIANTS}
 
 
 def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator, rows: bool = False) -> list[tuple[list[int], list[str]]]:
@@ -519,7 +515,7 @@ rank for the next layout's case (the model, its data and gradients do not depend
 def _reference(family: str, world: int, packed: bool, rows: bool = False) -> tuple:
     key = (family, world, packed, rows)
     if key not in _REFERENCES:
-        make, visuals, videos = FAMILIES[family]
+        make, visuals, videos = _BUILT[family]
         torch.manual_seed(0)
         ref = make().double()
         g = torch.Generator().manual_seed(1)
@@ -534,7 +530,7 @@ def _reference(family: str, world: int, packed: bool, rows: bool = False) -> tup
     return _REFERENCES[key]
 
 
-LIFTED = ("paligemma", "glm4v_moe", "kimi_k25", "gemma4")
+LIFTED = ("paligemma", "glm4v_moe", "kimi_k25", "gemma4", "gemma4-causal")
 """Families compared with float32 lifted to float64 (`fp64_throughout`): Gemma's RMSNorm and GLM's and DeepSeek's MoE routers compute in
 float32 inside an fp64 model, which leaves their weights' gradients 1e-7 apart between a whole row and its shards (Gemma 4's vision
 pooler too)."""
@@ -548,7 +544,7 @@ def vlm_parity(env: Env, family: str, layout: str, packed: bool, as_rows: bool =
 
 
 def _vlm_parity(env: Env, family: str, layout: str, packed: bool, as_rows: bool) -> dict:
-    visuals = FAMILIES[family][1]
+    visuals = _BUILT[family][1]
     ref, docs, states, ref_loss, ref_positions, ref_encoded = _reference(family, env.world, packed, as_rows)
 
     model = copy.deepcopy(ref)
@@ -609,6 +605,7 @@ for _family in FAMILIES:
         case(f"vlm/{_family}/{_layout}{'-packed' if _packed else ''}", (2, 3, 4))(
             lambda env, f=_family, lay=_layout, p=_packed: vlm_parity(env, f, lay, p))
 case("vlm/gemma3/zigzag-rows", (2, 3, 4))(lambda env: vlm_parity(env, "gemma3", "zigzag", False, as_rows=True))  # each row its own blocks
+case("vlm/gemma4-causal/zigzag-packed", (2, 3, 4))(lambda env: vlm_parity(env, "gemma4-causal", "zigzag", True))
 
 
 def planted_blocks_cut_at_shards(env: Env, layout: str, packed: bool) -> dict:
@@ -635,20 +632,22 @@ for _layout, _packed in (("zigzag", False), ("zigzag", True)):
         lambda env, lay=_layout, p=_packed: planted_blocks_cut_at_shards(env, lay, p))
 
 
-def planted_gemma4_blocks_on_every_layer(env: Env) -> dict:
-    """Control: Gemma 4's image blocks applied on its full layers too (as Gemma 3 applies them), where
-    transformers keeps them causal. The parity case must see it."""
+def planted_gemma4_blocks_on_every_layer(env: Env, family: str = "gemma4", packed: bool = False) -> dict:
+    """Control: Gemma 4's image blocks applied on every layer (as Gemma 3 applies them): on its full layers, which
+    transformers keeps causal, and, for ``gemma4-causal``, on every layer of a model whose images attend causally.
+    The parity cases must see it."""
     from ulysses_sp.models import image_text
 
     honest = image_text.takes_blocks
     image_text.takes_blocks = lambda attention, sliding_window: True
     try:
-        return vlm_parity(env, "gemma4", "zigzag", False)
+        return vlm_parity(env, family, "zigzag", packed)
     finally:
         image_text.takes_blocks = honest
 
 
 case("vlm-planted/gemma4-blocks-on-full-layers", (2, 4))(planted_gemma4_blocks_on_every_layer)
+case("vlm-planted/gemma4-causal-blocks", (2,))(lambda env: planted_gemma4_blocks_on_every_layer(env, "gemma4-causal", True))
 
 
 HIDDEN = 512
@@ -693,12 +692,13 @@ VERIFIED = {2: ("LlavaConfig", "Qwen2_5_VLConfig", "Qwen3VLMoeConfig", "SmolVLMC
 """The default (full-size) configs ``verify_sequence_parallel`` shrinks and checks, per P: each family at some P,
 each way of giving images (patch rows, [N, ...] and [B, N, ...] pixels) at every P. Qwen3.5 (Gated DeltaNet and
 attention layers, its DeltaNet under the ulysses mixer) only here, with 2 layers, one of each kind. Gemma 4's default config has
-no vision tower: its vision config's defaults, an audio tower (dropped: refused under SP) and its images' blocks on (`_SETTINGS`)."""
+no vision tower: its vision config's defaults, an audio tower (dropped: refused under SP), its images' blocks on and its last 12
+layers reusing earlier layers' keys and values, as E2B/E4B's (`_SETTINGS`)."""
 VERIFIED_ONLY = ("qwen3_5", "qwen3_5_moe")
 """Image-text families held exact by the verify case alone (the parity cases above hold the others)."""
 _HYBRID_TEXT = dict(text_config=dict(num_hidden_layers=2, layer_types=["linear_attention", "full_attention"]))
 _SETTINGS = {"Qwen3_5Config": _HYBRID_TEXT, "Qwen3_5MoeConfig": _HYBRID_TEXT,
-             "Gemma4Config": dict(vision_config={}, audio_config={}, text_config=dict(use_bidirectional_attention="vision"))}
+             "Gemma4Config": dict(vision_config={}, audio_config={}, text_config=dict(use_bidirectional_attention="vision", num_kv_shared_layers=12))}
 
 
 @case("vlm/verify", (2, 3, 4))

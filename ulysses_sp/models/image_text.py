@@ -141,8 +141,8 @@ _TENSOR_FEATURES = ("gemma3", "internvl", "paligemma")
 BIDIRECTIONAL = {"gemma3": ("token_type_ids", (1,)), "paligemma": ("token_type_ids", (0,)), "gemma4": ("mm_token_type_ids", (1, 2))}
 """Families whose tokens of some kinds attend to each other both ways: the input that marks them, and its values there
 (Gemma 3: 1, each image's tokens; PaliGemma: 0, each document's prefix, its image and prompt; Gemma 4: 1 or 2, each image's
-and each video frame's tokens, on its sliding layers only and where its text config's ``use_bidirectional_attention`` is
-``"vision"``). Each run of them in the whole row (cut at document boundaries) is a block of the attention's mask (`image_blocks`)."""
+and each video frame's tokens). Each run of them in the whole row (cut at document boundaries) is a block of the attention's
+mask (`image_blocks`) on the layers that take it (`takes_blocks`)."""
 _POSITIONS_FROM = {"paligemma": 1}
 """Families that number a document's positions from another first value than 0."""
 _PIXELS = {"image": "pixel_values", "video": "pixel_values_videos", "audio": "input_features"}
@@ -185,9 +185,12 @@ def image_blocks(types_bs: torch.Tensor, cu_seqlens: list[int] | None = None, ma
 
 
 def takes_blocks(attention: nn.Module, sliding_window: int | None) -> bool:
-    """Whether an attention layer applies the bidirectional blocks: every layer does, but Gemma 4's
-    (``use_bidirectional_attention="vision"``) only on its sliding layers."""
-    return getattr(attention.config, "use_bidirectional_attention", None) != "vision" or bool(sliding_window)
+    """Whether an attention layer applies the bidirectional blocks: every layer of Gemma 3 and PaliGemma;
+    Gemma 4's only on its sliding layers, and only where its text config's ``use_bidirectional_attention``
+    is ``"vision"`` (its small models attend causally), as transformers' ``create_masks_for_vision_model``."""
+    if not getattr(attention.config, "model_type", "").startswith("gemma4"):
+        return True
+    return attention.config.use_bidirectional_attention == "vision" and bool(sliding_window)
 
 
 def _runs(token_bs: torch.Tensor) -> list[int]:
@@ -227,19 +230,16 @@ def _items(model, kind: str, kwargs: dict, token_bs: torch.Tensor):
         return (lambda idx: model.get_image_features(pixel_values=pixels[idx], image_sizes=sizes[idx], return_dict=True)), tokens, tokens
     if STYLES[model.config.model_type] == "runs":
         runs = _runs(token_bs)
-        if kind == "video" and "video_position_ids" in kwargs:  # Gemma 4: [frames, patches, ...], each frame's tokens a run
-            where = kwargs["video_position_ids"]
+        if f"{kind}_position_ids" in kwargs:  # Gemma 4: [images or frames, patches, ...], each patch's (x, y), -1 on padding;
+            where = kwargs[f"{kind}_position_ids"]  # each image's and each frame's tokens a run
+            get = model.model.get_image_features if kind == "image" else model.model.get_video_features
 
             def encode_runs(idx):
-                return model.model.get_video_features(pixels[idx], where[idx], num_frames_per_video=torch.tensor([len(idx)]), return_dict=True)
+                frames = {} if kind == "image" else {"num_frames_per_video": torch.tensor([len(idx)])}
+                return get(pixels[idx], where[idx], return_dict=True, **frames)
         elif kind == "video":  # LLaVA-NeXT-Video, LLaVA-OneVision: [videos, frames, C, H, W], each video's tokens a run
             def encode_runs(idx):
                 return model.get_video_features(pixel_values_videos=pixels[idx], return_dict=True)
-        elif "image_position_ids" in kwargs:  # Gemma 4: each patch's (x, y), -1 on padding
-            where = kwargs["image_position_ids"]
-
-            def encode_runs(idx):
-                return model.get_image_features(pixels[idx], where[idx], return_dict=True)
         else:
             sizes = kwargs["image_sizes"]
 
@@ -397,10 +397,8 @@ def _model_hook(topo: Topology, state: dict):
         positions = positions + _POSITIONS_FROM.get(model.config.model_type, 0)
         name, marker = BIDIRECTIONAL.get(model.config.model_type, ("", (1,)))
         state["causal"] = model.config.model_type == "paligemma"  # its layers' is_causal=False is a default its own mask overrides
-        types = kwargs.pop(name, None)  # the model would mask by them: the blocks' job now
-        # Gemma 4's small models attend causally: its blocks only where its text config says "vision"
-        bidirectional = model.config.model_type != "gemma4" or model.config.get_text_config().use_bidirectional_attention == "vision"
-        state["blocks"] = None if types is None or not bidirectional else image_blocks(types, cu, marker)
+        types = kwargs.pop(name, None)  # the model would mask by them: the blocks' job now (on the layers that take them)
+        state["blocks"] = None if types is None else image_blocks(types, cu, marker)
         if types is not None and marker == (0,):
             _check_prefixes(state["blocks"], cu or [0, s], s, who)
         encoded = {}

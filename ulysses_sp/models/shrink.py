@@ -94,9 +94,15 @@ def shrink_config(config, min_layers: int = 2) -> transformers.PretrainedConfig:
         full = transformers.AutoModelForCausalLM.from_config(small)  # small widths, all n layers
     types = list(getattr(config, "layer_types", None) or [None] * n)
     own = _overrides(small)
-    kinds = [(_layer_signature(layer), kind, repr(own.get(i))) for i, (layer, kind) in enumerate(zip(_decoder_layers(full, n), types))]
-    kinds = kinds or [(kind, repr(own.get(i))) for i, kind in enumerate(types)]
-    shared = getattr(config, "num_kv_shared_layers", None) or 0
+    signatures = [_layer_signature(layer) for layer in _decoder_layers(full, n)] or [None] * n
+    return _keep_kinds(small, [(sig, kind, repr(own.get(i))) for i, (sig, kind) in enumerate(zip(signatures, types))], min_layers)
+
+
+def _keep_kinds(small, kinds: list, min_layers: int):
+    """``small`` with the layers that hold every one of ``kinds`` (one per layer): the shortest prefix, at
+    least ``min_layers``, of those that compute their own keys and values, then the shortest run of the
+    last ``num_kv_shared_layers`` (which reuse them: Gemma 3n, Gemma 4) holding every kind of those."""
+    n, shared = len(kinds), getattr(small, "num_kv_shared_layers", None) or 0
     head, tail = kinds[:n - shared], kinds[n - shared:]
     keep = next(k for k in range(min(min_layers, len(head)), len(head) + 1) if set(head[:k]) == set(head))
     reuse = next(k for k in range(len(tail) + 1) if set(tail[:k]) == set(tail))
@@ -134,11 +140,13 @@ def _keep_layers(small, layers: list[int]):
 
 
 def shrink_text(config):
-    """An image-text model's text config, small: the shortest prefix of at least 2 layers holding every
-    ``layer_types`` kind (a hybrid's linear and full attention)."""
-    n = config.num_hidden_layers
+    """An image-text model's text config, small: as `shrink_config`'s, its kinds of layer read from
+    ``layer_types`` and the layers' own settings alone (a hybrid's linear and full attention, Gemma 4's
+    full layers and those reusing keys and values), without building the model."""
+    small = _shrink_widths(config)
+    own, n = _overrides(small), config.num_hidden_layers
     types = list(getattr(config, "layer_types", None) or [None] * n)
-    return _keep_layers(_shrink_widths(config), list(range(next(k for k in range(min(2, n), n + 1) if set(types[:k]) == set(types)))))
+    return _keep_kinds(small, [(kind, repr(own.get(i))) for i, kind in enumerate(types)], 2)
 
 
 def _shrink_widths(config):
