@@ -742,6 +742,9 @@ def register(case, topo_for, hf: bool) -> None:
     for name, (model_type, settings, worlds) in SHRUNK_DEFAULTS.items():
         window = {"sliding_window": 8} if model_type.startswith("gemma") else {}
         case(f"defaults/{name}", worlds)(lambda env, t=model_type, s={**window, **settings}: shrunk_default(topo_for(env), t, **s))
+    for lay in ("contiguous", "balanced"):  # Gemma 4's shared layers and per-layer inputs in the other placements, at P=3
+        case(f"defaults-{lay}/gemma4_text-shared-moe", (3,))(lambda env, lay=lay: shrunk_default(
+            topo_for(env, lay), "gemma4_text", sliding_window=8, **SHRUNK_DEFAULTS["gemma4_text-shared-moe"][1]))
     for backend in MLA_BACKENDS:  # Granite SWA under each backend: 12 heads, so every backend applies at P = 2, 3, 4
         case(f"sinks/granite_swa/{backend}", (2, 3, 4))(lambda env, be=backend: shrunk_default(
             topo_for(env), "granite_swa", be, num_attention_heads=MLA_HEADS, num_key_value_heads=MLA_HEADS, hidden_size=96))

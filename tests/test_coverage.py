@@ -131,6 +131,15 @@ def test_gemma4_gemma3n_and_longcat_flash_are_exact(ranks, name, world):
 
 
 @hf
+@pytest.mark.parametrize("lay", ["contiguous", "balanced"])
+def test_gemma4_shared_layers_are_exact_in_the_other_placements(ranks, lay):
+    """Gemma 4 with KV-sharing layers, keys as values and MoE under the contiguous and balanced layouts, P=3."""
+    for r in values(ranks(3), f"defaults-{lay}/gemma4_text-shared-moe"):
+        _assert_exact(r, "gemma4_text-shared-moe")
+        assert r["layers"] == 12 and len(r["backends"]) == 12, r
+
+
+@hf
 @pytest.mark.parametrize("world", [2, 3, 4])
 @pytest.mark.parametrize("backend", MLA_BACKENDS)
 def test_sink_families_are_exact_under_every_backend(ranks, world, backend):
