@@ -74,3 +74,17 @@ def test_refusals_name_the_line(tiny, tmp_path):
     assert not is_image_text(str(tmp_path / "text")) and not is_image_text(None)
     with pytest.raises(JobError, match="config.json is an image-text model's config: pass its directory"):
         load_processor(str(root / "model" / "config.json"))
+
+
+def test_a_processor_that_needs_torchvision_is_refused_by_what_it_needs(tmp_path):
+    """Qwen2-VL's processor loads a video processor, which needs torchvision (not installable beside the CPU torch)."""
+    pytest.importorskip("transformers").Qwen2VLImageProcessorPil().save_pretrained(tmp_path)
+    write_tiny_llama(str(tmp_path))
+    (tmp_path / "processor_config.json").write_text(json.dumps({"processor_class": "Qwen2VLProcessor"}))
+    try:
+        import torchvision  # noqa: F401
+    except ImportError:
+        with pytest.raises(JobError, match="cannot be loaded here: Qwen2VLVideoProcessor requires the Torchvision library"):
+            load_processor(str(tmp_path))
+    else:
+        assert load_processor(str(tmp_path)).video_processor is not None

@@ -35,6 +35,7 @@ def _assert_exact(rank, r, lay, world, rows=1):
     assert abs(r["loss"] - r["ref_loss"]) <= 1e-12 * r["ref_loss"] and abs(r["tiled_loss"] - r["ref_loss"]) <= 1e-12 * r["ref_loss"], (rank, r)
     assert r["positions_equal"], (rank, r)
     assert r["missing"] == [] and r["worst"][1] < 1e-7 and r["vision_grad"] < 1e-7, (rank, r)
+    assert r["grads_alike"], (rank, r)  # the same parameters hold a gradient on every rank, as DeepSpeed's reduction needs
     assert r["padded"] % usp.layout.required_multiple(lay, world) == 0 and r["logits"] == (rows, r["padded"] // world, 64), (rank, r)
     assert r["encoded"][1] == r["encoded"][2], (rank, r)  # each image and video encoded on one rank of the group
 
@@ -140,9 +141,10 @@ def test_verify_shrinks_an_image_text_config_to_a_small_model():
     assert batch["input_ids"].shape[1] == sum(d["input_ids"].shape[1] for d in docs) and "video_grid_thw" in batch
 
 
-def test_verify_refuses_a_switched_family_it_makes_no_images_for():
-    with pytest.raises(ValueError, match=r"makes no random images for LlavaNextConfig \(llava_next\) yet"):
-        usp.verify_sequence_parallel(transformers.LlavaNextConfig(), Topology.for_planning(2))
+def test_verify_makes_images_for_every_switched_family():
+    from ulysses_sp.models import image_text, verify_image_text
+
+    assert sorted(verify_image_text.BUILDS) == sorted(image_text.TESTED)
 
 
 def test_runs_of_image_tokens_are_counted_row_by_row():
@@ -174,15 +176,17 @@ def test_a_block_overlay_mask_raises():
                            block_sequence_ids=blocks)
 
 
-def test_videos_of_a_family_tested_on_images_alone_are_refused_by_name():
-    """GLM-4.1V numbers each video frame as its own run; no test holds that yet, so its videos raise, before any collective."""
+def test_glm_videos_without_their_token_types_are_refused_by_name():
+    """GLM-4.1V's video tokens are image tokens; only mm_token_type_ids (2) tells them apart: without it, a video raises,
+    before any collective."""
     from .vlm_cases import _glm4v
 
     model = _glm4v()
     usp.apply_sequence_parallel(model, Topology.for_planning(2))
-    ids = torch.tensor([[1, 2] + [62] * 16 + [3, 4]])
-    with pytest.raises(ValueError, match=r"Glm4vForConditionalGeneration \(glm4v\) under sequence parallelism takes images, not videos yet"):
-        model(input_ids=ids, pixel_values_videos=torch.zeros(64, 96), video_grid_thw=torch.tensor([[2, 4, 8]]), mm_token_type_ids=(ids == 62).int() * 2)
+    ids = torch.tensor([[1, 2] + [63] * 16 + [3, 4]])
+    with pytest.raises(ValueError, match=r"Glm4vForConditionalGeneration \(glm4v\) under sequence parallelism tells its video tokens "
+                                         r"from its image tokens \(one id\) by mm_token_type_ids"):
+        model(input_ids=ids, pixel_values_videos=torch.zeros(64, 96), video_grid_thw=torch.tensor([[2, 4, 8]]))
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])

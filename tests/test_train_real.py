@@ -20,6 +20,8 @@ from ulysses_sp.testing.tiny_checkpoint import IMAGE_TOKENS, write_corpus, write
 from .conftest import pool_results  # noqa: E402
 
 SEQ, STEPS = 128, 6
+PROCESSED = ("gemma3", "llava_next", "idefics3")
+"""Image-text families trained through the job from their processors' outputs, beside LLaVA's (`_vlm_job`)."""
 def _make_files(root: str) -> dict:
     """A model directory (config, weights, tokenizer), train/eval JSON lines and DeepSpeed configs."""
     files = {"model": os.path.join(root, "model"), "train": os.path.join(root, "train.jsonl"), "eval": os.path.join(root, "eval.jsonl"),
@@ -31,9 +33,11 @@ def _make_files(root: str) -> dict:
     write_tiny_vlm(files["vlm"])
     write_image_corpus(files["vlm_train"], 24, seed=0)
     write_image_corpus(files["vlm_eval"], 4, seed=1)
-    files.update(gemma3=os.path.join(root, "gemma3"), gemma3_train=os.path.join(root, "gemma3_train.jsonl"))
-    write_tiny_vlm(files["gemma3"], "gemma3")
-    write_image_corpus(files["gemma3_train"], 24, seed=0, image_dir="gemma3_images", image_token=IMAGE_TOKENS["gemma3"])
+    for family in PROCESSED:
+        files.update({family: os.path.join(root, family), f"{family}_train": os.path.join(root, f"{family}_train.jsonl")})
+        write_tiny_vlm(files[family], family)
+        write_image_corpus(files[f"{family}_train"], 24, seed=0, image_dir=f"{family}_images", image_token=IMAGE_TOKENS[family],
+                           varied=family != "gemma3")
     for name, extra in (("fp32", {}), ("bf16", {"bf16": {"enabled": True}}), ("zero3", {"zero_optimization": {"stage": 3}})):
         files[name] = os.path.join(root, f"ds_{name}.json")
         with open(files[name], "w") as f:
@@ -95,8 +99,9 @@ def _jobs(rank, world, files, out):
     if world == 2:
         results["key_scores"] = _key_scores_case()
     results["vlm"] = _vlm_job(world, files, out)
-    job, results["vlm_gemma3"] = _run_job(_cfg(files, sp_size=world, model=files["gemma3"], data=files["gemma3_train"], eval_data=None))
-    job.close(destroy_process_group=False)
+    for family in PROCESSED:
+        job, results[f"vlm_{family}"] = _run_job(_cfg(files, sp_size=world, model=files[family], data=files[f"{family}_train"], eval_data=None))
+        job.close(destroy_process_group=False)
     sp = world
     job, results["packed"] = _run_job(_cfg(files, sp_size=sp, metrics_file=os.path.join(out, f"metrics{world}.jsonl")))
     job.close(destroy_process_group=False)
@@ -408,12 +413,15 @@ def test_image_text_model_trains_evaluates_and_exports(runs):
     assert abs(sp2["export"]["doc_loss"] - sp2["engine_doc_loss"]) < 1e-5, sp2
 
 
-def test_gemma3_trains_from_its_processor_with_its_image_blocks(runs):
-    """train.py's path for Gemma 3 (its processor's token_type_ids: each image's 16 tokens attend to each other
-    both ways, a window of 16 on the sliding layer): SP=2 equals one process step by step and the loss falls."""
+@pytest.mark.parametrize("family", PROCESSED)
+def test_image_text_families_train_from_their_processors(runs, family):
+    """train.py's path for each family from its own processor's inputs: Gemma 3's token_type_ids (each image's 16
+    tokens attend to each other both ways, a window of 16 on the sliding layer), LLaVA-NeXT's anyres tiles of images
+    of two sizes (padded to the most tiles), Idefics3's crops and global views (a row's images padded with all-zero
+    ones): SP=2 equals one process step by step and the loss falls."""
     _, _, out = runs
-    sp2, single = out[2][0]["vlm_gemma3"], out[1][0]["vlm_gemma3"]
-    assert out[2][1]["vlm_gemma3"]["losses"] == sp2["losses"]
+    sp2, single = out[2][0][f"vlm_{family}"], out[1][0][f"vlm_{family}"]
+    assert out[2][1][f"vlm_{family}"]["losses"] == sp2["losses"]
     _close(sp2["losses"], single["losses"], 1e-4)
     assert sp2["losses"][-1] < 0.9 * sp2["losses"][0], sp2["losses"]
 

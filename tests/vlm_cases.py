@@ -358,9 +358,9 @@ FAMILIES = {
     "qwen2_5_vl": (_qwen2_5_vl, _qwen_visuals, "whole"),
     "qwen3_vl": (_qwen3_vl, _qwen_visuals, "frames"),
     "qwen3_vl_moe": (lambda: _qwen3_vl(moe=True), _qwen_visuals, "frames"),
-    "glm4v": (_glm4v, _qwen_visuals, None),  # images only: videos not yet (each frame its own run and grid row)
-    "glm4v_moe": (_glm4v_moe, _qwen_visuals, None),  # GLM-4.5V: GLM-4.1V's vision, a MoE text model (layer 0 dense)
-    "glm46v": (lambda: _glm4v("Glm46VConfig", "Glm46VForConditionalGeneration"), _qwen_visuals, None),  # GLM-4.6V: GLM-4.1V's parts
+    "glm4v": (_glm4v, _qwen_visuals, "frames"),  # each video frame its own run after a timestamp, its tokens image tokens typed 2
+    "glm4v_moe": (_glm4v_moe, _qwen_visuals, "frames"),  # GLM-4.5V: GLM-4.1V's vision, a MoE text model (layer 0 dense)
+    "glm46v": (lambda: _glm4v("Glm46VConfig", "Glm46VForConditionalGeneration"), _qwen_visuals, "frames"),  # GLM-4.6V: GLM-4.1V's parts
     "kimi_k25": (_kimi_k25, _kimi_visuals, "whole"),  # Kimi-K2.5: MoonViT's patch rows (a video's frames averaged), DeepSeek-V3 text
     "llava": (_llava, _llava_visuals, None),
     "smolvlm": (_smolvlm, _smolvlm_visuals, None),
@@ -424,17 +424,36 @@ def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator,
             (text(3) + visual(second) + text(6) + visual("image", 1) + text(2), [second, "image"])]
 
 
-def _inputs(ids: list[int], kinds: list[str], visuals, g_state, prefix_lm: bool = False) -> dict:
+GLM = ("glm4v", "glm4v_moe", "glm46v")
+"""Families whose video tokens are image tokens typed 2 in ``mm_token_type_ids``."""
+
+
+def _inputs(ids: list[int], kinds: list[str], visuals, g_state, prefix_lm: bool = False, glm: bool = False) -> dict:
     g = torch.Generator()
     g.set_state(g_state)
     input_ids = torch.tensor([ids])
     out = {"input_ids": input_ids, **visuals(kinds, g)}
     out["mm_token_type_ids"] = (input_ids == IMAGE).int() + 2 * (input_ids == VIDEO).int()
+    if glm:  # a video's tokens are image tokens, told apart by their type (2)
+        out["input_ids"] = input_ids.masked_fill(input_ids == VIDEO, IMAGE)
     out["token_type_ids"] = (input_ids == IMAGE).int()  # Gemma 3's: its image tokens see each other both ways
     if prefix_lm:  # PaliGemma's: 0 on the prefix (through its first image and two tokens more), which sees itself both ways; 1 after
         prefix = (ids.index(END) if END in ids else 0) + 3
         out["token_type_ids"] = (torch.arange(len(ids)) >= prefix).int()[None]
     return out
+
+
+def _glm_frames_as_images(kinds: list[str], g: torch.Generator) -> dict:
+    """GLM's visuals for its one-process reference: transformers' GLM forward cannot take an image and a video in one
+    document (its image mask takes the video's tokens too), so each video frame goes in as an image of its patches, in
+    the document's order. The same numbers as a video's: its tower encodes a video frame by frame, as images, and
+    numbers each frame's positions from its own grid row (t = 1) either way."""
+    items = [_qwen_item(kind, g) for kind in kinds]
+    for item in items:
+        if "pixel_values_videos" in item:
+            t, h, w = item.pop("video_grid_thw")[0].tolist()
+            item["pixel_values"], item["image_grid_thw"] = item.pop("pixel_values_videos"), torch.tensor([[1, h, w]] * t)
+    return _joined(items)
 
 
 def _labels(input_ids: torch.Tensor) -> torch.Tensor:
@@ -493,7 +512,10 @@ def _one_process(model, docs, visuals, states) -> tuple[torch.Tensor, torch.Tens
     positions its text decoder got, end to end, and the rows its vision tower encoded."""
     total, count, positions, encoded = 0, 0, [], 0
     for (ids, kinds), state in zip(docs, states):
-        inputs = _drop_untaken(model, _inputs(ids, kinds, visuals, state, model.config.model_type == "paligemma"))
+        glm = model.config.model_type in GLM
+        inputs = _drop_untaken(model, _inputs(ids, kinds, _glm_frames_as_images if glm else visuals, state, model.config.model_type == "paligemma", glm))
+        if glm:  # every frame an image (type 1), as _glm_frames_as_images gives them
+            inputs["mm_token_type_ids"] = (inputs["input_ids"] == IMAGE).int()
         if model.config.model_type in AUDIO_FAMILIES:  # Omni numbers its 3-D positions only given a mask, as its processor gives
             inputs["attention_mask"] = torch.ones_like(inputs["input_ids"])
         with _decoder_positions(model) as seen, _encoded(model) as rows:
@@ -551,7 +573,7 @@ def _vlm_parity(env: Env, family: str, layout: str, packed: bool, as_rows: bool)
     model.zero_grad(set_to_none=True)
     topo = env.topo(layout=layout)
     usp.apply_sequence_parallel(model, topo)
-    parts = [_inputs(ids, kinds, visuals, state, family == "paligemma") for (ids, kinds), state in zip(docs, states)]
+    parts = [_inputs(ids, kinds, visuals, state, family == "paligemma", family in GLM) for (ids, kinds), state in zip(docs, states)]
     batch = {}
     for key in {k for p in parts for k in p}:
         held = [p[key] for p in parts if key in p]  # ids, token types and SmolVLM's [1, N, ...] images join along dim 1
@@ -584,14 +606,16 @@ def _vlm_parity(env: Env, family: str, layout: str, packed: bool, as_rows: bool)
     for (name, p), (_, q) in zip(model.named_parameters(), ref.named_parameters()):
         if (p.grad is None) != (q.grad is None):
             if q.grad is not None or bool(p.grad.any()):  # zeros where one process has none: an unused parameter (LLaVA's
-                missing.append(name)                       # post-layernorm) that a rank encoding nothing keeps in its graph
+                missing.append(name)                       # post-layernorm) that every rank keeps in its graph
         elif q.grad is not None:
             both.append((name, p.grad, q.grad))
+    held = usp.comm.all_gather_ints([p.grad is not None for p in model.parameters()], topo.sp_group, torch.device("cpu"))
     summed = usp.comm.all_reduce_sums([g for _, g, _ in both], topo.sp_group)
     errors = {name: ((s - q).norm() / torch.maximum(q.norm(), floor)).item() for (name, _, q), s in zip(both, summed)}
     usp.remove_sequence_parallel(model)
     worst = max(errors, key=errors.get)
     return {"loss": loss.item(), "ref_loss": ref_loss.item(), "tiled_loss": tiled, "logits": tuple(logits.shape), "missing": missing, "positions_equal": positions_equal,
+            "grads_alike": all(h == held[0] for h in held),
             "padded": local["multimodal"]["input_ids"].shape[1], "encoded": (rows[0], encoded, ref_encoded),
             "worst": (worst, errors[worst]), "vision_grad": max(v for k, v in errors.items() if "visual" in k or "vision" in k),
             "params": len(errors)}
@@ -685,13 +709,15 @@ def embed_memory(env: Env) -> dict:
 
 
 VERIFIED = {2: ("LlavaConfig", "Qwen2_5_VLConfig", "Qwen3VLMoeConfig", "SmolVLMConfig", "Qwen3_5Config", "Qwen3_5MoeConfig", "Gemma3Config",
-                "Kimi_K25Config"),
+                "Kimi_K25Config", "LlavaNextVideoConfig"),
             3: ("LlavaConfig", "Qwen3VLConfig", "InternVLConfig", "Mistral3Config", "Glm4vConfig", "Glm46VConfig", "PaliGemmaConfig",
-                "Qwen2_5OmniThinkerConfig"),
-            4: ("SmolVLMConfig", "Qwen2VLConfig", "Idefics3Config", "Glm4vMoeConfig", "Gemma4Config", "Qwen3OmniMoeThinkerConfig")}
+                "Qwen2_5OmniThinkerConfig", "LlavaOnevisionConfig"),
+            4: ("SmolVLMConfig", "Qwen2VLConfig", "Idefics3Config", "Glm4vMoeConfig", "Gemma4Config", "Qwen3OmniMoeThinkerConfig",
+                "LlavaNextConfig")}
 """The default (full-size) configs ``verify_sequence_parallel`` shrinks and checks, per P: each family at some P,
-each way of giving images (patch rows, [N, ...] and [B, N, ...] pixels) at every P. Qwen3.5 (Gated DeltaNet and
-attention layers, its DeltaNet under the ulysses mixer) only here, with 2 layers, one of each kind. Gemma 4's default config has
+each way of giving images (patch rows, [N, ...] and [B, N, ...] pixels) at every P, LLaVA-NeXT's anyres tiles and its
+videos' runs at one P each. Qwen3.5 (Gated DeltaNet and attention layers, its DeltaNet under the ulysses mixer) only here,
+with 2 layers, one of each kind. Gemma 4's default config has
 no vision tower: its vision config's defaults, an audio tower (dropped: refused under SP), its images' blocks on and its last 12
 layers reusing earlier layers' keys and values, as E2B/E4B's (`_SETTINGS`)."""
 VERIFIED_ONLY = ("qwen3_5", "qwen3_5_moe")

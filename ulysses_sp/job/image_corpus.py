@@ -42,6 +42,9 @@ def load_processor(model_dir: str):
                        "(with --from-scratch for random weights)")
     try:
         processor = AutoProcessor.from_pretrained(model_dir, local_files_only=True)
+    except ImportError as e:  # a part of it needs a package not installed (torchvision, for most video processors)
+        reason = next((line for line in str(e).splitlines() if line.strip()), type(e).__name__)
+        raise JobError(f"the processor in {model_dir} cannot be loaded here: {reason.strip()[:200]}") from None
     except (OSError, ValueError, TypeError, AttributeError) as e:
         raise JobError(f"no processor could be loaded from {model_dir} ({str(e).splitlines()[0][:200]}); an image-text model's "
                        "directory holds its processor (processor.save_pretrained)") from None
@@ -134,5 +137,13 @@ class ImageRows:
                     if k not in per_token:
                         per_item.setdefault(k, []).append(v)
         out = {k: torch.cat([row[k] for row in rows]) for k in rows[0]}
-        out.update({k: torch.cat(v) for k, v in per_item.items()})
+        out.update({k: _padded_cat(v) for k, v in per_item.items()})
         return out
+
+
+def _padded_cat(tensors: list[torch.Tensor]) -> torch.Tensor:
+    """``tensors`` joined along their first dim, each zero-padded at the end of every other dim to the largest, as the
+    processors pad a batch: LLaVA-NeXT's tiles (its ``image_sizes`` tell how many are real), Idefics3's all-zero images
+    (and their ``pixel_attention_mask``), pixels of different sizes."""
+    shape = [max(sizes) for sizes in zip(*(t.shape[1:] for t in tensors))]
+    return torch.cat([F.pad(t, [p for size, have in zip(reversed(shape), reversed(t.shape[1:])) for p in (0, size - have)]) for t in tensors])

@@ -131,9 +131,10 @@ TESTED = tuple(sorted(STYLES))
 """``config.model_type`` of the image-text families that tests/test_multimodal.py holds exact.
 
 The others are refused by name until a test holds them too."""
-IMAGES_ONLY = ("glm4v", "glm4v_moe", "glm46v")
-"""Families whose videos no test holds yet (GLM-4.1V numbers each frame as its own run, and transformers' GLM forward cannot
-take an image and a video in one row): refused."""
+VIDEO_AS_IMAGE_TOKENS = ("glm4v", "glm4v_moe", "glm46v")
+"""Families whose video tokens are image tokens, told apart by ``mm_token_type_ids`` (2; images 1): GLM-4.1V, 4.5V and 4.6V,
+each video frame its own run after a timestamp. Their forward scatters image features into every image token (transformers'
+cannot take an image and a video in one row), so the features of both go to it as one stream in token order (`_one_stream`)."""
 _TIME_POOLED = ("kimi_k25",)
 """Grid families that average a video's frames into one frame's tokens (Kimi-K2.5's temporal pooling)."""
 _TENSOR_FEATURES = ("gemma3", "internvl", "paligemma")
@@ -267,14 +268,16 @@ def _encode(model, topo: Topology, encode, tokens: list[int], work: list[int], k
     Qwen3-VL's deepstack levels beside the features (``[rows, levels * H]``), and which rank owns each item."""
     owner = owners(work, topo.sp_size)
     mine = [i for i, r in enumerate(owner) if r == topo.sp_rank]
+    # every parameter outside the text decoder joins the rows times 0, so that the same parameters hold a gradient on
+    # every rank, as DeepSpeed's and DDP's reductions need: where this rank encodes nothing, and where the encoding
+    # leaves one unused (the LLaVA families' CLIP post-layernorm above the feature layer, Gemma 3's SigLIP head)
+    text = {id(p) for p in text_decoder(model).parameters()}
+    anchor = sum(p.sum() for p in model.parameters() if id(p) not in text and p.requires_grad) * 0
     if mine:
         out = encode(mine)
         levels = [out.pooler_output] + list(getattr(out, "deepstack_features", None) or [])
         # a tensor of rows, or of [items, tokens, H] (InternVL), or a tuple of each item's rows
-        return torch.cat([x.flatten(0, -2) if isinstance(x, torch.Tensor) else torch.cat(list(x)) for x in levels], dim=-1), owner
-    # nothing to encode here: no rows, but still the encoder's, so its gradients exist (0) on every rank (DDP)
-    text = {id(p) for p in text_decoder(model).parameters()}
-    anchor = sum(p.sum() for p in model.parameters() if id(p) not in text and p.requires_grad) * 0
+        return torch.cat([x.flatten(0, -2) if isinstance(x, torch.Tensor) else torch.cat(list(x)) for x in levels], dim=-1) + anchor, owner
     levels = 1 if kind == "audio" else 1 + len(getattr(model.config.vision_config, "deepstack_visual_indexes", None) or ())
     return anchor.new_zeros(0, levels * model.config.text_config.hidden_size) + anchor, owner
 
@@ -310,6 +313,29 @@ def _to_holders(model, topo: Topology, kind: str, kwargs: dict, token_bs: torch.
     if kind == "video" and model.config.model_type in _VIDEO_BATCHED:
         first = levels[0][None]
     return EncodedVisuals(pooler_output=first, deepstack_features=[(x,) for x in levels[1:]] or None)
+
+
+def _tokens_of(model, kind: str, kwargs: dict) -> torch.Tensor:
+    """``[B, S]``: where the whole row's tokens of ``kind`` (``"image"``, ``"video"``, ``"audio"``) are."""
+    ids = kwargs["input_ids"]
+    if model.config.model_type in VIDEO_AS_IMAGE_TOKENS and kind == "video":
+        return (ids == model.config.image_token_id) & (kwargs["mm_token_type_ids"] == 2)
+    if model.config.model_type in VIDEO_AS_IMAGE_TOKENS and kwargs.get("mm_token_type_ids") is not None:
+        return (ids == model.config.image_token_id) & (kwargs["mm_token_type_ids"] != 2)
+    return ids == getattr(model.config, f"{kind}_token_id")
+
+
+def _one_stream(model, topo: Topology, encoded: dict, kwargs: dict, cu) -> dict:
+    """GLM's image and video features as its forward scatters them: one stream into this rank's image tokens, in order."""
+    video = shard_sequence(_tokens_of(model, "video", kwargs), topo, dim=1, cu_seqlens=cu)
+    either = shard_sequence(kwargs["input_ids"] == model.config.image_token_id, topo, dim=1, cu_seqlens=cu)
+    is_video = video[either]  # of this rank's image-id tokens, in order: which are a video's
+    parts = {kind: encoded[kind].pooler_output[0] for kind in encoded}
+    rows = parts["video"].new_empty(len(is_video), parts["video"].shape[-1])
+    rows[is_video.to(rows.device)] = parts["video"]
+    if "image" in parts:
+        rows[~is_video.to(rows.device)] = parts["image"]
+    return {"image": EncodedVisuals(pooler_output=(rows,))}
 
 
 def _check_mask(mask, who: str) -> None:
@@ -380,8 +406,9 @@ def _model_hook(topo: Topology, state: dict):
         cu = None if cu_seqlens is None else [int(x) for x in cu_seqlens]
         if cu is not None and cu[-1] != s:
             raise ValueError(f"cu_seq_lens_q ends at {cu[-1]}, the sequence has {s} tokens: pass the whole row's document boundaries")
-        if model.config.model_type in IMAGES_ONLY and kwargs.get("pixel_values_videos") is not None:
-            raise ValueError(f"{who} ({model.config.model_type}) under sequence parallelism takes images, not videos yet")
+        if model.config.model_type in VIDEO_AS_IMAGE_TOKENS and kwargs.get("pixel_values_videos") is not None and kwargs.get("mm_token_type_ids") is None:
+            raise ValueError(f"{who} ({model.config.model_type}) under sequence parallelism tells its video tokens from its image tokens "
+                             "(one id) by mm_token_type_ids (1: image, 2: video), as its processor gives: pass them")
         if model.config.model_type in NO_AUDIO_YET and kwargs.get("input_features") is not None:
             raise ValueError(f"{who} ({model.config.model_type}) under sequence parallelism takes images and videos, not audio yet")
         if kwargs.get("use_audio_in_video"):
@@ -402,9 +429,11 @@ def _model_hook(topo: Topology, state: dict):
         if types is not None and marker == (0,):
             _check_prefixes(state["blocks"], cu or [0, s], s, who)
         encoded = {}
-        for kind, token in (("image", "image_token_id"), ("video", "video_token_id"), ("audio", "audio_token_id")):
+        for kind in ("image", "video", "audio"):
             if kwargs.get(_PIXELS[kind]) is not None:
-                encoded[kind] = _to_holders(model, topo, kind, kwargs, ids == getattr(model.config, token), cu)
+                encoded[kind] = _to_holders(model, topo, kind, kwargs, _tokens_of(model, kind, kwargs), cu)
+        if "video" in encoded and model.config.model_type in VIDEO_AS_IMAGE_TOKENS:
+            encoded = _one_stream(model, topo, encoded, kwargs, cu)
         for key in _SPENT if encoded else ():
             kwargs.pop(key, None)
         audio = encoded.pop("audio", None)

@@ -13,7 +13,7 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from .image_text import AUDIO, IMAGES_ONLY, NO_AUDIO_YET, STYLES
+from .image_text import AUDIO, NO_AUDIO_YET, STYLES, VIDEO_AS_IMAGE_TOKENS
 
 __all__ = ["shrink_image_text_config", "build", "rows", "one_process_loss", "noise_part"]
 
@@ -23,6 +23,8 @@ _VISION = {  # vision config fields per family in the small copy ("TEXT": the te
     "qwen3_vl": dict(depth=2, hidden_size=32, intermediate_size=48, num_heads=4, out_hidden_size="TEXT", num_position_embeddings=64,
                      deepstack_visual_indexes=[0, 1]),
     "llava": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, projection_dim=32),
+    "llava_next": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, projection_dim=32, image_size=16,
+                       patch_size=8),
     "smolvlm": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4),
     "internvl": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4),
     "mistral3": dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, head_dim=8),
@@ -32,13 +34,20 @@ _VISION = {  # vision config fields per family in the small copy ("TEXT": the te
 }
 _VISION["idefics3"] = _VISION["gemma3"] = _VISION["paligemma"] = _VISION["smolvlm"]
 _VISION["qwen3_vl_moe"] = _VISION["qwen3_vl"]
+_VISION["llava_next_video"] = _VISION["llava_onevision"] = _VISION["llava_next"]
 _VISION["glm4v"] = _VISION["glm4v_moe"] = _VISION["glm46v"] = {k: v for k, v in _VISION["qwen2_5_vl"].items() if k != "fullatt_block_indexes"}
 _VISION["qwen3_5"] = _VISION["qwen3_5_moe"] = {k: v for k, v in _VISION["qwen3_vl"].items() if k != "deepstack_visual_indexes"}
 _VISION["qwen2_5_omni_thinker"], _VISION["qwen3_omni_moe_thinker"] = _VISION["qwen2_5_vl"], _VISION["qwen3_vl"]
 _AUDIO_TOWER = dict(d_model=32, encoder_layers=2, encoder_attention_heads=4, encoder_ffn_dim=48, output_dim="TEXT", downsample_hidden_size=8)
 """The Omni thinkers' audio tower in the small copy (mel bins and windows kept)."""
 BUILDS = tuple(_VISION)
-"""The families whose small copies and random images this module makes (LLaVA-NeXT's not yet)."""
+"""The families whose small copies and random images this module makes."""
+_TILES = [[16, 16], [16, 32], [32, 16], [32, 32]]
+"""LLaVA-NeXT's and LLaVA-OneVision's anyres grids in the small copy: tiles of 16 x 16 pixels, 2 x 2 patches."""
+_VIDEO_RUNS = ("llava_next_video", "llava_onevision")
+"""Families whose video is one run of placeholders: ``[1, frames, C, H, W]``."""
+_ROW_OF_IMAGES = ("smolvlm", "idefics3")
+"""Families that take a row's images as one ``[1, N, C, H, W]``."""
 _TOKENS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id", "image_start_token_id", "image_end_token_id",
            "boi_token_id", "eoi_token_id", "image_token_index", "video_token_index", "audio_token_id", "audio_token_index", "audio_start_token_id",
            "audio_end_token_id")
@@ -70,6 +79,8 @@ def shrink_image_text_config(config, shrink_text):
             setattr(vision, name, text.hidden_size if value == "TEXT" else value)
     if STYLES[small.model_type] in ("images", "sized"):  # 4 x 4 tokens (SmolVLM, InternVL, Mistral 3: times their patches per token)
         vision.image_size = _per_side(vision.patch_size, lambda p: p * 4 * _shuffle(small))
+    if hasattr(small, "image_grid_pinpoints"):  # LLaVA-NeXT, -Video, OneVision: anyres tiles of 2 x 2 patches
+        small.image_grid_pinpoints = _TILES
     if hasattr(small, "mm_tokens_per_image"):  # Gemma 3 pools the 4 x 4 patches to this many tokens
         small.mm_tokens_per_image = 16
     if small.model_type == "paligemma":  # its projection goes to the text width; an image is its patches' tokens
@@ -138,6 +149,13 @@ def _item(config, kind: str, g: torch.Generator) -> tuple[list[int], dict]:
         if kind == "image":
             return run, {"pixel_values": pixels, "image_position_ids": where}
         return run + [0] + run, {"pixel_values_videos": pixels, "video_position_ids": where, "num_frames_per_video": torch.tensor([2])}
+    if style == "runs":  # LLaVA-NeXT, -Video, OneVision: an image of 16 x 32 pixels, a base tile and two anyres tiles of 2 x 2
+        if kind == "image":  # patches, pooled 2 x 2 to one token; 4 + 2 rows of 4 and a newline each: 14 tokens
+            pixels = torch.randn(1, 3, 3, 16, 16, generator=g, dtype=torch.float64)
+            return [token] * 14, {"pixel_values": pixels, "image_sizes": torch.tensor([[16, 32]])}
+        frames = 15 if config.model_type == "llava_onevision" else 16  # a video's frames pooled to a token each (OneVision: a
+        pixels = torch.randn(1, frames, 3, 16, 16, generator=g, dtype=torch.float64)  # newline token after them): 16 tokens
+        return [token] * 16, {"pixel_values_videos": pixels}
     if style == "sized":  # Mistral 3: 4 rows of 4 tokens, a break token (text) after each row but the last
         side = vision.patch_size * 4 * config.spatial_merge_size
         pixels = torch.randn(1, 3, side, side, generator=g, dtype=torch.float64)
@@ -186,7 +204,7 @@ def _document(config, parts: list, g: torch.Generator) -> dict:
         ids += item
         for key, value in visual.items():
             inputs[key] = torch.cat([inputs[key], value]) if key in inputs else value
-    if config.model_type in ("smolvlm", "idefics3") and "pixel_values" in inputs:
+    if config.model_type in _ROW_OF_IMAGES and "pixel_values" in inputs:
         inputs["pixel_values"] = inputs["pixel_values"][None]  # SmolVLM, Idefics3: the images of a row in one [1, N, ...]
     input_ids = torch.tensor([ids])
     placeholders = [_id(config, kind) for kind in ("image", "video", "audio")]
@@ -208,17 +226,19 @@ def rows(config, sp_size: int, packed: bool, seed: int) -> tuple[dict, list[dict
     the first zigzag chunk's end and a video (LLaVA, SmolVLM: an image; the Omni thinkers: an audio
     clip); packed: three, the middle one text only (the Omni thinkers: the first holds a video)."""
     g = torch.Generator().manual_seed(seed)
-    second = "video" if STYLES[config.model_type] == "grid" and config.model_type not in IMAGES_ONLY or config.model_type == "gemma4" else "image"
+    videos = STYLES[config.model_type] == "grid" and config.model_type not in VIDEO_AS_IMAGE_TOKENS or config.model_type in ("gemma4", *_VIDEO_RUNS)
+    second = "video" if videos else "image"
     first, second = (second, "audio") if config.model_type in AUDIO else ("image", second)  # the Omni thinkers: a video and a clip too
     if packed:
         plans = [[3, first, 2], [7], [3, second, 4, "image", 2]]
-    else:  # 48 P tokens: the image (16 or 18 of them) from 16 on crosses token 24, the first zigzag chunk's end
+    else:  # 48 P tokens: the image (14 to 18 of them) from 16 on crosses token 24, the first zigzag chunk's end
         plans = [[16, "image", 5, second, max(2, 48 * sp_size - 57)]]
     docs = [_document(config, plan, g) for plan in plans]
     batch = {}
     for key in docs[0].keys() | {k for d in docs for k in d}:
         held = [d[key] for d in docs if key in d]
-        batch[key] = torch.cat(held, dim=1 if key in ("input_ids", "labels", "mm_token_type_ids", "token_type_ids") or held[0].dim() == 5 else 0)
+        rowwise = key in ("input_ids", "labels", "mm_token_type_ids", "token_type_ids") or key == "pixel_values" and config.model_type in _ROW_OF_IMAGES
+        batch[key] = torch.cat(held, dim=1 if rowwise else 0)
     if packed:  # shard_batch drops the targets across documents
         batch["position_ids"] = torch.cat([torch.arange(d["input_ids"].shape[1]) for d in docs])[None]
     return batch, docs

@@ -57,11 +57,14 @@ def write_tiny_llama(path: str, seed: int = 0) -> None:
 CHAT_TEMPLATE = ("{% for m in messages %}{% if m['content'] is string %}{{ m['content'] }} {% else %}{% for c in m['content'] %}"
                  "{% if c['type'] == 'image' %}<image> {% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endif %}{% endfor %}")
 """The tiny processor's chat template: each message's text and image tokens in turn (roles are not words it knows)."""
-VLMS = ("llava", "gemma3")
-"""The image-text families ``write_tiny_vlm`` writes."""
-IMAGE_TOKENS = {"llava": "<image>", "gemma3": "<start_of_image>"}
+VLMS = ("llava", "llava_next", "idefics3", "gemma3")
+"""The image-text families ``write_tiny_vlm`` writes: the tested families whose processors load without torchvision
+(PaliGemma's too, but the job's documents hold no prefix). Others need it: Mistral 3's (Pixtral's) processor, the video
+processors of Qwen, GLM-4.xV, InternVL, SmolVLM, LLaVA-NeXT-Video, LLaVA-OneVision, Gemma 4, Kimi-K2.5's image processor."""
+IMAGE_TOKENS = {"llava": "<image>", "llava_next": "<image>", "idefics3": "<image>", "gemma3": "<start_of_image>"}
 """Where each family's processor expands an image in a document's text."""
 IMAGE_SIZE = 32
+_VISION = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4)
 
 
 def write_tiny_vlm(path: str, family: str = "llava", seed: int = 0) -> None:
@@ -69,8 +72,8 @@ def write_tiny_vlm(path: str, family: str = "llava", seed: int = 0) -> None:
     vision tower on 32 x 32 images in 8 x 8 patches: 16 tokens an image) and its processor, in ``path``."""
     if family not in VLMS:
         raise ValueError(f"--vlm {family}: the tiny image-text models written here are {', '.join(VLMS)}")
-    if family == "gemma3":
-        return _write_tiny_gemma3(path, seed)
+    if family != "llava":
+        return {"llava_next": _write_tiny_llava_next, "idefics3": _write_tiny_idefics3, "gemma3": _write_tiny_gemma3}[family](path, seed)
     from transformers import CLIPImageProcessor, LlavaConfig, LlavaForConditionalGeneration, LlavaProcessor
 
     tokenizer = _tokenizer(["<image>"], extra_special_tokens={"image_token": "<image>"})
@@ -106,11 +109,46 @@ def _write_tiny_gemma3(path: str, seed: int) -> None:
     Gemma3ForConditionalGeneration(config).save_pretrained(path)
 
 
-def write_image_corpus(path: str, documents: int, seed: int = 0, image_dir: str = "images", image_token: str = "<image>") -> None:
+def _write_tiny_llava_next(path: str, seed: int) -> None:
+    """LLaVA-NeXT: anyres tiles of 16 x 16 pixels (2 x 2 patches), a 32 x 32 image a base tile and 4 tiles,
+    a 16 x 32 one a base tile and 2 (`write_image_corpus`'s ``varied``): 24 and 14 tokens with their newlines."""
+    from transformers import LlavaNextConfig, LlavaNextForConditionalGeneration, LlavaNextImageProcessorPil, LlavaNextProcessor
+
+    tokenizer = _tokenizer(["<image>"], extra_special_tokens={"image_token": "<image>"})
+    tiles = [[16, 16], [16, 32], [32, 16], [32, 32]]
+    images = LlavaNextImageProcessorPil(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}, image_grid_pinpoints=tiles)
+    LlavaNextProcessor(image_processor=images, tokenizer=tokenizer, patch_size=8, vision_feature_select_strategy="default",
+                       num_additional_image_tokens=1, chat_template=CHAT_TEMPLATE).save_pretrained(path)
+    torch.manual_seed(seed)
+    config = LlavaNextConfig(text_config=dict(_text_config(), model_type="llama", vocab_size=len(tokenizer)), image_grid_pinpoints=tiles,
+                             image_token_id=tokenizer.convert_tokens_to_ids("<image>"), vision_feature_layer=-1, tie_word_embeddings=False,
+                             vision_config=dict(_VISION, model_type="clip_vision_model", image_size=16, patch_size=8, projection_dim=32))
+    LlavaNextForConditionalGeneration(config).save_pretrained(path)
+
+
+def _write_tiny_idefics3(path: str, seed: int) -> None:
+    """Idefics3: an image split into crops of 16 x 16 pixels and a global view, each 4 x 4 patches shuffled 2 x 2 to
+    4 tokens between its markers; a row's images as one ``[1, N, C, H, W]``, padded with all-zero images."""
+    from transformers import Idefics3Config, Idefics3ForConditionalGeneration, Idefics3ImageProcessorPil, Idefics3Processor
+
+    markers = ["<fake_token_around_image>", "<global-img>", "<end_of_utterance>", *(f"<row_{i}_col_{j}>" for i in range(1, 7) for j in range(1, 7))]
+    tokenizer = _tokenizer(["<image>", *markers], extra_special_tokens={"image_token": "<image>"})
+    tokenizer.add_tokens(markers, special_tokens=True)  # whole tokens, not split at their punctuation
+    images = Idefics3ImageProcessorPil(size={"longest_edge": IMAGE_SIZE}, max_image_size={"longest_edge": 16})
+    Idefics3Processor(image_processor=images, tokenizer=tokenizer, image_seq_len=4, chat_template=CHAT_TEMPLATE).save_pretrained(path)
+    torch.manual_seed(seed)
+    config = Idefics3Config(text_config=dict(_text_config(), model_type="llama", vocab_size=len(tokenizer)), scale_factor=2,
+                            image_token_id=tokenizer.convert_tokens_to_ids("<image>"), tie_word_embeddings=False,
+                            vision_config=dict(_VISION, image_size=16, patch_size=4))
+    Idefics3ForConditionalGeneration(config).save_pretrained(path)
+
+
+def write_image_corpus(path: str, documents: int, seed: int = 0, image_dir: str = "images", image_token: str = "<image>",
+                       varied: bool = False) -> None:
     """``documents`` JSON lines ``{"images": [file], "text": ...}``: words, ``image_token`` (where the
     processor expands the image: `IMAGE_TOKENS`), then the word the image's colour encodes and the
     words after it; the PNG files under ``image_dir`` beside ``path`` (named in the lines relative to
-    ``path``'s folder)."""
+    ``path``'s folder), 32 x 32 pixels (``varied``: every other one 32 wide, 16 high)."""
     from PIL import Image
 
     rng = random.Random(seed)
@@ -121,9 +159,10 @@ def write_image_corpus(path: str, documents: int, seed: int = 0, image_dir: str 
         for n in range(documents):
             word = rng.randrange(len(WORDS))
             colour = (40 + 5 * word, 255 - 5 * word, (97 * word) % 256)
-            pixels = bytes(max(0, min(255, c + rng.randrange(-8, 9))) for _ in range(IMAGE_SIZE * IMAGE_SIZE) for c in colour)
+            height = IMAGE_SIZE // 2 if varied and n % 2 else IMAGE_SIZE
+            pixels = bytes(max(0, min(255, c + rng.randrange(-8, 9))) for _ in range(IMAGE_SIZE * height) for c in colour)
             name = os.path.join(image_dir, f"{stem}-{n:05d}.png")
-            Image.frombytes("RGB", (IMAGE_SIZE, IMAGE_SIZE), pixels).save(os.path.join(folder, os.path.basename(name)))
+            Image.frombytes("RGB", (IMAGE_SIZE, height), pixels).save(os.path.join(folder, os.path.basename(name)))
             before = [WORDS[rng.randrange(len(WORDS))] for _ in range(rng.randrange(1, 6))]
             after = [WORDS[(word + k) % len(WORDS)] for k in range(rng.randrange(4, 30))]
             f.write(json.dumps({"images": [name], "text": " ".join(before + [image_token] + after)}) + "\n")
@@ -146,8 +185,8 @@ def main(argv=None) -> None:
     a = parser.parse_args(argv)
     if a.vlm:
         write_tiny_vlm(os.path.join(a.out, "model"), a.vlm)
-        write_image_corpus(os.path.join(a.out, "train.jsonl"), 200, seed=0, image_token=IMAGE_TOKENS[a.vlm])
-        write_image_corpus(os.path.join(a.out, "eval.jsonl"), 20, seed=1, image_token=IMAGE_TOKENS[a.vlm])
+        for name, documents, seed in (("train", 200, 0), ("eval", 20, 1)):
+            write_image_corpus(os.path.join(a.out, f"{name}.jsonl"), documents, seed=seed, image_token=IMAGE_TOKENS[a.vlm], varied=True)
     else:
         write_tiny_llama(os.path.join(a.out, "model"))
         write_corpus(os.path.join(a.out, "train.jsonl"), 400, seed=0)
