@@ -17,7 +17,7 @@ import ulysses_sp as usp  # noqa: E402
 from ulysses_sp.topology import Topology  # noqa: E402
 
 from .conftest import values  # noqa: E402
-from .vlm_cases import FAMILIES, HIDDEN, IMAGE, VERIFIED, VERIFIED_ONLY, PLACEMENTS, _qwen2_vl, _qwen_visuals  # noqa: E402
+from .vlm_cases import AUDIO_PLACEMENTS, FAMILIES, HIDDEN, IMAGE, VERIFIED, VERIFIED_ONLY, PLACEMENTS, _qwen2_vl, _qwen_visuals  # noqa: E402
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
@@ -190,6 +190,17 @@ def test_glm_videos_without_their_token_types_are_refused_by_name():
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("lay,packed", AUDIO_PLACEMENTS, ids=[f"{lay}-{'packed' if p else 'unpacked'}" for lay, p in AUDIO_PLACEMENTS])
+@pytest.mark.quick(world=2, lay="zigzag", packed=False)
+def test_gemma4_audio_equals_one_process(ranks, world, lay, packed):
+    """Gemma 4's audio clip (16 tokens between its markers, across a shard boundary unpacked) beside an image and a video:
+    each clip encoded on one rank, its rows merged by the model's own code on the ranks holding its tokens, whose
+    per-layer inputs the model computes from their own ids."""
+    for rank, r in enumerate(values(ranks(world), f"vlm/gemma4-audio/{lay}{'-packed' if packed else ''}")):
+        _assert_exact(rank, r, lay, world)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_gemma4_whose_images_attend_causally_equals_one_process(ranks, world):
     """Gemma 4 as its small models ship (use_bidirectional_attention None): no blocks on any layer, packed."""
     for rank, r in enumerate(values(ranks(world), "vlm/gemma4-causal/zigzag-packed")):
@@ -200,18 +211,6 @@ def test_gemma4_blocks_where_its_images_attend_causally_are_caught(ranks):
     """Control for the causal case above: the blocks applied on every layer move the loss and gradients."""
     for rank, r in enumerate(values(ranks(2), "vlm-planted/gemma4-causal-blocks")):
         assert abs(r["loss"] - r["ref_loss"]) > 1e-6 * r["ref_loss"] and r["worst"][1] > 1e-3, (rank, r)
-
-
-def test_gemma4_audio_is_refused_by_name():
-    """Gemma 4's audio clips (its per-layer inputs would come from the ids they replace): no test holds them yet;
-    they raise before any collective."""
-    from .vlm_cases import _gemma4
-
-    model = _gemma4()
-    usp.apply_sequence_parallel(model, Topology.for_planning(2))
-    ids = torch.tensor([[1, 2] + [59] * 16 + [3, 4]])
-    with pytest.raises(ValueError, match=r"Gemma4ForConditionalGeneration \(gemma4\) under sequence parallelism takes images and videos, not audio yet"):
-        model(input_ids=ids, input_features=torch.zeros(1, 16, 8), input_features_mask=torch.ones(1, 16, dtype=torch.bool))
 
 
 def test_multi_image_samples_of_llava_onevision_are_refused_by_name():

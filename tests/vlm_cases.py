@@ -327,7 +327,7 @@ def _paligemma():
     return transformers.PaliGemmaForConditionalGeneration(cfg)
 
 
-def _gemma4(bidirectional: str | None = "vision"):
+def _gemma4(bidirectional: str | None = "vision", audio: bool = False):
     import transformers
 
     cfg = transformers.Gemma4Config(
@@ -336,19 +336,25 @@ def _gemma4(bidirectional: str | None = "vision"):
                          hidden_size_per_layer_input=8, vocab_size_per_layer_input=TEXT["vocab_size"]),
         vision_config=dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, head_dim=8,
                            patch_size=4, pooling_kernel_size=2, position_embedding_size=16),
-        audio_config=None, image_token_id=IMAGE, video_token_id=VIDEO, boi_token_id=START, eoi_token_id=END, audio_token_id=AUDIO)
+        audio_config=dict(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, subsampling_conv_channels=[16, 4], output_proj_dims=32,
+                          attention_chunk_size=4, attention_context_left=5) if audio else None,
+        image_token_id=IMAGE, video_token_id=VIDEO, boi_token_id=START, eoi_token_id=END, audio_token_id=AUDIO, boa_token_id=AUDIO_START,
+        eoa_token_index=AUDIO_END)
     return transformers.Gemma4ForConditionalGeneration(cfg)
 
 
 def _gemma4_visuals(kinds: list[str], g: torch.Generator) -> dict:
     """Each image 8 x 8 patches of 4 x 4 pixels, each patch's (x, y) in image_position_ids, pooled 2 x 2: 16 tokens; each
-    video 2 frames of 8 x 4 patches: 8 tokens a frame (`num_frames_per_video`, video_position_ids)."""
+    video 2 frames of 8 x 4 patches: 8 tokens a frame (`num_frames_per_video`, video_position_ids); each audio clip 64
+    frames of 16 mel bins, 4 frames a token: 16."""
     def where(width, height, n):
         ys, xs = torch.meshgrid(torch.arange(height), torch.arange(width), indexing="ij")
         return torch.stack([xs.flatten(), ys.flatten()], -1).repeat(n, 1, 1)
 
     return _joined([{"pixel_values": torch.rand(1, 64, 48, generator=g, dtype=torch.float64), "image_position_ids": where(8, 8, 1)}
                     if kind == "image" else
+                    {"input_features": torch.randn(1, 64, 16, generator=g, dtype=torch.float64), "input_features_mask": torch.ones(1, 64, dtype=torch.bool)}
+                    if kind == "audio" else
                     {"pixel_values_videos": torch.rand(2, 32, 48, generator=g, dtype=torch.float64), "video_position_ids": where(8, 4, 2),
                      "num_frames_per_video": torch.tensor([2])} for kind in kinds])
 
@@ -384,10 +390,15 @@ tokens in rows of 4 with a text token between (Mistral 3's break tokens); "anyre
 "onevision": images of 14 tokens and videos of 16 without markers (LLaVA-OneVision); "audio" ("audio13"): an audio clip of 16
 (13) tokens between its markers as the second item, and, packed, a whole video as the first document's (Qwen2.5-Omni,
 Qwen3-Omni))."""
-VARIANTS = {"gemma4-causal": (lambda: _gemma4(bidirectional=None), _gemma4_visuals, "frames")}
+VARIANTS = {"gemma4-causal": (lambda: _gemma4(bidirectional=None), _gemma4_visuals, "frames"),
+            "gemma4-audio": (lambda: _gemma4(audio=True), _gemma4_visuals, "frames-audio")}
 """Families built another way, held by cases of their own: Gemma 4 as its small models ship (``use_bidirectional_attention``
-None: its images and frames attend causally, on every layer)."""
+None: its images and frames attend causally, on every layer); Gemma 4 with its audio tower (an audio clip the second item,
+packed, a video the first document's: "frames-audio")."""
 _BUILT = {**FAMILIES, **VARIANTS}
+
+
+_AUDIO_MODES = ("audio", "audio13", "frames-audio")
 
 
 def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator, rows: bool = False) -> list[tuple[list[int], list[str]]]:
@@ -397,7 +408,7 @@ def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator,
     thinkers: the first document's item a video). Rows: that
     unpacked document and one as long with its images elsewhere, each a row of the batch."""
     def text(n):
-        return torch.randint(0, AUDIO_END if videos in ("audio", "audio13") else END, (n,), generator=g).tolist()
+        return torch.randint(0, AUDIO_END if videos in _AUDIO_MODES else END, (n,), generator=g).tolist()
 
     def visual(kind, i=0):  # i: the item's place in its document
         if videos == "anyres":
@@ -408,17 +419,17 @@ def _documents(world: int, videos: str | None, packed: bool, g: torch.Generator,
             return [AUDIO_START] + [AUDIO] * (13 if videos == "audio13" else TOKENS) + [AUDIO_END]
         if videos == "rows":  # Mistral 3: a document's second image is half as tall (see _mistral3_visuals)
             return [IMAGE] * 4 + ([END] + [IMAGE] * 4) * (3 if i == 0 else 1)
-        if kind == "video" and videos == "frames":
+        if kind == "video" and videos in ("frames", "frames-audio"):
             return [START] + [VIDEO] * (TOKENS // 2) + [END] + text(1) + [START] + [VIDEO] * (TOKENS // 2) + [END]
         return [START] + [IMAGE if kind == "image" else VIDEO] * TOKENS + [END]
 
     # the second item: a video, an audio clip, or (Mistral 3, LLaVA-NeXT, ...) a second image
-    second = "video" if videos in ("whole", "frames", "onevision") else "audio" if videos in ("audio", "audio13") else "image"
+    second = "video" if videos in ("whole", "frames", "onevision") else "audio" if videos in _AUDIO_MODES else "image"
     if not packed:
         leads = (1, 9) if rows else (1,)
         docs = [text(lead) + visual("image") + text(6 - lead // 2) + visual(second, 1) for lead in leads]
         return [(ids + text(24 * world - len(ids)), ["image", second]) for ids in docs]
-    first = "video" if videos in ("audio", "audio13") else "image"  # the Omni thinkers' videos beside their audio and images
+    first = "video" if videos in _AUDIO_MODES else "image"  # the Omni thinkers' and Gemma 4's videos beside their audio and images
     return [(text(1) + visual(first) + text(4), [first]),
             (text(7), []),
             (text(3) + visual(second) + text(6) + visual("image", 1) + text(2), [second, "image"])]
@@ -476,8 +487,8 @@ def _encoded(model):
     def count(module, args, kwargs):
         rows[0] += (args[0] if args else next(iter(kwargs.values()))).shape[0]
 
-    def count_clips(module, args, kwargs):
-        rows[0] += kwargs["feature_lens"].shape[0]
+    def count_clips(module, args, kwargs):  # Omni's clips by their lengths; Gemma 4's [clips, frames, mels]
+        rows[0] += kwargs["feature_lens"].shape[0] if "feature_lens" in kwargs else args[0].shape[0]
 
     handles = [tower.register_forward_pre_hook(count, with_kwargs=True)]
     if getattr(model.model, "audio_tower", None) is not None:  # Gemma 4 without its audio config: None
@@ -552,7 +563,7 @@ def _reference(family: str, world: int, packed: bool, rows: bool = False) -> tup
     return _REFERENCES[key]
 
 
-LIFTED = ("paligemma", "glm4v_moe", "kimi_k25", "gemma4", "gemma4-causal")
+LIFTED = ("paligemma", "glm4v_moe", "kimi_k25", "gemma4", "gemma4-causal", "gemma4-audio")
 """Families compared with float32 lifted to float64 (`fp64_throughout`): Gemma's RMSNorm and GLM's and DeepSeek's MoE routers compute in
 float32 inside an fp64 model, which leaves their weights' gradients 1e-7 apart between a whole row and its shards (Gemma 4's vision
 pooler too)."""
@@ -613,6 +624,7 @@ def _vlm_parity(env: Env, family: str, layout: str, packed: bool, as_rows: bool)
     summed = usp.comm.all_reduce_sums([g for _, g, _ in both], topo.sp_group)
     errors = {name: ((s - q).norm() / torch.maximum(q.norm(), floor)).item() for (name, _, q), s in zip(both, summed)}
     usp.remove_sequence_parallel(model)
+    assert "get_audio_features" not in vars(model.model)  # Gemma 4's, shadowed while split
     worst = max(errors, key=errors.get)
     return {"loss": loss.item(), "ref_loss": ref_loss.item(), "tiled_loss": tiled, "logits": tuple(logits.shape), "missing": missing, "positions_equal": positions_equal,
             "grads_alike": all(h == held[0] for h in held),
@@ -623,6 +635,8 @@ def _vlm_parity(env: Env, family: str, layout: str, packed: bool, as_rows: bool)
 
 PLACEMENTS = [("zigzag", False), ("zigzag", True), ("balanced", False), ("balanced", True), ("contiguous", True)]
 """(layout, packed): contiguous packed only, where the third document's images straddle the boundary at every P."""
+AUDIO_PLACEMENTS = [("zigzag", False), ("zigzag", True), ("contiguous", True)]
+"""Gemma 4 with its audio tower: the layouts that place its clip differently (the image and video are the plain family's)."""
 
 for _family in FAMILIES:
     for _layout, _packed in PLACEMENTS:
@@ -630,6 +644,8 @@ for _family in FAMILIES:
             lambda env, f=_family, lay=_layout, p=_packed: vlm_parity(env, f, lay, p))
 case("vlm/gemma3/zigzag-rows", (2, 3, 4))(lambda env: vlm_parity(env, "gemma3", "zigzag", False, as_rows=True))  # each row its own blocks
 case("vlm/gemma4-causal/zigzag-packed", (2, 3, 4))(lambda env: vlm_parity(env, "gemma4-causal", "zigzag", True))
+for _layout, _packed in AUDIO_PLACEMENTS:
+    case(f"vlm/gemma4-audio/{_layout}{'-packed' if _packed else ''}", (2, 3, 4))(lambda env, lay=_layout, p=_packed: vlm_parity(env, "gemma4-audio", lay, p))
 
 
 def planted_blocks_cut_at_shards(env: Env, layout: str, packed: bool) -> dict:
@@ -718,7 +734,7 @@ VERIFIED = {2: ("LlavaConfig", "Qwen2_5_VLConfig", "Qwen3VLMoeConfig", "SmolVLMC
 each way of giving images (patch rows, [N, ...] and [B, N, ...] pixels) at every P, LLaVA-NeXT's anyres tiles and its
 videos' runs at one P each. Qwen3.5 (Gated DeltaNet and attention layers, its DeltaNet under the ulysses mixer) only here,
 with 2 layers, one of each kind. Gemma 4's default config has
-no vision tower: its vision config's defaults, an audio tower (dropped: refused under SP), its images' blocks on and its last 12
+no vision tower: its vision config's defaults, an audio tower (dropped: it casts to float32 inside fp64), its images' blocks on and its last 12
 layers reusing earlier layers' keys and values, as E2B/E4B's (`_SETTINGS`)."""
 VERIFIED_ONLY = ("qwen3_5", "qwen3_5_moe")
 """Image-text families held exact by the verify case alone (the parity cases above hold the others)."""

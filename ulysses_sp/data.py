@@ -34,7 +34,7 @@ __all__ = [
 ]
 
 IGNORE_INDEX = -100
-_OTHER_INPUTS = re.compile(r"^pixel_|^image_|^video_|^input_features$|^feature_attention_mask$|^audio_")
+_OTHER_INPUTS = re.compile(r"^pixel_|^image_|^video_|^input_features(_mask)?$|^feature_attention_mask$|^audio_")
 """Batch keys of images, videos and audio clips: ``pixel_values``, ``pixel_attention_mask``, ``image_grid_thw``, ``pixel_values_videos``,
 ``input_features``, ..."""
 

@@ -75,7 +75,7 @@ def decoder_to_switch(model) -> nn.Module | None:
     if not others:
         return None
     model_type = getattr(getattr(model, "config", None), "model_type", None)
-    audio = any(_AUDIO.search(n) for n in others) and model_type not in AUDIO + NO_AUDIO_YET
+    audio = any(_AUDIO.search(n) for n in others) and model_type not in AUDIO + AUDIO_BY_ENCODER
     decoder = None if audio or model_type not in TESTED else text_decoder(model)
     if decoder is None:
         raise ValueError(
@@ -150,14 +150,16 @@ _PIXELS = {"image": "pixel_values", "video": "pixel_values_videos", "audio": "in
 AUDIO = ("qwen2_5_omni_thinker", "qwen3_omni_moe_thinker")
 """Families whose audio clips (``input_features`` ``[clips, mels, frames]`` with ``feature_attention_mask``) are encoded
 like images, each on one rank of the group: Qwen2.5-Omni's and Qwen3-Omni's thinkers. Other audio-text models are refused."""
-NO_AUDIO_YET = ("gemma4",)
-"""Families switched for their images whose audio clips are refused when given (Gemma 4's small models take audio: its
-per-layer inputs would have to come from the ids its audio replaces)."""
+AUDIO_BY_ENCODER = ("gemma4",)
+"""Families whose audio clips (``input_features`` ``[clips, frames, mels]`` with ``input_features_mask``) are encoded like
+images, and whose forward merges them itself, through its ``get_audio_features``: Gemma 4, whose per-layer inputs the model
+computes from each rank's own ids as in one process. Its ``get_audio_features`` answers the forward with this rank's rows
+(`_encoded_audio`)."""
 _VIDEO_BATCHED = ("llava_next_video", "llava_onevision")
 """Families whose merge takes the video features as one ``[videos, tokens, H]`` tensor."""
 _SPENT = ("pixel_values", "pixel_values_videos", "image_grid_thw", "video_grid_thw", "pixel_attention_mask", "image_sizes", "batch_num_images",
           "image_position_ids", "video_position_ids", "num_frames_per_video", "input_features", "feature_attention_mask", "audio_feature_lengths",
-          "video_second_per_grid", "use_audio_in_video")
+          "video_second_per_grid", "use_audio_in_video", "input_features_mask")
 
 
 def image_blocks(types_bs: torch.Tensor, cu_seqlens: list[int] | None = None, marker: tuple[int, ...] = (1,)) -> tuple[tuple[tuple[int, int], ...], ...]:
@@ -203,11 +205,14 @@ def _items(model, kind: str, kwargs: dict, token_bs: torch.Tensor):
     """(encode a list of item indices, each item's feature tokens, each item's work). Items whose
     tokens cannot be told apart (an uneven share per image, runs that touch) are encoded as one."""
     pixels, tokens = kwargs[_PIXELS[kind]], int(token_bs.sum())
-    if kind == "audio":  # each clip's frames in feature_attention_mask; its tokens one run of placeholders
-        mask, runs = kwargs["feature_attention_mask"], _runs(token_bs)
+    if kind == "audio":  # each clip's frames in feature_attention_mask (Gemma 4: input_features_mask); its tokens one run
+        by_encoder = model.config.model_type in AUDIO_BY_ENCODER
+        mask, runs = kwargs["input_features_mask" if by_encoder else "feature_attention_mask"], _runs(token_bs)
 
         def encode_audio(idx):
             out = model.model.get_audio_features(pixels[idx], mask[idx], return_dict=True)
+            if by_encoder:  # [clips, tokens, H] and each clip's real tokens in attention_mask
+                return EncodedVisuals(pooler_output=out.pooler_output[out.attention_mask.to(out.pooler_output.device)])
             return EncodedVisuals(pooler_output=out.last_hidden_state)
         if len(runs) != pixels.shape[0]:
             return (lambda idx: encode_audio(list(range(pixels.shape[0])))), [tokens], [1]
@@ -386,6 +391,7 @@ def _model_hook(topo: Topology, state: dict):
     ``[B, S]`` input and the features of its image and video tokens (``_to_holders``)."""
     def hook(model, args, kwargs):
         who = type(model).__name__
+        state.pop("audio", None)  # a previous call's, had it stopped before its model asked for them
         _check_mask(kwargs.pop("attention_mask", None), f"{who} was given")
         if kwargs.get("position_ids") is not None:
             raise ValueError(
@@ -409,8 +415,6 @@ def _model_hook(topo: Topology, state: dict):
         if model.config.model_type in VIDEO_AS_IMAGE_TOKENS and kwargs.get("pixel_values_videos") is not None and kwargs.get("mm_token_type_ids") is None:
             raise ValueError(f"{who} ({model.config.model_type}) under sequence parallelism tells its video tokens from its image tokens "
                              "(one id) by mm_token_type_ids (1: image, 2: video), as its processor gives: pass them")
-        if model.config.model_type in NO_AUDIO_YET and kwargs.get("input_features") is not None:
-            raise ValueError(f"{who} ({model.config.model_type}) under sequence parallelism takes images and videos, not audio yet")
         if kwargs.get("use_audio_in_video"):
             raise ValueError(f"{who} under sequence parallelism takes audio clips apart from videos: use_audio_in_video is not tested yet")
         grouped = kwargs.get("batch_num_images")
@@ -442,7 +446,10 @@ def _model_hook(topo: Topology, state: dict):
         for key, value in kwargs.items():
             if isinstance(value, torch.Tensor) and value.shape == (b, s):
                 kwargs[key] = shard_sequence(value, topo, dim=1, cu_seqlens=cu)
-        if audio is not None:  # the model's own merge of its audio, on this rank's tokens (it has no mm_encoder_outputs for audio)
+        if audio is not None and model.config.model_type in AUDIO_BY_ENCODER:  # its forward merges what get_audio_features gives
+            state["audio"] = audio.pooler_output[0]
+            kwargs["input_features"], kwargs["input_features_mask"] = state["audio"], True  # (`_encoded_audio`), called given these
+        elif audio is not None:  # the model's own merge of its audio, on this rank's tokens (it has no mm_encoder_outputs for audio)
             local = kwargs["input_ids"]
             embeds = model.get_input_embeddings()(local)
             kwargs["inputs_embeds"] = embeds.masked_scatter((local == model.config.audio_token_id)[..., None], audio.pooler_output[0].to(embeds))
@@ -450,6 +457,38 @@ def _model_hook(topo: Topology, state: dict):
         state["cu_seqlens"] = cu_seqlens
         return args, kwargs
     return hook
+
+
+@dataclass
+class EncodedAudio(ModelOutput):
+    """What Gemma 4's forward reads of its ``get_audio_features``: feature rows, and which are real."""
+
+    pooler_output: torch.Tensor | None = None
+    attention_mask: torch.Tensor | None = None
+
+
+class _Shadowed:
+    """``owner.name`` shadowed by ``fn`` on the instance until ``remove()`` (a hook handle's interface)."""
+
+    def __init__(self, owner, name: str, fn):
+        self.owner, self.name = owner, name
+        owner.__dict__[name] = fn
+
+    def remove(self) -> None:
+        self.owner.__dict__.pop(self.name, None)
+
+
+def _encoded_audio(model, state: dict) -> _Shadowed:
+    """Gemma 4's ``get_audio_features`` answering its forward with this rank's audio rows, which the model hook left in
+    ``state`` (each clip encoded on one rank, its rows sent to the ranks holding its tokens); otherwise its own."""
+    own = model.model.get_audio_features
+
+    def get_audio_features(input_features, input_features_mask, **kwargs):
+        rows = state.pop("audio", None)
+        if rows is None:
+            return own(input_features, input_features_mask, **kwargs)
+        return EncodedAudio(pooler_output=rows[None], attention_mask=torch.ones(1, rows.shape[0], dtype=torch.bool, device=rows.device))
+    return _Shadowed(model.model, "get_audio_features", get_audio_features)
 
 
 def _decoder_hook(topo: Topology, state: dict):
@@ -485,6 +524,8 @@ def split_at_decoder(model, decoder: nn.Module, topo: Topology) -> None:
         model.register_forward_pre_hook(_model_hook(topo, state), with_kwargs=True),
         decoder.register_forward_pre_hook(_decoder_hook(topo, state), with_kwargs=True, prepend=True),
     ]
+    if model.config.model_type in AUDIO_BY_ENCODER and getattr(model.model, "audio_tower", None) is not None:
+        model.__dict__[_HOOKS].append(_encoded_audio(model, state))
 
 
 def is_split(model) -> bool:

@@ -94,7 +94,7 @@ def _image_text(config):
         return None
     from . import image_text, verify_image_text
 
-    audio = getattr(config, "audio_config", None) is not None and config.model_type not in image_text.AUDIO + image_text.NO_AUDIO_YET
+    audio = getattr(config, "audio_config", None) is not None and config.model_type not in image_text.AUDIO + image_text.AUDIO_BY_ENCODER
     if config.model_type not in image_text.TESTED or audio:
         raise ValueError(f"verify_sequence_parallel checks text causal LMs and the image-text families ulysses_sp switches "
                          f"({', '.join(image_text.TESTED)}); {type(config).__name__} ({config.model_type}) is neither")
