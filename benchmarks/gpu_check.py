@@ -247,6 +247,18 @@ def vlm_checks(topo=None, rank: int = 0) -> None:
                               lambda cls=cls: usp.verify_sequence_parallel(getattr(transformers, cls)(), topo))
 
 
+def dsa_checks(topo=None, rank: int = 0) -> None:
+    """DeepSeek Sparse Attention on the GPU: verify_sequence_parallel on shrunk DeepSeek-V3.2 and Hy4 (shared indexer
+    layers, sinks), fp64, the latent KV and the indexer's keys all-gathered over NCCL, the indexer's top-k on CUDA (its
+    order among tied scores is CUDA's); on NCCL ranks over the whole group (rank 0 prints)."""
+    import transformers
+
+    topo = topo or usp.init_sequence_parallel(1)
+    for cls in ("DeepseekV32Config", "HYV4Config"):
+        _verify_on_every_rank(f"verify {cls[:-6]} (shrunk, indexed strategy) fp64 P={topo.sp_size} on the GPU", rank,
+                              lambda report: None, lambda cls=cls: usp.verify_sequence_parallel(getattr(transformers, cls)(), topo))
+
+
 def _llama_bf16():
     """A 2-layer Llama (vocabulary 32000, hidden 256, 8/2 heads) in bf16 on the GPU, one rank's
     topology, and an 8k-token batch."""
@@ -497,6 +509,7 @@ def parity_rank(rank: int, world: int, port: int) -> None:
                         print(f"{'PASS' if ok else 'FAIL'} {name}: errors out/dq/dk/dv " + " ".join(f"{e:.1e}" for e in errs.tolist()), flush=True)
     hybrid_checks(usp.init_sequence_parallel(world), rank)
     vlm_checks(usp.init_sequence_parallel(world), rank)
+    dsa_checks(usp.init_sequence_parallel(world), rank)
     pipeline_timing(rank, world)
     dist.destroy_process_group()
     if rank == 0:
@@ -570,6 +583,7 @@ def main() -> int:
     mla_checks()
     hybrid_checks()
     vlm_checks()
+    dsa_checks()
     stream_checks()
     memory_checks()
     step_memory_checks()

@@ -53,6 +53,7 @@ def _summary(report) -> dict:
         "backends": report.backends,
         "passed": report.passed,
         "layers": report.layers,
+        "mixers": report.mixers,
     }
 
 
@@ -121,6 +122,71 @@ inputs, the last layers reusing earlier layers' keys and values (the shipped Gem
 the last 20 and 18), Gemma 4's keys as values on full layers (one global KV head) and MoE block,
 Gemma 3n's AltUp, LAuReL and activation sparsity. LongCat-Flash: two multi-head latent attention
 sublayers per layer, in a class whose name does not say attention."""
+
+
+INDEXED = {  # case: (model type, settings over its default config)
+    "deepseek_v32": ("deepseek_v32", {}),
+    "glm_moe_dsa-shared": ("glm_moe_dsa", dict(index_topk_freq=2, index_skip_topk_offset=1)),
+    "axk2": ("axk2", {}),
+    "hy_v4": ("hy_v4", {}),
+}
+"""DeepSeek Sparse Attention's families from their default configs shrunk by verify: the indexer keeps 6 keys a query
+of rows of 29 to 53 tokens (8 heads of 8, so that exact ties of its scores are rare: see docs/guides/transformers.md).
+GLM-5 with every other layer reusing the layer before's choice (its default has none; Hy4's default has them)."""
+
+
+def indexed_default(topo, name: str) -> dict:
+    """A DSA family through verify, float32 lifted, and the strategy each of its attention modules ran."""
+    model_type, settings = INDEXED[name]
+    return shrunk_default(topo, model_type, **settings)
+
+
+def indexed_planted(topo) -> dict:
+    """Control: DeepSeek-V3.2's indexer choosing among this rank's own keys only (its mask cut to them under SP)."""
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
+
+    from ulysses_sp import layout
+
+    own = dsv32.DeepseekV32Indexer.forward
+
+    def local_keys_only(self, hidden_states, q_resid, position_embeddings, attention_mask, *args, **kwargs):
+        rows, keys = attention_mask.shape[-2:]
+        if rows != keys:  # under SP: this rank's queries against the whole row's keys
+            mine = torch.zeros(keys, dtype=torch.bool, device=attention_mask.device)
+            mine[layout.positions(topo.layout, keys, topo.sp_size, topo.sp_rank)] = True
+            attention_mask = attention_mask & mine
+        return own(self, hidden_states, q_resid, position_embeddings, attention_mask, *args, **kwargs)
+
+    dsv32.DeepseekV32Indexer.forward = local_keys_only
+    try:
+        return shrunk_default(topo, "deepseek_v32")
+    finally:
+        dsv32.DeepseekV32Indexer.forward = own
+
+
+def indexed_bytes(topo) -> dict:
+    """The bytes GLM-5's DSA layers send (every other one reusing the choice before it), counted in a forward
+    and a backward after a warm-up (the first forward's checks send their own), with the dimensions to count them by."""
+    import transformers
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from ulysses_sp.models.shrink import shrink_config
+
+    config = shrink_config(CONFIG_MAPPING["glm_moe_dsa"](**INDEXED["glm_moe_dsa-shared"][1]))
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager").double()
+    usp.apply_sequence_parallel(model, topo)
+    ids = torch.randint(0, config.vocab_size, (2, 16 * topo.sp_size), generator=torch.Generator().manual_seed(0))
+    inputs = usp.model_inputs(usp.shard_batch({"input_ids": ids, "labels": ids}, topo))
+    with torch.no_grad():
+        model(**inputs)
+    with usp.CommCounter() as fwd:
+        logits = model(**inputs).logits
+    with usp.CommCounter() as bwd:
+        logits.sum().backward()
+    attention = model.model.layers[0].self_attn
+    return {"bytes": (fwd.bytes_sent, bwd.bytes_sent), "ops": (sorted(fwd.by_op), sorted(bwd.by_op)), "rows": 2, "local": ids.shape[1] // topo.sp_size,
+            "latent": attention.kv_lora_rank + attention.qk_rope_head_dim, "index": config.index_head_dim, "types": list(config.indexer_types)}
 
 
 def shrunk_default(topo, name: str, backend: str = "auto", **overrides) -> dict:
@@ -742,6 +808,12 @@ def register(case, topo_for, hf: bool) -> None:
     for name, (model_type, settings, worlds) in SHRUNK_DEFAULTS.items():
         window = {"sliding_window": 8} if model_type.startswith("gemma") else {}
         case(f"defaults/{name}", worlds)(lambda env, t=model_type, s={**window, **settings}: shrunk_default(topo_for(env), t, **s))
+    for name in INDEXED:
+        case(f"indexed/{name}", (2, 3, 4))(lambda env, n=name: indexed_default(topo_for(env), n))
+    case("indexed-planted/local-keys", (2,))(lambda env: indexed_planted(topo_for(env)))
+    case("indexed-bytes", (2, 4))(lambda env: indexed_bytes(topo_for(env)))
+    for lay in ("contiguous", "balanced"):
+        case(f"indexed-{lay}/hy_v4", (3,))(lambda env, lay=lay: indexed_default(topo_for(env, lay), "hy_v4"))
     for lay in ("contiguous", "balanced"):  # Gemma 4's shared layers and per-layer inputs in the other placements, at P=3
         case(f"defaults-{lay}/gemma4_text-shared-moe", (3,))(lambda env, lay=lay: shrunk_default(
             topo_for(env, lay), "gemma4_text", sliding_window=8, **SHRUNK_DEFAULTS["gemma4_text-shared-moe"][1]))

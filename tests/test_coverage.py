@@ -11,7 +11,7 @@ import pytest
 
 from .conftest import values
 from .coverage_cases import MLA_BACKENDS
-from .coverage_cases import (BALANCED_FAMILIES, LLAMA4_PLANTS, MAMBA2_ADAPTED, MIXER_LAYER_CASES, MLA_BACKENDS, SHRUNK_DEFAULTS, SINK_DEFAULTS, STATE_BALANCED, STATE_PLANTS,
+from .coverage_cases import (BALANCED_FAMILIES, INDEXED, LLAMA4_PLANTS, MAMBA2_ADAPTED, MIXER_LAYER_CASES, MLA_BACKENDS, SHRUNK_DEFAULTS, SINK_DEFAULTS, STATE_BALANCED, STATE_PLANTS,
                              STRATEGY_FAMILIES)
 from .model_families import EXACT, HYBRID, REFUSED, REFUSED_AT_FORWARD, REFUSED_WITHOUT_MIXER, auto_mixer
 
@@ -128,6 +128,84 @@ def test_gemma4_gemma3n_and_longcat_flash_are_exact(ranks, name, world):
         _assert_exact(r, name)
         layers = {"gemma4_text": 6, "gemma4_text-shared-moe": 12, "gemma3n_text": 10, "longcat_flash": 2}[name]
         assert r["layers"] == layers and len(r["backends"]) == layers, r
+
+
+@hf
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("name", sorted(INDEXED))
+@pytest.mark.quick(world=2, name="deepseek_v32")
+def test_deepseek_sparse_attention_is_exact_under_the_indexed_strategy(ranks, name, world):
+    """DeepSeek-V3.2, GLM-5 (every other layer reusing the choice before it), A.X-K2 and Hy4 (shared indexer layers,
+    learned sinks): each rank's queries over the all-gathered latent KV, the indexer choosing 6 of up to 53 keys from
+    every rank's, as one process; loss and every gradient at fp64's rounding, unpacked and packed, every attention
+    layer under the indexed strategy."""
+    for r in values(ranks(world), f"indexed/{name}"):
+        _assert_exact(r, name)
+        assert r["backends"] == {} and set(r["mixers"].values()) == {"indexed"} and len(r["mixers"]) == r["layers"], r
+
+
+@hf
+@pytest.mark.parametrize("lay", ["contiguous", "balanced"])
+def test_deepseek_sparse_attention_is_exact_in_the_other_placements(ranks, lay):
+    """Hy4 (shared indexer layers, sinks) under the contiguous and balanced layouts, P=3."""
+    for r in values(ranks(3), f"indexed-{lay}/hy_v4"):
+        _assert_exact(r, "hy_v4")
+        assert set(r["mixers"].values()) == {"indexed"} and len(r["mixers"]) == r["layers"], r
+
+
+@hf
+def test_an_indexer_choosing_among_its_own_keys_is_caught(ranks):
+    """Control: the indexer's choice taken among this rank's keys only (as if its keys were never gathered)."""
+    for r in values(ranks(2), "indexed-planted/local-keys"):
+        assert not r["passed"] and min(r["loss_error"].values()) > 1e-3, r
+
+
+@hf
+@pytest.mark.parametrize("world", [2, 4])
+def test_deepseek_sparse_attention_sends_its_latent_and_indexer_keys_only(ranks, world):
+    """Per layer, each rank sends (P - 1) x its tokens x (kv_lora_rank + qk_rope_head_dim) values forward (all-gather) and
+    backward (reduce-scatter of their gradient), and (P - 1) x its tokens x index_head_dim forward on a layer with its own
+    indexer (GLM-5's shared layers send none); fp64 here."""
+    for r in values(ranks(world), "indexed-bytes"):
+        per_token = (world - 1) * r["rows"] * r["local"] * 8
+        full = r["types"].count("full")
+        assert 0 < full < len(r["types"]), r["types"]
+        assert r["bytes"] == (per_token * (len(r["types"]) * r["latent"] + full * r["index"]), per_token * len(r["types"]) * r["latent"]), r
+        assert r["ops"] == (["all_gather"], ["reduce_scatter"]), r["ops"]
+
+
+@hf
+def test_deepseek_sparse_attention_moves_576_and_128_values_a_token_where_expanded_keys_and_values_are_40960():
+    """The estimate on DeepSeek-V3.2's own shapes (a layer built on the meta device): 512 + 64 latent values and 128 indexer
+    key values a token forward, the latent's 576 backward; gathering its expanded keys and values would move 128 heads x (192 + 128)."""
+    import torch
+    import transformers
+
+    from ulysses_sp import Topology
+    from ulysses_sp.mixers.indexed import IndexedAttention
+
+    config = transformers.DeepseekV32Config()
+    with torch.device("meta"):
+        layer = transformers.models.deepseek_v32.modeling_deepseek_v32.DeepseekV32Attention(config, layer_idx=0)
+    estimate = IndexedAttention(Topology.for_planning(8)).estimate(layer, batch=1, seq_local=1, hidden=config.hidden_size, itemsize=1)
+    assert (estimate.comm_bytes, estimate.bwd_comm_bytes) == (7 * (576 + 128), 7 * 576)
+    assert config.num_attention_heads * (config.qk_nope_head_dim + config.qk_rope_head_dim + config.v_head_dim) == 40960
+
+
+@hf
+def test_deepseek_v4_is_refused_with_what_its_compressed_attention_is():
+    import torch
+    import transformers
+
+    from ulysses_sp import Topology
+    from ulysses_sp.models.shrink import shrink_config
+    from ulysses_sp.models.token_mixers import check_supported
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(shrink_config(transformers.DeepseekV4Config()))
+    with pytest.raises(ValueError, match=r"'compressed_sparse_attention', DeepSeek-V4's compressed sparse attention: keys compressed over "
+                                         r"windows of 4 tokens aligned to the row's start \(not to documents"):
+        check_supported(model, Topology.for_planning(2))
 
 
 @hf

@@ -30,6 +30,13 @@ ATTENTION_LAYER_TYPES = frozenset({"full_attention", "sliding_attention", "chunk
 """``config.layer_types`` entries that are softmax attention through the attention interface."""
 CHANNEL_LAYER_TYPES = frozenset({"mlp", "moe"})
 """``config.layer_types`` entries of layers that mix no tokens (Nemotron-H's MLP and MoE layers)."""
+_LAYER_TYPE_REASONS = {
+    "compressed_sparse_attention": "DeepSeek-V4's compressed sparse attention: keys compressed over windows of 4 tokens aligned "
+                                   "to the row's start (not to documents: packed rows would mix), chosen by an indexer",
+    "heavily_compressed_attention": "DeepSeek-V4's heavily compressed attention: keys compressed over windows of 128 tokens aligned "
+                                    "to the row's start (not to documents: packed rows would mix)",
+}
+"""What some ``config.layer_types`` entries that ulysses_sp does not split are, for their refusal."""
 _POSITIONAL = re.compile(r"position|rotary|\bwpe\b", re.IGNORECASE)
 """Module paths or class names of position embeddings (learned, sinusoidal or rotary)."""
 
@@ -224,7 +231,10 @@ def find_uncovered(model) -> list[Finding]:
             reasons.setdefault(_mixer_path(path), []).append((source, reason))
     reasons = {_owner(key, [source for source, _ in why], modules): [r for _, r in why] for key, why in reasons.items()}
     found: dict[str, Finding] = {}
+    covered_layers = set()
     for path, module in attention_modules(model, innermost=True):
+        if MIXER in module.__dict__:  # DeepSeek Sparse Attention's layers (config.layer_types "indexed_attention")
+            covered_layers.add(_layer_of(path, module))
         if MIXER in module.__dict__ or any(_within(path, owner) for owner in reasons):
             continue  # linear attention (Gated DeltaNet, KDA), or inside a mixer: the mixer found below, run whole
         held = [owner for owner in reasons if _within(owner, path)]  # a layer holding a mixer: what else it holds
@@ -235,7 +245,6 @@ def find_uncovered(model) -> list[Finding]:
             found[path] = Finding(path, type(module).__name__, _layer_of(path, module), _own_attention_reason(module, config), "attention")
         elif _alibi(config):
             found[path] = Finding(path, type(module).__name__, _layer_of(path, module), _ALIBI_THROUGH_MASK, "attention")
-    covered_layers = set()
     for owner, why in reasons.items():
         owner_module = modules[owner] if owner in modules else model
         if MIXER in owner_module.__dict__:  # under a mixer strategy
@@ -254,7 +263,8 @@ def find_uncovered(model) -> list[Finding]:
         if kind not in ATTENTION_LAYER_TYPES | CHANNEL_LAYER_TYPES and i not in covered_layers:
             found[f"config.layer_types[{i}]"] = Finding(
                 f"config.layer_types[{i}]", type(config).__name__, i,
-                f"config.layer_types marks this layer {kind!r}, a token mixer other than softmax attention, which ulysses_sp does not split",
+                f"config.layer_types marks this layer {kind!r}, {_LAYER_TYPE_REASONS.get(kind, 'a token mixer other than softmax attention')}, "
+                "which ulysses_sp does not split",
                 "layer_type")
     return sorted(found.values(), key=lambda f: (f.layer if f.layer is not None else -1, f.path))
 

@@ -21,12 +21,11 @@ _WIDTHS = {  # attribute: value in the small copy (only where the config has it 
     "vocab_size": 96, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
     "n_routed_experts": 4, "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
     "max_position_embeddings": 512, "head_dim": 8, "rotary_dim": 4, "vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 8,
-    "laurel_rank": 8,
+    "laurel_rank": 8, "index_topk": 6, "index_n_heads": 8, "index_head_dim": 8,
 }
 """v_head_dim 6 against a query/key head dim of 8 + 4 keeps multi-head latent attention's
-unequal head dims in the copy."""
-
-
+unequal head dims in the copy; DeepSeek Sparse Attention's indexer keeps 6 keys a query, far
+fewer than a row holds, so its choice decides the result."""
 
 
 def _layer_signature(layer) -> tuple:

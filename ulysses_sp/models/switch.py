@@ -92,6 +92,9 @@ def sp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
         coverage.mark_called(module, kwargs)
     if dropout and module.training:
         raise _unsupported(module, f"attention dropout ({dropout})", "set config.attention_dropout = 0 for training")
+    attend = getattr(module.__dict__[coverage.MIXER][0], "attend", None) if whole else None
+    if attend is not None:  # DeepSeek Sparse Attention: this rank's queries over the gathered keys, by its mask and the indexer's choice
+        return attend(module, query, key, value, attention_mask, scaling, kwargs.get("indices"), kwargs.get("s_aux")), None
     if kwargs.get("position_bias") is not None:
         raise _unsupported(module, "an additive attention (position) bias", "use a model without one")
     # a mask is dropped here, so only one that masks nothing may pass: all True, or (additive) all 0

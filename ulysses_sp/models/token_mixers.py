@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .. import mixers as _mixers
+from ..mixers.indexed import IndexedAttention, is_indexed_attention
 from . import adapters  # noqa: F401 - the families register their classes with the mixer strategies
 from .coverage import MIXER, check_coverage, find_uncovered
 
@@ -60,6 +61,9 @@ def install_mixers(model, topo, mixer: str = "auto") -> dict[str, str]:
     found = [(f.path, modules.get(f.path)) for f in find_uncovered(model) if f.kind == "mixer"]
     found = [(path, m) for path, m in found if m is not None and m is not model and not isinstance(m, (nn.Conv1d, nn.RNNBase))]
     strategies = {path: _mixers.get_mixer(mixer, topo, m) for path, m in found}  # a named strategy that cannot run one raises here
+    indexed = [(path, m) for path, m in modules.items() if is_indexed_attention(m)]  # DeepSeek Sparse Attention, whatever ``mixer``
+    strategies.update({path: IndexedAttention(topo) for path, _ in indexed})
+    found += indexed
     for path, module in found:
         module.__dict__[MIXER] = (strategies[path], context)
         module.__dict__["forward"] = types.MethodType(_sp_forward, module)  # deepcopy rebinds it to the copy
