@@ -21,6 +21,7 @@ from __future__ import annotations
 import inspect
 import itertools
 import re
+import types
 from dataclasses import dataclass
 
 import torch
@@ -481,14 +482,12 @@ class _Shadowed:
 def _encoded_audio(model, state: dict) -> _Shadowed:
     """Gemma 4's ``get_audio_features`` answering its forward with this rank's audio rows, which the model hook left in
     ``state`` (each clip encoded on one rank, its rows sent to the ranks holding its tokens); otherwise its own."""
-    own = model.model.get_audio_features
-
-    def get_audio_features(input_features, input_features_mask, **kwargs):
+    def get_audio_features(self, input_features, input_features_mask, **kwargs):
         rows = state.pop("audio", None)
         if rows is None:
-            return own(input_features, input_features_mask, **kwargs)
+            return type(self).get_audio_features(self, input_features, input_features_mask, **kwargs)
         return EncodedAudio(pooler_output=rows[None], attention_mask=torch.ones(1, rows.shape[0], dtype=torch.bool, device=rows.device))
-    return _Shadowed(model.model, "get_audio_features", get_audio_features)
+    return _Shadowed(model.model, "get_audio_features", types.MethodType(get_audio_features, model.model))  # a copy rebinds it
 
 
 def _decoder_hook(topo: Topology, state: dict):

@@ -73,7 +73,9 @@ def sp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
         **kwargs: What transformers passes besides; ``cu_seq_lens_q`` (packed documents),
             ``s_aux`` (learned attention sinks, one logit per head: GPT-OSS and its kin) and
             ``ulysses_sp_blocks`` (each batch row's bidirectional image blocks, from the image-text
-            split: Gemma 3, PaliGemma, and Gemma 4 on its sliding layers) are used.
+            split: Gemma 3, PaliGemma, and Gemma 4 on its sliding layers) are used; under the ``indexed``
+            strategy (DeepSeek Sparse Attention), ``indices`` (the indexer's choice) and the mask of this
+            rank's rows go to the strategy's ``attend``.
 
     Returns:
         The output ``[B, S/P, Hq, Dv]`` and None (no attention weights).
