@@ -3,26 +3,29 @@
 layer would append to a generation cache, its compressed KV (``kv_lora_rank + qk_rope_head_dim`` values a
 token, after its norm and RoPE) and its indexer's keys (``index_head_dim``, ditto), comes back from a
 stand-in cache as the whole sequence's, all-gathered in token order (`_GatheredKeys`). So the indexer
-scores this rank's queries against every key and takes the same top-k as one process, and the module
-expands the whole latent to keys and values itself.
+scores this rank's queries against every key and takes the same top-k as one process.
 
-The mask the module gets is this rank's rows of the causal mask, by document when packed
-(``[B, 1, S_local, S]``); the attention (`attend`) applies it and the indexer's choice. GLM-5's and Hy4's
-shared indexer layers take the previous layer's choice, rows this rank holds, in global key positions.
+The module's ``expand_kv`` is shadowed for the call, so the attention gets the whole latent, not keys and
+values expanded to every head; `attend` runs each query over its chosen latents only, the up-projection
+absorbed (scores ``(W_uk^T q_nope) . c + q_rot . k_rot``, output ``W_uv (p . c)``), in chunks of queries
+recomputed in the backward: ``S/P x index_topk x (kv_lora_rank + qk_rope_head_dim)`` values a chunk at
+most, never ``S x heads`` keys. The mask it gets is this rank's rows of the causal mask, by document when
+packed (``[B, 1, S/P, S]``, booleans). GLM-5's and Hy4's shared indexer layers take the previous layer's
+choice, rows this rank holds, in global key positions.
 
-Bytes a layer, per token of the sequence: ``(P - 1) / P`` x (``kv_lora_rank + qk_rope_head_dim``) in the
-forward's all-gather and again in the backward's reduce-scatter, and ``(P - 1) / P`` x ``index_head_dim``
+Bytes a layer, per rank: ``(P - 1)`` x its tokens x (``kv_lora_rank + qk_rope_head_dim``) in the forward's
+all-gather and again in the backward's reduce-scatter, and ``(P - 1)`` x its tokens x ``index_head_dim``
 forward only (the indexer takes no gradient); a shared indexer layer gathers no indexer keys.
-Memory: the module expands the whole latent (``S x heads x (qk_nope + v_head_dim)``) and masks
-``S_local x S`` scores, as transformers' eager attention does on one process.
 """
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from ulysses_sp import layout
 from ulysses_sp.data import gather_sequence
@@ -31,6 +34,13 @@ from ulysses_sp.spec import MixerEstimate
 __all__ = ["IndexedAttention", "is_indexed_attention", "latent_width"]
 
 _PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+CHUNK_ELEMENTS = 1 << 26
+"""Chosen latent values `attend` gathers at once (queries x index_topk x latent width x batch): 128 MiB in bf16
+(DeepSeek-V3.2: 56 queries a chunk)."""
+INDEX_CHUNK_ELEMENTS = 1 << 28
+"""Indexer scores computed at once (queries x index_n_heads x sequence x batch): 1 GiB in float32 (DeepSeek-V3.2 at
+128k tokens: 32 queries a chunk)."""
+_ROWS = "_ulysses_sp_indexed_rows"
 
 
 def is_indexed_attention(module) -> bool:
@@ -47,22 +57,72 @@ def latent_width(module) -> int:
 
 class _GatheredKeys:
     """Stands in for transformers' cache in one DSA attention call: ``update`` (the latent KV, with its
-    gradient) and ``update_indexer`` (the indexer's keys) return the whole sequence's, in token order."""
+    gradient) and ``update_indexer`` (the indexer's keys) return the whole sequence's, in token order;
+    ``keys`` given: the indexer's keys already gathered (a chunk of queries' call)."""
 
-    def __init__(self, topo, cu_seqlens):
-        self.topo, self.cu_seqlens = topo, cu_seqlens
+    def __init__(self, topo, cu_seqlens, keys=None):
+        self.topo, self.cu_seqlens, self.keys = topo, cu_seqlens, keys
 
     def update(self, k_pass, k_rot, layer_idx, *args, **kwargs):
-        """``[B, 1, S_local, kv_lora_rank]`` and ``[B, 1, S_local, rope]``: one all-gather of both."""
+        """``[B, 1, S/P, kv_lora_rank]`` and ``[B, 1, S/P, rope]``: one all-gather of both."""
         whole = gather_sequence(torch.cat([k_pass, k_rot], dim=-1), self.topo, dim=2, cu_seqlens=self.cu_seqlens)
         return whole.split([k_pass.shape[-1], k_rot.shape[-1]], dim=-1)
 
     def update_indexer(self, keys, layer_idx):
-        """``[B, S_local, index_head_dim]``, under the indexer's ``no_grad``."""
-        return gather_sequence(keys, self.topo, dim=1, cu_seqlens=self.cu_seqlens)
+        """``[B, S/P, index_head_dim]``, under the indexer's ``no_grad``: `_KeysGathered` with the whole sequence's."""
+        if self.keys is not None:
+            return self.keys
+        raise _KeysGathered(gather_sequence(keys, self.topo, dim=1, cu_seqlens=self.cu_seqlens))
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
         return 0
+
+
+class _KeysGathered(Exception):
+    """Ends the indexer's first call as soon as its keys are gathered: its scores come chunk by chunk (`_chunked_indexer`)."""
+
+    def __init__(self, keys):
+        super().__init__("the indexer's keys, gathered")
+        self.keys = keys
+
+
+class _Rows:
+    """This rank's queries: their global positions, and each key's document (packed rows), for their masks."""
+
+    def __init__(self, mine: torch.Tensor, full: int, cu_seqlens):
+        self.mine = mine
+        keys = torch.arange(full, device=mine.device)
+        self.doc = None if cu_seqlens is None else torch.bucketize(keys, torch.tensor(cu_seqlens[1:], device=mine.device), right=True)
+
+    def allowed(self, a: int, b: int, keys: torch.Tensor) -> torch.Tensor:
+        """Whether queries ``a:b`` may see ``keys`` (global positions: ``[n]``, every query the same, giving ``[c, n]``;
+        or ``[B, c, k]``, each query's own): earlier, in the same document."""
+        mine = self.mine[a:b][:, None] if keys.dim() == 1 else self.mine[a:b][None, :, None]
+        ok = keys <= mine
+        if self.doc is not None:
+            ok &= self.doc[keys] == self.doc[mine]
+        return ok
+
+
+def _chunked_indexer(indexer, own, rows: _Rows, gathering: _GatheredKeys, hidden_states, q_resid, position_embeddings, attention_mask,
+                     *args, cache=None, **kwargs):
+    """The indexer's choice for this rank's queries, by its own code, over chunks of queries: its scores
+    (``[B, c, index_n_heads, S]`` in float32) never for all of them at once. Its keys come gathered once."""
+    try:
+        own(hidden_states, q_resid, position_embeddings, attention_mask, *args, cache=gathering, **kwargs)
+        raise RuntimeError(f"{type(indexer).__name__} did not hand its keys to its cache: the indexed strategy cannot run it")
+    except _KeysGathered as gathered:
+        keys = gathered.keys
+    batch, local, full = hidden_states.shape[0], hidden_states.shape[1], keys.shape[1]
+    step = max(1, INDEX_CHUNK_ELEMENTS // max(1, batch * indexer.n_heads * full))
+    every_key = torch.arange(full, device=keys.device)
+    picks = []
+    for a in range(0, local, step):
+        b = min(a + step, local)
+        mask = rows.allowed(a, b, every_key).expand(batch, -1, -1)
+        cut = tuple(t[:, a:b] for t in position_embeddings)
+        picks.append(own(hidden_states[:, a:b], q_resid[:, a:b], cut, mask, *args, cache=_GatheredKeys(None, None, keys), **kwargs))
+    return torch.cat(picks, dim=1)
 
 
 class IndexedAttention:
@@ -75,14 +135,15 @@ class IndexedAttention:
         return None if is_indexed_attention(module) else f"{type(module).__name__} is not DeepSeek Sparse Attention"
 
     def estimate(self, module, batch: int, seq_local: int, hidden: int, itemsize: int) -> MixerEstimate:
-        """The whole latent expanded on every rank; the latent's all-gather (and its gradient's reduce-scatter)
-        and the indexer keys' all-gather."""
+        """The attention's compute on this rank's queries; the latent's all-gather (and its gradient's
+        reduce-scatter) and the indexer keys' all-gather."""
         moved = (self.topo.sp_size - 1) * batch * seq_local * itemsize
         index = 0 if module.indexer is None else module.indexer.head_dim
-        return MixerEstimate(1.0, moved * (latent_width(module) + index), moved * latent_width(module))
+        return MixerEstimate(1.0 / self.topo.sp_size, moved * (latent_width(module) + index), moved * latent_width(module))
 
     def __call__(self, module, forward, args: tuple, kwargs: dict, batch: int, seq_local: int, cu_seqlens):
-        """The module's own forward on this rank's queries, with the mask of their rows and the stand-in cache."""
+        """The module's own forward on this rank's queries, with the stand-in cache, its ``expand_kv`` and its
+        indexer's forward shadowed for the call, and a mask that costs no memory (the masks come from `_Rows`)."""
         for name in ("cache", "past_key_values"):
             if kwargs.get(name) is not None:
                 raise ValueError(f"{type(module).__name__}: a cache (generation) is not supported under sequence parallelism; "
@@ -90,34 +151,67 @@ class IndexedAttention:
         kwargs = {k: v for k, v in kwargs.items() if k not in _PACKING_KWARGS}
         full = seq_local * self.topo.sp_size
         device = (args[0] if args else kwargs["hidden_states"]).device
-        mine = layout.positions(self.topo.layout, full, self.topo.sp_size, self.topo.sp_rank, cu_seqlens).to(device)
-        keys = torch.arange(full, device=device)
-        allowed = keys[None, :] <= mine[:, None]
-        if cu_seqlens is not None:
-            doc = torch.bucketize(keys, torch.tensor(cu_seqlens[1:], device=device), right=True)
-            allowed &= doc[None, :] == doc[mine][:, None]
+        rows = _Rows(layout.positions(self.topo.layout, full, self.topo.sp_size, self.topo.sp_rank, cu_seqlens).to(device), full, cu_seqlens)
         names = [p.name for p in inspect.signature(forward).parameters.values() if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         given = dict(zip(names, args))
         given.update(kwargs)
-        given["attention_mask"] = allowed.expand(batch, 1, seq_local, full)
-        given["cache"] = _GatheredKeys(self.topo, cu_seqlens)
-        return forward(**given)
+        given["attention_mask"] = torch.ones((), dtype=torch.bool, device=device).expand(batch, 1, seq_local, full)
+        given["cache"] = cache = _GatheredKeys(self.topo, cu_seqlens)
+        module.__dict__["expand_kv"] = _latent_kv  # the attention gets the latent, not keys and values for every head
+        module.__dict__[_ROWS] = rows
+        indexer = getattr(module, "indexer", None)
+        if indexer is not None:
+            own = type(indexer).forward.__get__(indexer)
+            indexer.__dict__["forward"] = functools.partial(_chunked_indexer, indexer, own, rows, cache)
+        try:
+            return forward(**given)
+        finally:
+            module.__dict__.pop("expand_kv", None)
+            module.__dict__.pop(_ROWS, None)
+            if indexer is not None:
+                indexer.__dict__.pop("forward", None)
 
     @staticmethod
     def attend(module, query, key, value, mask, scaling, indices, sinks):
-        """Softmax attention of this rank's queries ``[B, H, S_local, D]`` over the whole sequence's keys
-        ``[B, H, S, D]``, where ``mask`` allows and the indexer chose (``indices`` ``[B, S_local, k]``, global
-        key positions), with learned sinks (``s_aux``, one logit a head) where the layer has them; the
-        output ``[B, S_local, H, Dv]``, as transformers' eager attention computes it."""
-        chosen = torch.zeros(mask.shape[0], mask.shape[2], mask.shape[3], dtype=torch.bool, device=mask.device)
-        chosen.scatter_(-1, indices.long(), True)
-        allowed = mask & chosen[:, None]
-        scores = torch.matmul(query, key.transpose(-1, -2)) * (scaling if scaling is not None else 1 / math.sqrt(query.shape[-1]))
-        scores = scores.masked_fill(~allowed, float("-inf"))
-        if sinks is not None:  # one more logit a head, unscaled, in the wider of the two dtypes (as eager's concatenation promotes)
-            dtype = torch.promote_types(scores.dtype, sinks.dtype)
-            scores = torch.cat([scores.to(dtype), sinks.to(dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
-        weights = torch.softmax(scores, dim=-1, dtype=torch.float32 if scores.dtype in (torch.float16, torch.bfloat16) else None)
-        weights = weights[..., :key.shape[2]].to(value.dtype)
-        return torch.matmul(weights, value).transpose(1, 2).contiguous()
+        """This rank's queries ``[B, H, S/P, qk_nope + qk_rope]`` over the latents the indexer chose for each
+        (``indices`` ``[B, S/P, k]``, global positions; ``key`` ``[B, 1, S, kv_lora_rank + rope]`` and ``value``
+        its first ``kv_lora_rank``, from `_latent_kv`), those earlier in the query's document (a short row's
+        top-k holds others too), with learned sinks (``s_aux``, one logit a head) where the layer has them: the
+        output ``[B, S/P, H, v_head_dim]``, as transformers' eager attention computes it on the expanded keys and
+        values. ``mask`` is the call's placeholder."""
+        if module.kv_b_proj.bias is not None:
+            raise ValueError(f"{type(module).__name__}: a kv_b_proj with a bias is not supported by the indexed strategy")
+        rows = module.__dict__[_ROWS]
+        heads, nope, rank = query.shape[1], module.qk_nope_head_dim, module.kv_lora_rank
+        weight = module.kv_b_proj.weight.view(heads, nope + module.v_head_dim, rank)
+        latent, scale, indices = key[:, 0], scaling if scaling is not None else 1 / math.sqrt(query.shape[-1]), indices.long()
+        step = max(1, CHUNK_ELEMENTS // max(1, indices.shape[0] * indices.shape[2] * latent.shape[-1]))
+        outs = []
+        for a in range(0, query.shape[2], step):
+            b = min(a + step, query.shape[2])
+            part = (query[:, :, a:b], indices[:, a:b], rows.allowed(a, b, indices[:, a:b]), latent, weight, nope, scale, sinks)
+            outs.append(checkpoint(_chosen_attention, *part, use_reentrant=False) if torch.is_grad_enabled() else _chosen_attention(*part))
+        return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
 
+
+def _latent_kv(kv_nope: torch.Tensor, k_rot: torch.Tensor):
+    """The module's ``expand_kv`` under the strategy: the whole latent as the key (``[B, 1, S, kv_lora_rank + rope]``)
+    and its first part as the value, for `IndexedAttention.attend`."""
+    return torch.cat([kv_nope, k_rot], dim=-1), kv_nope
+
+
+def _chosen_attention(query, indices, valid, latent, weight, nope: int, scale: float, sinks):
+    """One chunk of queries over their chosen latents, ``kv_b_proj``'s ``weight`` (``[H, nope + v, rank]``) absorbed:
+    ``[B, H, c, v_head_dim]``."""
+    rank = weight.shape[-1]
+    q_latent, q_rot, w_uv = torch.einsum("bhcn,hnr->bhcr", query[..., :nope], weight[:, :nope]), query[..., nope:], weight[:, nope:]
+    rows = torch.arange(latent.shape[0], device=latent.device)[:, None, None]
+    chosen = latent[rows, indices]  # [B, c, k, rank + rope]
+    scores = (torch.einsum("bhcr,bckr->bhck", q_latent, chosen[..., :rank]) + torch.einsum("bhcr,bckr->bhck", q_rot, chosen[..., rank:])) * scale
+    scores = scores.masked_fill(~valid[:, None], float("-inf"))
+    if sinks is not None:  # one more logit a head, unscaled, in the wider of the two dtypes (as eager's concatenation promotes)
+        dtype = torch.promote_types(scores.dtype, sinks.dtype)
+        scores = torch.cat([scores.to(dtype), sinks.to(dtype).reshape(1, -1, 1, 1).expand(*scores.shape[:-1], 1)], dim=-1)
+    weights = torch.softmax(scores, dim=-1, dtype=torch.float32 if scores.dtype in (torch.float16, torch.bfloat16) else None)
+    weights = weights[..., :indices.shape[-1]].to(latent.dtype)
+    return torch.einsum("bhcr,hvr->bhcv", torch.einsum("bhck,bckr->bhcr", weights, chosen[..., :rank]), w_uv)  # the value's absorbed

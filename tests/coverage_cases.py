@@ -141,6 +141,18 @@ def indexed_default(topo, name: str) -> dict:
     return shrunk_default(topo, model_type, **settings)
 
 
+def indexed_in_chunks(topo, name: str) -> dict:
+    """`indexed_default` with one query a chunk, in the indexer's scores and in the attention over the chosen latents."""
+    from ulysses_sp.mixers import indexed
+
+    saved = indexed.CHUNK_ELEMENTS, indexed.INDEX_CHUNK_ELEMENTS
+    indexed.CHUNK_ELEMENTS = indexed.INDEX_CHUNK_ELEMENTS = 1
+    try:
+        return indexed_default(topo, name)
+    finally:
+        indexed.CHUNK_ELEMENTS, indexed.INDEX_CHUNK_ELEMENTS = saved
+
+
 def indexed_planted(topo) -> dict:
     """Control: DeepSeek-V3.2's indexer choosing among this rank's own keys only (its mask cut to them under SP)."""
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
@@ -812,6 +824,7 @@ def register(case, topo_for, hf: bool) -> None:
         case(f"indexed/{name}", (2, 3, 4))(lambda env, n=name: indexed_default(topo_for(env), n))
     case("indexed-planted/local-keys", (2,))(lambda env: indexed_planted(topo_for(env)))
     case("indexed-bytes", (2, 4))(lambda env: indexed_bytes(topo_for(env)))
+    case("indexed-chunks/hy_v4", (2, 3))(lambda env: indexed_in_chunks(topo_for(env), "hy_v4"))
     for lay in ("contiguous", "balanced"):
         case(f"indexed-{lay}/hy_v4", (3,))(lambda env, lay=lay: indexed_default(topo_for(env, lay), "hy_v4"))
     for lay in ("contiguous", "balanced"):  # Gemma 4's shared layers and per-layer inputs in the other placements, at P=3

@@ -154,6 +154,15 @@ def test_deepseek_sparse_attention_is_exact_in_the_other_placements(ranks, lay):
 
 
 @hf
+@pytest.mark.parametrize("world", [2, 3])
+def test_deepseek_sparse_attention_is_exact_one_query_a_chunk(ranks, world):
+    """Hy4 with the indexer's scores and the attention over the chosen latents computed one query at a time (the
+    chunks that bound their memory at long lengths; the attention's recomputed in the backward)."""
+    for r in values(ranks(world), "indexed-chunks/hy_v4"):
+        _assert_exact(r, "hy_v4")
+
+
+@hf
 def test_an_indexer_choosing_among_its_own_keys_is_caught(ranks):
     """Control: the indexer's choice taken among this rank's keys only (as if its keys were never gathered)."""
     for r in values(ranks(2), "indexed-planted/local-keys"):

@@ -8,6 +8,7 @@ when the storage dies, as a caching allocator's "allocated" figure would.
 
     python -m ulysses_sp.testing.memory                       # 128k tokens, P=8, H32/KV8, D128, bf16
     python -m ulysses_sp.testing.memory --seq 131072 --sp 8 --json
+    python -m ulysses_sp.testing.memory --indexed             # a DeepSeek-V3.2 attention layer (DSA)
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["PeakMemory", "peak_until", "measure", "main"]
+__all__ = ["PeakMemory", "peak_until", "measure", "measure_indexed", "main"]
 
 
 def _tensors(value):
@@ -130,6 +131,35 @@ def measure(backend: str, *, seq: int = 131072, sp: int = 8, heads: int = 32, kv
     }
 
 
+def measure_indexed(*, seq: int = 131072, sp: int = 8) -> dict:
+    """Rank 0's peak bytes in the forward and the backward of one DeepSeek-V3.2 attention layer (its default
+    config: 128 heads, latent 512 + 64, indexer 64 x 128 choosing 2048) under the ``indexed`` strategy, bf16,
+    with this rank's input shard to compare."""
+    import transformers
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
+
+    from ..mixers.indexed import IndexedAttention
+    from ..models import coverage, switch  # noqa: F401 - switch registers the "ulysses_sp" attention function
+
+    topo = _topology(sp, None)
+    config = transformers.DeepseekV32Config()
+    config._attn_implementation = "ulysses_sp"
+    with torch.device("meta"):
+        layer = dsv32.DeepseekV32Attention(config, layer_idx=0).to(torch.bfloat16)
+        rotary = dsv32.DeepseekV32RotaryEmbedding(config)
+    strategy = IndexedAttention(topo)
+    layer.__dict__[coverage.MIXER] = (strategy, {})
+    local = seq // sp
+    hidden = torch.empty(1, local, config.hidden_size, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    positions = torch.arange(local, device="meta")[None]
+    with PeakMemory() as fwd:
+        out = strategy(layer, type(layer).forward.__get__(layer), (hidden, rotary(hidden, positions)), {"position_ids": positions}, 1, local, None)[0]
+    with PeakMemory() as bwd:
+        out.backward(torch.empty_like(out))
+    return {"seq": seq, "sp": sp, "input_shard_bytes": hidden.numel() * hidden.element_size(), "forward_peak_bytes": fwd.peak,
+            "backward_peak_bytes": bwd.peak}
+
+
 def main(argv=None) -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--seq", type=int, default=131072)
@@ -141,7 +171,13 @@ def main(argv=None) -> None:
     p.add_argument("--kernel", default="auto")
     p.add_argument("--backends", default="ulysses,allgather,ring,hybrid")
     p.add_argument("--json", action="store_true")
+    p.add_argument("--indexed", action="store_true", help="one DeepSeek-V3.2 attention layer under the indexed strategy instead")
     a = p.parse_args(argv)
+    if a.indexed:
+        r = measure_indexed(seq=a.seq, sp=a.sp)
+        print(json.dumps(r) if a.json else f"S={a.seq} P={a.sp} DeepSeek-V3.2 attention layer, indexed, bf16: forward "
+              f"{r['forward_peak_bytes'] / 2**30:.2f} GiB, backward {r['backward_peak_bytes'] / 2**30:.2f} GiB per rank")
+        return
     rows = [measure(b, seq=a.seq, sp=a.sp, heads=a.heads, kv_heads=a.kv_heads, head_dim=a.head_dim, ulysses_degree=a.ulysses_degree, kernel=a.kernel)
             for b in a.backends.split(",")]
     if a.json:
