@@ -17,6 +17,7 @@ import torch
 
 from ulysses_sp.models.coverage import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
 from ulysses_sp.mixers import AUTO_ORDER, BUILT_IN, MIXERS, AutoMixer, get_mixer
+from ulysses_sp.mixers.indexed import IndexedAttention, is_indexed_attention
 from ulysses_sp.mixers.auto import seconds as mixer_seconds
 from ulysses_sp.profile import Profile
 from ulysses_sp.registry import choose_backend
@@ -106,7 +107,9 @@ def _mixer_modules(config: dict) -> dict:
     except (ValueError, KeyError, TypeError):
         return {}
     modules = dict(model.named_modules())
-    return {f.layer: modules[f.path] for f in find_uncovered(model) if f.kind == "mixer" and f.layer is not None and f.path in modules}
+    found = {f.layer: modules[f.path] for f in find_uncovered(model) if f.kind == "mixer" and f.layer is not None and f.path in modules}
+    found.update({m.layer_idx: m for m in modules.values() if is_indexed_attention(m)})  # DeepSeek Sparse Attention's layers
+    return found
 
 
 def _windows(config: dict, n: int) -> list[int | None]:
@@ -136,6 +139,11 @@ def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_d
     for index, shape in enumerate(layers):
         if rows and rows[-1][2] == shape:
             rows[-1][1] = index
+            continue
+        if shape.module is not None and is_indexed_attention(shape.module):  # its one strategy, whatever the mixer
+            indexed = IndexedAttention(topo)
+            rows.append([index, index, shape, indexed.name,
+                         {indexed.name: indexed.estimate(shape.module, batch, seq_len // sp_size, shape.hidden, dtype.itemsize)}])
             continue
         if shape.mixer:
             auto = get_mixer("auto", topo, shape.module)

@@ -372,6 +372,21 @@ def test_plan_gives_a_hybrids_mixer_layers_a_mixer_strategy(tmp_path):
     assert result.exit_code == 0 and "linear_attention" in result.output and "mixer" in result.output, result.output
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="builds the layers from the config with transformers")
+def test_plan_gives_deepseek_sparse_attention_the_indexed_strategy(tmp_path):
+    """DeepSeek-V3.2's default config (61 layers of indexed attention) at 128k tokens on 8 ranks: the indexed strategy on
+    every layer (it used to show allgather, and "install transformers" for the others), its bytes a layer and rank: 7 x
+    16k tokens x (512 + 64 + 128) values forward, the latent's 576 backward, bf16."""
+    import transformers
+
+    path = tmp_path / "deepseek_v32.json"
+    transformers.DeepseekV32Config().to_json_file(path)
+    rows = plan_rows(layers_from_config(str(path)), seq_len=128 * 1024, sp_size=8, profile=NVLINK_PROFILE)
+    assert [(first, last, chosen) for first, last, _, chosen, _ in rows] == [(0, 60, "indexed")], rows
+    local = 128 * 1024 // 8 * 2
+    assert rows[0][4] == {"indexed": MixerEstimate(1 / 8, 7 * local * (576 + 128), 7 * local * 576)}, rows[0][4]
+
+
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="builds the mixer from the config with transformers")
 def test_plan_estimates_each_mixer_strategy_from_the_models_own_layers(tmp_path):
     """Qwen3-Next (Gated DeltaNet: 16 key, 32 value heads of 128) and LFM2 (short convolution, kernel 3)

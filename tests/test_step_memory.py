@@ -157,3 +157,19 @@ def test_bad_world_and_engine():
         Engine("zero4")
     with pytest.raises(ValueError, match="optimizer offload is DeepSpeed's"):
         Engine("fsdp2", offload_optimizer=True)
+
+
+def test_host_tensors_made_under_the_meta_memory_mode_stay_on_the_host():
+    """The mode makes a repeated op's output anew without running it, on the meta device: not a host tensor's (a layout's
+    positions, made twice by DeepSeek Sparse Attention's layers, came back as meta and could not be joined to the first)."""
+    import torch
+
+    from ulysses_sp.step_memory import MetaPeakMemory
+
+    with MetaPeakMemory():
+        first, second = torch.arange(8), torch.arange(8)
+        joined = torch.cat([first, second])
+        meta = torch.empty(4, device="meta") + 1
+        again = torch.empty(4, device="meta") + 1
+    assert first.device.type == second.device.type == joined.device.type == "cpu" and joined.tolist() == list(range(8)) * 2
+    assert meta.device.type == again.device.type == "meta"

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .testing.memory import PeakMemory
+from .testing.memory import PeakMemory, _tensors
 from .data import shard_batch, sp_cross_entropy
 from .decoder_layers import decoder_layers
 from .loss import causal_lm_loss
@@ -358,7 +358,8 @@ class MetaPeakMemory(PeakMemory):
         made = self._outputs.get(key)
         if made is None:
             out = func(*args, **kwargs)
-            self._outputs[key] = _recorded(out)
+            if all(t.device.type == "meta" for t in _tensors(out)):  # a factory op's host tensor (positions, indices) is not remade on meta
+                self._outputs[key] = _recorded(out)
             return out
         return _remade(made)
 
