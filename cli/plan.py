@@ -17,8 +17,8 @@ import torch
 
 from ulysses_sp.models.coverage import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
 from ulysses_sp.mixers import AUTO_ORDER, BUILT_IN, MIXERS, AutoMixer, get_mixer
-from ulysses_sp.mixers.indexed import IndexedAttention, is_indexed_attention
 from ulysses_sp.mixers.auto import seconds as mixer_seconds
+from ulysses_sp.mixers.indexed import IndexedAttention, is_indexed_attention
 from ulysses_sp.profile import Profile
 from ulysses_sp.registry import choose_backend
 from ulysses_sp.spec import AttnSpec, Estimate, MixerEstimate

@@ -12,6 +12,7 @@ import torch
 
 from ulysses_sp import layout
 from ulysses_sp.data import gather_sequence, shard_sequence
+from ulysses_sp.mixers.common import PACKING_KWARGS
 from ulysses_sp.spec import MixerEstimate
 
 FINAL_STATE: set[str] = set()
@@ -24,8 +25,6 @@ def register_final_state(names) -> None:
     FINAL_STATE.update(names)
 
 
-_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
-"""The global packed row's boundaries: each document runs alone here, so the mixer gets none."""
 
 
 class AllGatherMixer:
@@ -61,7 +60,7 @@ class AllGatherMixer:
     def __call__(self, module, forward, args: tuple, kwargs: dict, batch: int, seq_local: int, cu_seqlens: torch.Tensor | None):
         """``forward(*args, **kwargs)`` as one process would run it on the whole sequence, this
         rank's rows of its output. ``cu_seqlens`` (global, packed input) splits the run by document."""
-        kwargs = {k: v for k, v in kwargs.items() if k not in _PACKING_KWARGS}
+        kwargs = {k: v for k, v in kwargs.items() if k not in PACKING_KWARGS}  # each document runs alone here
         gathered = []
 
         def gather(t):

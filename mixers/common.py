@@ -1,8 +1,11 @@
-"""What the per-layer strategies (halo, ulysses) share: the calls they refuse by name."""
+"""What the per-layer strategies share: the calls they refuse by name, and the packing keywords that the
+strategies running whole documents (allgather) or building their own masks (indexed) drop."""
 
 from __future__ import annotations
 
 _CACHE_KWARGS = ("cache", "cache_params", "past_key_values")
+PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""The global packed row's boundaries, as transformers' attention keywords."""
 
 
 def refuse_unsupported(module, kwargs: dict, strategy: str) -> None:

@@ -9,9 +9,10 @@ The module's ``expand_kv`` is shadowed for the call, so the attention gets the w
 values expanded to every head; `attend` runs each query over its chosen latents only, the up-projection
 absorbed (scores ``(W_uk^T q_nope) . c + q_rot . k_rot``, output ``W_uv (p . c)``), in chunks of queries
 recomputed in the backward: ``S/P x index_topk x (kv_lora_rank + qk_rope_head_dim)`` values a chunk at
-most, never ``S x heads`` keys. The mask it gets is this rank's rows of the causal mask, by document when
-packed (``[B, 1, S/P, S]``, booleans). GLM-5's and Hy4's shared indexer layers take the previous layer's
-choice, rows this rank holds, in global key positions.
+most, never ``S x heads`` keys. The module gets a mask that holds no memory (one value, expanded); the
+indexer's masks (a chunk of queries' rows) and the attention's (each query's chosen keys) come from the
+queries' global positions and documents (`_Rows`). GLM-5's and Hy4's shared indexer layers take the
+previous layer's choice, rows this rank holds, in global key positions.
 
 Bytes a layer, per rank: ``(P - 1)`` x its tokens x (``kv_lora_rank + qk_rope_head_dim``) in the forward's
 all-gather and again in the backward's reduce-scatter, and ``(P - 1)`` x its tokens x ``index_head_dim``
@@ -29,11 +30,11 @@ from torch.utils.checkpoint import checkpoint
 
 from ulysses_sp import layout
 from ulysses_sp.data import gather_sequence
+from ulysses_sp.mixers.common import PACKING_KWARGS, refuse_unsupported
 from ulysses_sp.spec import MixerEstimate
 
 __all__ = ["IndexedAttention", "is_indexed_attention", "latent_width"]
 
-_PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 CHUNK_ELEMENTS = 1 << 26
 """Chosen latent values `attend` gathers at once (queries x index_topk x latent width x batch): 128 MiB in bf16
 (DeepSeek-V3.2: 56 queries a chunk)."""
@@ -61,12 +62,20 @@ class _GatheredKeys:
     ``keys`` given: the indexer's keys already gathered (a chunk of queries' call)."""
 
     def __init__(self, topo, cu_seqlens, keys=None):
-        self.topo, self.cu_seqlens, self.keys = topo, cu_seqlens, keys
+        self.topo, self.cu_seqlens, self.keys, self.latent = topo, cu_seqlens, keys, None
 
     def update(self, k_pass, k_rot, layer_idx, *args, **kwargs):
-        """``[B, 1, S/P, kv_lora_rank]`` and ``[B, 1, S/P, rope]``: one all-gather of both."""
-        whole = gather_sequence(torch.cat([k_pass, k_rot], dim=-1), self.topo, dim=2, cu_seqlens=self.cu_seqlens)
-        return whole.split([k_pass.shape[-1], k_rot.shape[-1]], dim=-1)
+        """``[B, 1, S/P, kv_lora_rank]`` and ``[B, 1, S/P, rope]``: one all-gather of both, kept whole for `expand_kv`."""
+        self.latent = gather_sequence(torch.cat([k_pass, k_rot], dim=-1), self.topo, dim=2, cu_seqlens=self.cu_seqlens)
+        return self.latent.split([k_pass.shape[-1], k_rot.shape[-1]], dim=-1)
+
+    def expand_kv(self, kv_nope, k_rot):
+        """The module's ``expand_kv`` under the strategy: the whole latent as the key (``[B, 1, S, kv_lora_rank + rope]``)
+        and its first part as the value, for `IndexedAttention.attend`; the gathered tensor itself where the module
+        passes the parts `update` gave it."""
+        latent = self.latent
+        same = latent is not None and kv_nope.data_ptr() == latent.data_ptr() and kv_nope.shape[-1] + k_rot.shape[-1] == latent.shape[-1]
+        return (latent if same else torch.cat([kv_nope, k_rot], dim=-1)), kv_nope
 
     def update_indexer(self, keys, layer_idx):
         """``[B, S/P, index_head_dim]``, under the indexer's ``no_grad``: `_KeysGathered` with the whole sequence's."""
@@ -144,11 +153,8 @@ class IndexedAttention:
     def __call__(self, module, forward, args: tuple, kwargs: dict, batch: int, seq_local: int, cu_seqlens):
         """The module's own forward on this rank's queries, with the stand-in cache, its ``expand_kv`` and its
         indexer's forward shadowed for the call, and a mask that costs no memory (the masks come from `_Rows`)."""
-        for name in ("cache", "past_key_values"):
-            if kwargs.get(name) is not None:
-                raise ValueError(f"{type(module).__name__}: a cache (generation) is not supported under sequence parallelism; "
-                                 "call remove_sequence_parallel(model) to generate")
-        kwargs = {k: v for k, v in kwargs.items() if k not in _PACKING_KWARGS}
+        refuse_unsupported(module, kwargs, self.name)
+        kwargs = {k: v for k, v in kwargs.items() if k not in PACKING_KWARGS}  # the masks come from the rows' documents
         full = seq_local * self.topo.sp_size
         device = (args[0] if args else kwargs["hidden_states"]).device
         rows = _Rows(layout.positions(self.topo.layout, full, self.topo.sp_size, self.topo.sp_rank, cu_seqlens).to(device), full, cu_seqlens)
@@ -157,7 +163,7 @@ class IndexedAttention:
         given.update(kwargs)
         given["attention_mask"] = torch.ones((), dtype=torch.bool, device=device).expand(batch, 1, seq_local, full)
         given["cache"] = cache = _GatheredKeys(self.topo, cu_seqlens)
-        module.__dict__["expand_kv"] = _latent_kv  # the attention gets the latent, not keys and values for every head
+        module.__dict__["expand_kv"] = cache.expand_kv  # the attention gets the latent, not keys and values for every head
         module.__dict__[_ROWS] = rows
         indexer = getattr(module, "indexer", None)
         if indexer is not None:
@@ -175,7 +181,7 @@ class IndexedAttention:
     def attend(module, query, key, value, mask, scaling, indices, sinks):
         """This rank's queries ``[B, H, S/P, qk_nope + qk_rope]`` over the latents the indexer chose for each
         (``indices`` ``[B, S/P, k]``, global positions; ``key`` ``[B, 1, S, kv_lora_rank + rope]`` and ``value``
-        its first ``kv_lora_rank``, from `_latent_kv`), those earlier in the query's document (a short row's
+        its first ``kv_lora_rank``, from `_GatheredKeys.expand_kv`), those earlier in the query's document (a short row's
         top-k holds others too), with learned sinks (``s_aux``, one logit a head) where the layer has them: the
         output ``[B, S/P, H, v_head_dim]``, as transformers' eager attention computes it on the expanded keys and
         values. ``mask`` is the call's placeholder."""
@@ -192,12 +198,6 @@ class IndexedAttention:
             part = (query[:, :, a:b], indices[:, a:b], rows.allowed(a, b, indices[:, a:b]), latent, weight, nope, scale, sinks)
             outs.append(checkpoint(_chosen_attention, *part, use_reentrant=False) if torch.is_grad_enabled() else _chosen_attention(*part))
         return torch.cat(outs, dim=2).transpose(1, 2).contiguous()
-
-
-def _latent_kv(kv_nope: torch.Tensor, k_rot: torch.Tensor):
-    """The module's ``expand_kv`` under the strategy: the whole latent as the key (``[B, 1, S, kv_lora_rank + rope]``)
-    and its first part as the value, for `IndexedAttention.attend`."""
-    return torch.cat([kv_nope, k_rot], dim=-1), kv_nope
 
 
 def _chosen_attention(query, indices, valid, latent, weight, nope: int, scale: float, sinks):
