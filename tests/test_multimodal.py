@@ -201,6 +201,19 @@ def test_gemma4_audio_equals_one_process(ranks, world, lay, packed):
 
 
 @pytest.mark.parametrize("world", [2, 3, 4])
+def test_glm_rows_in_kind_order_are_caught(ranks, world):
+    """Control for GLM's videos: its image and video rows handed over by kind, not in token order (balanced, packed)."""
+    for rank, r in enumerate(values(ranks(world), "vlm-planted/glm-stream-in-kind-order")):
+        assert abs(r["loss"] - r["ref_loss"]) > 1e-6 * r["ref_loss"] and r["worst"][1] > 1e-3, (rank, r)
+
+
+def test_gemma4_audio_rows_in_reverse_are_caught(ranks):
+    """Control for Gemma 4's audio: its clip's rows merged in reverse order."""
+    for rank, r in enumerate(values(ranks(2), "vlm-planted/gemma4-audio-reversed")):
+        assert abs(r["loss"] - r["ref_loss"]) > 1e-6 * r["ref_loss"] and r["worst"][1] > 1e-3, (rank, r)
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
 def test_gemma4_whose_images_attend_causally_equals_one_process(ranks, world):
     """Gemma 4 as its small models ship (use_bidirectional_attention None): no blocks on any layer, packed."""
     for rank, r in enumerate(values(ranks(world), "vlm/gemma4-causal/zigzag-packed")):

@@ -635,8 +635,8 @@ def _vlm_parity(env: Env, family: str, layout: str, packed: bool, as_rows: bool)
 
 PLACEMENTS = [("zigzag", False), ("zigzag", True), ("balanced", False), ("balanced", True), ("contiguous", True)]
 """(layout, packed): contiguous packed only, where the third document's images straddle the boundary at every P."""
-AUDIO_PLACEMENTS = [("zigzag", False), ("zigzag", True), ("contiguous", True)]
-"""Gemma 4 with its audio tower: the layouts that place its clip differently (the image and video are the plain family's)."""
+AUDIO_PLACEMENTS = [("zigzag", False), ("zigzag", True), ("balanced", True), ("contiguous", True)]
+"""Gemma 4 with its audio tower: every layout, packed, and zigzag unpacked (the clip across a shard boundary)."""
 
 for _family in FAMILIES:
     for _layout, _packed in PLACEMENTS:
@@ -686,7 +686,55 @@ def planted_gemma4_blocks_on_every_layer(env: Env, family: str = "gemma4", packe
         image_text.takes_blocks = honest
 
 
+def planted_glm_stream_in_kind_order(env: Env, layout: str = "zigzag", packed: bool = True) -> dict:
+    """Control: GLM's image and video rows handed to its forward in kind order (every video's, then every image's), not
+    in the order of this rank's tokens. It shows where a rank holds an image's tokens before a video's: under balanced
+    (packed or not) at P=2, 3, 4, contiguous and zigzag unpacked at P=2; the other placements' ranks hold videos first."""
+    from ulysses_sp.models import image_text
+
+    honest = image_text._one_stream
+
+    def kind_order(model, topo, encoded, kwargs, cu):
+        rows = torch.cat([encoded[kind].pooler_output[0] for kind in ("video", "image") if kind in encoded])
+        return {"image": image_text.EncodedVisuals(pooler_output=(rows,))}
+
+    image_text._one_stream = kind_order
+    try:
+        return vlm_parity(env, "glm4v", layout, packed)
+    finally:
+        image_text._one_stream = honest
+
+
+def planted_gemma4_audio_rows_reversed(env: Env) -> dict:
+    """Control: Gemma 4's audio rows handed to its merge in reverse order (each clip's tokens then get another's features)."""
+    from ulysses_sp.models import image_text
+
+    honest = image_text._encoded_audio
+
+    def reversed_rows(model, state):
+        handle = honest(model, state)
+        shadow = model.model.__dict__["get_audio_features"]
+
+        def flipped(*args, **kwargs):
+            merging = "audio" in state  # the forward's call, not the encoding's
+            out = shadow(*args, **kwargs)
+            if merging:
+                out.pooler_output = out.pooler_output.flip(1)
+            return out
+
+        model.model.__dict__["get_audio_features"] = flipped
+        return handle
+
+    image_text._encoded_audio = reversed_rows
+    try:
+        return vlm_parity(env, "gemma4-audio", "zigzag", False)
+    finally:
+        image_text._encoded_audio = honest
+
+
 case("vlm-planted/gemma4-blocks-on-full-layers", (2, 4))(planted_gemma4_blocks_on_every_layer)
+case("vlm-planted/glm-stream-in-kind-order", (2, 3, 4))(lambda env: planted_glm_stream_in_kind_order(env, "balanced", True))
+case("vlm-planted/gemma4-audio-reversed", (2,))(planted_gemma4_audio_rows_reversed)
 case("vlm-planted/gemma4-causal-blocks", (2,))(lambda env: planted_gemma4_blocks_on_every_layer(env, "gemma4-causal", True))
 
 
