@@ -250,12 +250,13 @@ def vlm_checks(topo=None, rank: int = 0) -> None:
 def dsa_checks(topo=None, rank: int = 0) -> None:
     """DeepSeek Sparse Attention on the GPU: verify_sequence_parallel on shrunk DeepSeek-V3.2 and Hy4 (shared indexer
     layers, sinks), fp64, the latent KV and the indexer's keys all-gathered over NCCL, the indexer's top-k on CUDA (its
-    order among tied scores is CUDA's); on NCCL ranks over the whole group (rank 0 prints)."""
+    order among tied scores is CUDA's); and DeepSeek-V4 (compressed strategy, unpacked): its halos point to point and
+    compressed entries all-gathered over NCCL; on NCCL ranks over the whole group (rank 0 prints)."""
     import transformers
 
     topo = topo or usp.init_sequence_parallel(1)
-    for cls in ("DeepseekV32Config", "HYV4Config"):
-        _verify_on_every_rank(f"verify {cls[:-6]} (shrunk, indexed strategy) fp64 P={topo.sp_size} on the GPU", rank,
+    for cls in ("DeepseekV32Config", "HYV4Config", "DeepseekV4Config"):
+        _verify_on_every_rank(f"verify {cls[:-6]} (shrunk, its own strategy) fp64 P={topo.sp_size} on the GPU", rank,
                               lambda report: None, lambda cls=cls: usp.verify_sequence_parallel(getattr(transformers, cls)(), topo))
 
 

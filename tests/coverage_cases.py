@@ -176,15 +176,11 @@ def indexed_planted(topo) -> dict:
         dsv32.DeepseekV32Indexer.forward = own
 
 
-def indexed_bytes(topo) -> dict:
-    """The bytes GLM-5's DSA layers send (every other one reusing the choice before it), counted in a forward
-    and a backward after a warm-up (the first forward's checks send their own), with the dimensions to count them by."""
+def _counted_step(topo, config):
+    """A model of ``config`` (fp64) under SP on two rows of 16 tokens a rank: the bytes of a forward and a backward counted
+    after a warm-up (the first forward's checks send their own). (model, inputs, logits, forward's counter, backward's)."""
     import transformers
-    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
 
-    from ulysses_sp.models.shrink import shrink_config
-
-    config = shrink_config(CONFIG_MAPPING["glm_moe_dsa"](**INDEXED["glm_moe_dsa-shared"][1]))
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(config, experts_implementation="eager").double()
     usp.apply_sequence_parallel(model, topo)
@@ -196,9 +192,113 @@ def indexed_bytes(topo) -> dict:
         logits = model(**inputs).logits
     with usp.CommCounter() as bwd:
         logits.sum().backward()
+    return model, inputs, logits, fwd, bwd
+
+
+def indexed_bytes(topo) -> dict:
+    """The bytes GLM-5's DSA layers send (every other one reusing the choice before it), counted in a forward
+    and a backward after a warm-up (the first forward's checks send their own), with the dimensions to count them by."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from ulysses_sp.models.shrink import shrink_config
+
+    config = shrink_config(CONFIG_MAPPING["glm_moe_dsa"](**INDEXED["glm_moe_dsa-shared"][1]))
+    model, _, _, fwd, bwd = _counted_step(topo, config)
     attention = model.model.layers[0].self_attn
-    return {"bytes": (fwd.bytes_sent, bwd.bytes_sent), "ops": (sorted(fwd.by_op), sorted(bwd.by_op)), "rows": 2, "local": ids.shape[1] // topo.sp_size,
+    return {"bytes": (fwd.bytes_sent, bwd.bytes_sent), "ops": (sorted(fwd.by_op), sorted(bwd.by_op)), "rows": 2, "local": 16,
             "latent": attention.kv_lora_rank + attention.qk_rope_head_dim, "index": config.index_head_dim, "types": list(config.indexer_types)}
+
+
+COMPRESSED = {  # case: settings over DeepSeek-V4's default config
+    "deepseek_v4": {},
+    "deepseek_v4-kinds": dict(layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"], num_hidden_layers=3),
+}
+"""DeepSeek-V4 from its default config shrunk by verify (windows of 8 for its sliding window and heavily compressed layers,
+4 for its compressed sparse ones, the indexer keeping 6 entries): its default's layers (heavily compressed, hash-routed,
+and one compressed sparse), and one layer of each kind (a sliding one too). Unpacked rows only (packed ones are refused)."""
+
+
+def compressed_default(topo, name: str) -> dict:
+    """DeepSeek-V4 through verify, float32 lifted, and the strategy each of its attention modules ran."""
+    return shrunk_default(topo, "deepseek_v4", **COMPRESSED[name])
+
+
+def compressed_in_chunks(topo) -> dict:
+    """`compressed_default` (one layer of each kind) with one query a chunk, in the indexer's scores and in the attention."""
+    from ulysses_sp.mixers import compressed
+
+    saved = compressed.CHUNK_ELEMENTS, compressed.INDEX_CHUNK_ELEMENTS
+    compressed.CHUNK_ELEMENTS = compressed.INDEX_CHUNK_ELEMENTS = 1
+    try:
+        return compressed_default(topo, "deepseek_v4-kinds")
+    finally:
+        compressed.CHUNK_ELEMENTS, compressed.INDEX_CHUNK_ELEMENTS = saved
+
+
+def compressed_planted(topo) -> dict:
+    """Control: compressed sparse attention's first window on each chunk made without the previous window's overlap series
+    (as if the chunk began the row)."""
+    from ulysses_sp.mixers import compressed
+
+    own = compressed._Collect.update_overlap_state
+    compressed._Collect.update_overlap_state = lambda self, *args: (None, None)
+    try:
+        return compressed_default(topo, "deepseek_v4-kinds")
+    finally:
+        compressed._Collect.update_overlap_state = own
+
+
+def compressed_packed(topo) -> str:
+    """DeepSeek-V4 given packed rows: the refusal's words."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    try:
+        usp.verify_sequence_parallel(CONFIG_MAPPING["deepseek_v4"](**COMPRESSED["deepseek_v4-kinds"]), topo, packed=(False, True))
+    except ValueError as refused:
+        return str(refused)
+    return "not refused"
+
+
+def two_rows(topo, model_type: str, **settings) -> dict:
+    """A family from its default config shrunk, float32 lifted, on a batch of two rows of unequal lengths (the shorter
+    padded by the batch, then both by `shard_batch`): SP's loss and every gradient against one process running each row
+    alone at its own length."""
+    import torch.nn.functional as F
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from ulysses_sp.models import verify
+    from ulysses_sp.models.shrink import shrink_config
+
+    with fp64_throughout():
+        config = shrink_config(CONFIG_MAPPING[model_type](**settings))
+        ref = verify._build(config, topo.device, 0)
+        lengths = (5 * topo.sp_size + 3, 9 * topo.sp_size + 2)
+        ids = torch.randint(0, config.vocab_size, (2, max(lengths)), generator=torch.Generator().manual_seed(1))
+        labels = ids.clone()
+        labels[0, lengths[0]:] = -100
+
+        def one_process():
+            total = sum(F.cross_entropy(ref(input_ids=ids[r:r + 1, :n]).logits[0, :-1], ids[r, 1:n], reduction="sum") for r, n in enumerate(lengths))
+            return total / sum(n - 1 for n in lengths)
+
+        loss_error, errors, _, mixers = verify._one_run(ref, topo, {"input_ids": ids, "labels": labels}, verify._grads(ref, one_process()),
+                                                        "auto", "auto", "auto")
+    return {"loss_error": loss_error, "worst": max(errors.values()), "params": len(errors), "mixers": sorted(set(mixers.values()))}
+
+
+def compressed_bytes(topo) -> dict:
+    """What DeepSeek-V4's layers (one of each kind) send, by collective, in a forward and a backward after a warm-up, under the
+    contiguous layout (16 tokens a rank: the windows of 4 and 8 never cross a rank), with the dimensions to count them by."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    from ulysses_sp.models.shrink import shrink_config
+
+    config = shrink_config(CONFIG_MAPPING["deepseek_v4"](**COMPRESSED["deepseek_v4-kinds"]))
+    model, inputs, logits, fwd, bwd = _counted_step(topo, config)
+    cos, _ = model.model.rotary_emb(logits, inputs["position_ids"], layer_type="main")
+    return {"fwd": {op: b.sent for op, b in fwd.by_op.items()}, "bwd": {op: b.sent for op, b in bwd.by_op.items()}, "rows": 2, "local": 16,
+            "hidden": config.hidden_size, "head_dim": config.head_dim, "index": config.index_head_dim, "rope": 2 * cos.shape[-1],
+            "rates": config.compress_rates, "window": config.sliding_window, "types": list(config.layer_types), "rank": topo.sp_rank}
 
 
 def shrunk_default(topo, name: str, backend: str = "auto", **overrides) -> dict:
@@ -825,6 +925,16 @@ def register(case, topo_for, hf: bool) -> None:
     case("indexed-planted/local-keys", (2,))(lambda env: indexed_planted(topo_for(env)))
     case("indexed-bytes", (2, 4))(lambda env: indexed_bytes(topo_for(env)))
     case("indexed-chunks/hy_v4", (2, 3))(lambda env: indexed_in_chunks(topo_for(env), "hy_v4"))
+    for name in COMPRESSED:
+        case(f"compressed/{name}", (2, 3, 4))(lambda env, n=name: compressed_default(topo_for(env), n))
+    for lay in ("contiguous", "balanced"):
+        case(f"compressed-{lay}/deepseek_v4-kinds", (3,))(lambda env, lay=lay: compressed_default(topo_for(env, lay), "deepseek_v4-kinds"))
+    case("compressed-chunks/deepseek_v4-kinds", (2, 3))(lambda env: compressed_in_chunks(topo_for(env)))
+    case("compressed-planted/no-overlap", (2,))(lambda env: compressed_planted(topo_for(env)))
+    case("compressed-packed", (2,))(lambda env: compressed_packed(topo_for(env)))
+    case("compressed-bytes", (2, 4))(lambda env: compressed_bytes(topo_for(env, "contiguous")))
+    case("compressed-rows/deepseek_v4-kinds", (2, 3))(lambda env: two_rows(topo_for(env), "deepseek_v4", **COMPRESSED["deepseek_v4-kinds"]))
+    case("indexed-rows/deepseek_v32", (2,))(lambda env: two_rows(topo_for(env), "deepseek_v32"))
     for lay in ("contiguous", "balanced"):
         case(f"indexed-{lay}/hy_v4", (3,))(lambda env, lay=lay: indexed_default(topo_for(env, lay), "hy_v4"))
     for lay in ("contiguous", "balanced"):  # Gemma 4's shared layers and per-layer inputs in the other placements, at P=3

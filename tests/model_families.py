@@ -49,6 +49,19 @@ FAMILIES = {
     "falcon-alibi": ("FalconConfig", dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=True, use_cache=False)),
     "falcon-rotary": ("FalconConfig", dict(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4, alibi=False, use_cache=False)),
     "mpt": ("MptConfig", dict(vocab_size=64, d_model=32, n_heads=4, n_layers=2, max_seq_len=256, use_cache=False)),
+    # DeepSeek Sparse Attention: an indexer keeping 6 of the earlier keys for each query (8 heads of 8), latent attention over those
+    "deepseek_v32": ("DeepseekV32Config", dict(_ATTN, num_key_value_heads=4, moe_intermediate_size=16, n_routed_experts=4, num_experts_per_tok=2,
+                                               n_group=1, topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+                                               qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, index_topk=6, index_n_heads=8, index_head_dim=8)),
+    # DeepSeek-V4: a sliding layer (window 8), a compressed sparse one (entries of 4 tokens, 6 chosen) and a heavily compressed one
+    # (entries of 8), one K=V head of 16 (RoPE on 4), sinks, hyper-connections; hash-routed MoE in its first layers
+    "deepseek_v4": ("DeepseekV4Config", dict(vocab_size=64, hidden_size=32, num_hidden_layers=3, num_attention_heads=4, head_dim=16,
+                                             partial_rotary_factor=0.25, q_lora_rank=16, o_groups=2, o_lora_rank=8, sliding_window=8,
+                                             layer_types=["sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention"],
+                                             compress_rates={"compressed_sparse_attention": 4, "heavily_compressed_attention": 8},
+                                             mlp_layer_types=["hash_moe", "moe", "moe"], moe_intermediate_size=16, n_routed_experts=4,
+                                             num_experts_per_tok=2, index_topk=6, index_n_heads=8, index_head_dim=8, max_position_embeddings=256,
+                                             use_cache=False)),
     # hybrids: token mixers other than attention
     "qwen3_next": ("Qwen3NextConfig", dict(_ATTN, head_dim=8, layer_types=["linear_attention", "full_attention"], linear_num_value_heads=4,
                                            linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, linear_conv_kernel_dim=4,

@@ -11,12 +11,13 @@ import pytest
 
 from .conftest import values
 from .coverage_cases import MLA_BACKENDS
-from .coverage_cases import (BALANCED_FAMILIES, INDEXED, LLAMA4_PLANTS, MAMBA2_ADAPTED, MIXER_LAYER_CASES, MLA_BACKENDS, SHRUNK_DEFAULTS, SINK_DEFAULTS, STATE_BALANCED, STATE_PLANTS,
+from .coverage_cases import (BALANCED_FAMILIES, COMPRESSED, INDEXED, LLAMA4_PLANTS, MAMBA2_ADAPTED, MIXER_LAYER_CASES, MLA_BACKENDS, SHRUNK_DEFAULTS, SINK_DEFAULTS, STATE_BALANCED, STATE_PLANTS,
                              STRATEGY_FAMILIES)
 from .model_families import EXACT, HYBRID, REFUSED, REFUSED_AT_FORWARD, REFUSED_WITHOUT_MIXER, auto_mixer
 
 TOL = 1e-12
-FP32_INSIDE = {"gemma3": 1e-6, "deepseek_v3": 1e-6, "llama4_text": 1e-6}
+FP32_INSIDE = {"gemma3": 1e-6, "deepseek_v3": 1e-6, "llama4_text": 1e-6, "deepseek_v4": 1e-10}
+"""DeepSeek-V4's: its hash-routed MoE gate's gradient differs by 2e-11 between two orders of one process's own sums."""
 HYBRID_TOL = 1e-10
 """Gated DeltaNet's A_log and dt_bias gradients sum many cancelling terms: observed up to 6e-12
 at fp64 (one process's own re-association noise is of the same order)."""
@@ -202,7 +203,7 @@ def test_deepseek_sparse_attention_moves_576_and_128_values_a_token_where_expand
 
 
 @hf
-def test_deepseek_v4_is_refused_with_what_its_compressed_attention_is():
+def test_deepseek_v4_without_its_strategy_is_refused_with_what_its_compressed_attention_is():
     import torch
     import transformers
 
@@ -212,9 +213,80 @@ def test_deepseek_v4_is_refused_with_what_its_compressed_attention_is():
 
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(shrink_config(transformers.DeepseekV4Config()))
+    check_supported(model, Topology.for_planning(2))
     with pytest.raises(ValueError, match=r"'compressed_sparse_attention', DeepSeek-V4's compressed sparse attention: keys compressed over "
                                          r"windows of 4 tokens aligned to the row's start \(not to documents"):
-        check_supported(model, Topology.for_planning(2))
+        check_supported(model, Topology.for_planning(2), mixer="none")
+
+
+@hf
+@pytest.mark.parametrize("world", [2, 3, 4])
+@pytest.mark.parametrize("name", sorted(COMPRESSED))
+@pytest.mark.quick(world=2, name="deepseek_v4")
+def test_deepseek_v4_is_exact_under_the_compressed_strategy(ranks, name, world):
+    """DeepSeek-V4 (its default's layers; one layer of each kind): each chunk with the 7 tokens before it, every rank's
+    compressed entries gathered, the indexer choosing 6 of up to 14 entries, as one process; loss and every gradient at
+    fp64's rounding, unpacked, every attention layer under the compressed strategy."""
+    for r in values(ranks(world), f"compressed/{name}"):
+        _assert_exact(r, "deepseek_v4")
+        assert r["backends"] == {} and set(r["mixers"].values()) == {"compressed"} and len(r["mixers"]) == r["layers"], r
+        assert set(r["loss_error"]) == {"unpacked"}, r["loss_error"]
+
+
+@hf
+@pytest.mark.parametrize("lay", ["contiguous", "balanced"])
+def test_deepseek_v4_is_exact_in_the_other_placements(ranks, lay):
+    for r in values(ranks(3), f"compressed-{lay}/deepseek_v4-kinds"):
+        _assert_exact(r, "deepseek_v4")
+
+
+@hf
+@pytest.mark.parametrize("world", [2, 3])
+def test_deepseek_v4_is_exact_one_query_a_chunk(ranks, world):
+    """The indexer's scores and the attention computed one query at a time (the attention's recomputed in the backward)."""
+    for r in values(ranks(world), "compressed-chunks/deepseek_v4-kinds"):
+        _assert_exact(r, "deepseek_v4")
+
+
+@hf
+@pytest.mark.parametrize("case,world", [("compressed-rows/deepseek_v4-kinds", 2), ("compressed-rows/deepseek_v4-kinds", 3),
+                                        ("indexed-rows/deepseek_v32", 2)])
+def test_own_attention_strategies_are_exact_on_rows_of_unequal_lengths(ranks, case, world):
+    """DeepSeek-V4 and DeepSeek-V3.2 on a batch of two rows (23 and 38 tokens at P=3), the shorter padded: loss and every
+    gradient against one process running each row alone."""
+    for r in values(ranks(world), case):
+        assert r["loss_error"] < 1e-12 and r["worst"] < FP32_INSIDE["deepseek_v4"] and r["params"] > 5, r
+        assert r["mixers"] == ["compressed" if "v4" in case else "indexed"], r
+
+
+@hf
+def test_an_overlap_dropped_at_a_chunk_start_is_caught(ranks):
+    """Control: each chunk's first compressed sparse entry made without the previous window's series."""
+    for r in values(ranks(2), "compressed-planted/no-overlap"):
+        assert not r["passed"] and r["loss_error"]["unpacked"] > 1e-4, r
+
+
+@hf
+def test_deepseek_v4_refuses_packed_rows_by_name(ranks):
+    for message in values(ranks(2), "compressed-packed"):
+        assert "packed rows are not supported: DeepSeek-V4 compresses windows aligned to the row's start" in message, message
+
+
+@hf
+@pytest.mark.parametrize("world", [2, 4])
+def test_deepseek_v4_sends_halos_and_compressed_entries_only(ranks, world):
+    """Per layer (contiguous, 16 tokens a rank): the W - 1 = 7 rows before each rank's (input, positions, RoPE) from the rank
+    before forward and the input's gradient back; the all-gather of (P - 1) x the rank's entries (16 / 4 with the indexer's
+    keys, 16 / 8) forward and the reduce-scatter of their gradient backward; fp64 here."""
+    for r in values(ranks(world), "compressed-bytes"):
+        row, reach, layers = 8 * r["rows"], r["window"] - 1, len(r["types"])
+        csa, hca = (r["local"] // r["rates"][kind] for kind in ("compressed_sparse_attention", "heavily_compressed_attention"))
+        halo = (layers * reach * row * (r["hidden"] + 1 + r["rope"]) if r["rank"] < world - 1 else 0,
+                layers * reach * row * r["hidden"] if r["rank"] > 0 else 0)
+        assert (r["fwd"].get("send_recv", 0), r["bwd"].get("send_recv", 0)) == halo, r
+        assert r["fwd"]["all_gather"] == (world - 1) * row * (csa * (r["head_dim"] + r["index"]) + hca * r["head_dim"]), r
+        assert r["bwd"]["reduce_scatter"] == (world - 1) * row * (csa + hca) * r["head_dim"], r
+        assert set(r["fwd"]) <= {"send_recv", "all_gather"} and set(r["bwd"]) <= {"send_recv", "reduce_scatter"}, r
 
 
 @hf

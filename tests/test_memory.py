@@ -79,3 +79,17 @@ def test_deepseek_sparse_attention_has_no_quadratic_term():
     for phase in ("forward_peak_bytes", "backward_peak_bytes"):
         assert 0 < figures[131072][phase] <= 2.01 * figures[65536][phase], (phase, figures)
         assert figures[131072][phase] < 8 * 2**30, (phase, figures)
+
+
+def test_deepseek_v4_attention_has_no_quadratic_term():
+    """One DeepSeek-V4 compressed sparse attention layer under the compressed strategy, 32k and 64k tokens on 8 ranks: each
+    rank's peaks at most double with the sequence (each block of queries scores its window's rows and the indexer's 512
+    entries only; the indexer's own scores come in chunks of queries; no [S/P, S / 4] bias), under 4 GiB at 64k."""
+    code = ("import json; from ulysses_sp.testing.memory import measure_compressed; "
+            "print(json.dumps([measure_compressed(seq=s) for s in (32768, 65536)]))")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    figures = {r["seq"]: r for r in json.loads(done.stdout.strip().splitlines()[-1])}
+    for phase in ("forward_peak_bytes", "backward_peak_bytes"):
+        assert 0 < figures[65536][phase] <= 2.01 * figures[32768][phase], (phase, figures)
+        assert figures[65536][phase] < 4 * 2**30, (phase, figures)

@@ -387,6 +387,23 @@ def test_plan_gives_deepseek_sparse_attention_the_indexed_strategy(tmp_path):
     assert rows[0][4] == {"indexed": MixerEstimate(1 / 8, 7 * local * (576 + 128), 7 * local * 576)}, rows[0][4]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="builds the layers from the config with transformers")
+def test_plan_gives_deepseek_v4_the_compressed_strategy(tmp_path):
+    """DeepSeek-V4's default config (43 layers, heavily compressed and compressed sparse) at 128k tokens on 8 ranks: the
+    compressed strategy on every layer; a layer and rank's bytes, bf16: the 127 rows before each of two zigzag chunks
+    (hidden 4096) both ways, and 7 x the rank's entries (16k / 4 of 512 + 128 values forward, 512 backward; 16k / 128 of 512)."""
+    import transformers
+
+    path = tmp_path / "deepseek_v4.json"
+    transformers.DeepseekV4Config().to_json_file(path)
+    rows = plan_rows(layers_from_config(str(path)), seq_len=128 * 1024, sp_size=8, profile=NVLINK_PROFILE)
+    assert {chosen for _, _, _, chosen, _ in rows} == {"compressed"} and (rows[0][0], rows[-1][1]) == (0, 42), rows
+    halo, entries = 2 * 127 * 4096 * 2, 7 * 128 * 1024 // 8 * 2
+    sparse = next(row for row in rows if hasattr(row[2].module.compressor, "indexer"))
+    assert (sparse[4]["compressed"].comm_bytes, sparse[4]["compressed"].bwd_comm_bytes) == (halo + entries // 4 * 640, halo + entries // 4 * 512)
+    assert (rows[0][4]["compressed"].comm_bytes, rows[0][4]["compressed"].bwd_comm_bytes) == (halo + entries // 128 * 512,) * 2
+
+
 @pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="builds the mixer from the config with transformers")
 def test_plan_estimates_each_mixer_strategy_from_the_models_own_layers(tmp_path):
     """Qwen3-Next (Gated DeltaNet: 16 key, 32 value heads of 128) and LFM2 (short convolution, kernel 3)

@@ -173,3 +173,16 @@ def test_host_tensors_made_under_the_meta_memory_mode_stay_on_the_host():
         again = torch.empty(4, device="meta") + 1
     assert first.device.type == second.device.type == joined.device.type == "cpu" and joined.tolist() == list(range(8)) * 2
     assert meta.device.type == again.device.type == "meta"
+
+
+def test_an_eager_only_model_is_built_for_the_step():
+    """DeepSeek-V4 supports no SDPA: the step's model is built with eager attention there (it stopped with transformers'
+    "does not support an attention implementation through torch.nn.functional.scaled_dot_product_attention")."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    from ulysses_sp.step_memory import _build
+
+    model = _build(transformers.DeepseekV4Config(), 1, torch.bfloat16, 4096)
+    assert model.config._attn_implementation == "eager" and next(model.parameters()).device.type == "meta"
+    assert _build(transformers.LlamaConfig(), 1, torch.bfloat16, 4096).config._attn_implementation == "sdpa"

@@ -204,9 +204,11 @@ def _build(config, layers: int | tuple | None, dtype, seq_len: int):
             config.layer_types = config.layer_types[:layers]
     config.max_position_embeddings = max(getattr(config, "max_position_embeddings", 0) or 0, seq_len)
     config.use_cache = False
-    config._attn_implementation = "sdpa"
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+        try:
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        except ValueError:  # eager only (DeepSeek-V4, Hy4)
+            model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="eager")
     return model.train()
 
 

@@ -21,7 +21,7 @@ _WIDTHS = {  # attribute: value in the small copy (only where the config has it 
     "vocab_size": 96, "kv_lora_rank": 16, "q_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4, "v_head_dim": 6,
     "n_routed_experts": 4, "num_experts": 4, "num_local_experts": 4, "num_experts_per_tok": 2, "n_group": 1, "topk_group": 1,
     "max_position_embeddings": 512, "head_dim": 8, "rotary_dim": 4, "vocab_size_per_layer_input": 96, "hidden_size_per_layer_input": 8,
-    "laurel_rank": 8, "index_topk": 6, "index_n_heads": 8, "index_head_dim": 8,
+    "laurel_rank": 8, "index_topk": 6, "index_n_heads": 8, "index_head_dim": 8, "o_lora_rank": 8,
 }
 """v_head_dim 6 against a query/key head dim of 8 + 4 keeps multi-head latent attention's
 unequal head dims in the copy; DeepSeek Sparse Attention's indexer keeps 6 keys a query, far
@@ -65,6 +65,17 @@ def _shrink_mamba(small, put) -> None:
         for name in names:
             if isinstance(getattr(small, name, None), int) and getattr(small, name) > most:
                 put(name, most)
+
+
+def _shrink_compression(small, put) -> None:
+    """DeepSeek-V4: windows of 8 tokens for its heavily compressed layers (128) and its sliding window (128), so that
+    the check's short rows make entries of both kinds and cross the window; its compressed sparse layers' 4 stay."""
+    rates = getattr(small, "compress_rates", None)
+    if not isinstance(rates, dict):
+        return
+    put("compress_rates", {kind: min(rate, 8) for kind, rate in rates.items()})
+    if isinstance(getattr(small, "sliding_window", None), int):
+        put("sliding_window", min(small.sliding_window, 8))
 
 
 def shrink_config(config, min_layers: int = 2) -> transformers.PretrainedConfig:
@@ -186,6 +197,7 @@ def _shrink_widths(config):
         put("qk_head_dim", small.qk_nope_head_dim + small.qk_rope_head_dim)
         put("head_dim", small.qk_rope_head_dim)
     _shrink_mamba(small, put)
+    _shrink_compression(small, put)
     try:  # what the config derives from the widths (Zamba2's attention_hidden_size, 2 x hidden), derived again
         small.__post_init__()
     except (AttributeError, TypeError, ValueError, KeyError):  # a config without one, or one that cannot run twice: as set

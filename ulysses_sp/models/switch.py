@@ -75,7 +75,8 @@ def sp_attention_forward(module: nn.Module, query: torch.Tensor, key: torch.Tens
             ``ulysses_sp_blocks`` (each batch row's bidirectional image blocks, from the image-text
             split: Gemma 3, PaliGemma, and Gemma 4 on its sliding layers) are used; under the ``indexed``
             strategy (DeepSeek Sparse Attention), ``indices`` (the indexer's choice) and the mask of this
-            rank's rows go to the strategy's ``attend``.
+            rank's rows go to the strategy's ``attend``, as the ``compressed`` strategy's call goes to its own
+            (DeepSeek-V4).
 
     Returns:
         The output ``[B, S/P, Hq, Dv]`` and None (no attention weights).

@@ -15,11 +15,15 @@ import torch
 from torch import nn
 
 from .. import mixers as _mixers
+from ..mixers.compressed import PACKED_REFUSAL, CompressedAttention, is_compressed_attention
 from ..mixers.indexed import IndexedAttention, is_indexed_attention
 from . import adapters  # noqa: F401 - the families register their classes with the mixer strategies
 from .coverage import MIXER, check_coverage, find_uncovered
 
-__all__ = ["check_supported", "install_mixers", "remove_mixers", "mixer_layers"]
+__all__ = ["check_supported", "install_mixers", "remove_mixers", "mixer_layers", "packing_refused", "whole_strategy"]
+
+_WHOLE = ((is_indexed_attention, IndexedAttention), (is_compressed_attention, CompressedAttention))
+"""Attention modules with a strategy of their own, whatever ``mixer``: DeepSeek Sparse Attention's, DeepSeek-V4's."""
 
 _CONTEXT_HOOK = "_ulysses_sp_mixer_context_hook"
 
@@ -61,9 +65,9 @@ def install_mixers(model, topo, mixer: str = "auto") -> dict[str, str]:
     found = [(f.path, modules.get(f.path)) for f in find_uncovered(model) if f.kind == "mixer"]
     found = [(path, m) for path, m in found if m is not None and m is not model and not isinstance(m, (nn.Conv1d, nn.RNNBase))]
     strategies = {path: _mixers.get_mixer(mixer, topo, m) for path, m in found}  # a named strategy that cannot run one raises here
-    indexed = [(path, m) for path, m in modules.items() if is_indexed_attention(m)]  # DeepSeek Sparse Attention, whatever ``mixer``
-    strategies.update({path: IndexedAttention(topo) for path, _ in indexed})
-    found += indexed
+    whole = {path: whole_strategy(m, topo) for path, m in modules.items()}
+    strategies.update({path: strategy for path, strategy in whole.items() if strategy is not None})
+    found += [(path, modules[path]) for path, strategy in whole.items() if strategy is not None]
     for path, module in found:
         module.__dict__[MIXER] = (strategies[path], context)
         module.__dict__["forward"] = types.MethodType(_sp_forward, module)  # deepcopy rebinds it to the copy
@@ -86,6 +90,16 @@ def check_supported(model, topo, mixer: str = "auto") -> None:
         check_coverage(model)
     finally:
         remove_mixers(model)
+
+
+def whole_strategy(module, topo):
+    """The strategy of an attention module that has one of its own (`IndexedAttention`, `CompressedAttention`), or None."""
+    return next((strategy(topo) for test, strategy in _WHOLE if test(module)), None)
+
+
+def packing_refused(model) -> str | None:
+    """Why ``model``'s packed rows are refused under SP (DeepSeek-V4's compressed attention), or None."""
+    return next((f"{type(m).__name__}: {PACKED_REFUSAL}" for m in model.modules() if is_compressed_attention(m)), None)
 
 
 def mixer_layers(model) -> dict[str, str]:

@@ -24,7 +24,7 @@ from ..data import model_inputs, shard_batch, sp_cross_entropy
 from ..devices import move_batch
 from .shrink import check_small, no_randomness, shrink_config, shrink_text
 from .switch import apply_sequence_parallel, chosen_backends, remove_sequence_parallel
-from .token_mixers import check_supported, mixer_layers
+from .token_mixers import check_supported, mixer_layers, packing_refused
 
 __all__ = ["SequenceParallelMismatch", "VerifyReport", "verify_sequence_parallel"]
 
@@ -269,7 +269,7 @@ def _one_run(ref, topo, data, reference, backend, kernel, mixer) -> tuple[float,
 
 
 def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: str = "auto", mixer: str = "auto", shrink: bool = True, seq_len: int | None = None,
-                             tolerance: float | None = None, packed: tuple[bool, ...] = (False, True), seed: int = 0,
+                             tolerance: float | None = None, packed: tuple[bool, ...] | None = None, seed: int = 0,
                              raise_on_mismatch: bool = True, references: dict | None = None) -> VerifyReport:
     """Check that SP computes the same loss and every gradient as one process for an architecture.
 
@@ -297,7 +297,8 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
         seq_len: tokens per row (default ``12 * sp_size + 5``).
         tolerance: the relative error allowed; default 1e-6, or 10 times the model's own
             rounding noise where that is larger (`VerifyReport.rounding_noise`).
-        packed: the runs to make: unpacked (False) and packed (True).
+        packed: the runs to make: unpacked (False) and packed (True); default both, or unpacked alone for a
+            model that refuses packed rows (DeepSeek-V4: `packing_refused`).
         seed: seed of the copy's weights and the random tokens.
         raise_on_mismatch: raise past the tolerance (else only report it).
         references: a dict that keeps the one-process runs between calls, keyed by the model's
@@ -330,6 +331,8 @@ def verify_sequence_parallel(model_or_config, topo, *, backend="auto", kernel: s
         ref = copy.deepcopy(model_or_config).to(device=topo.device, dtype=torch.float64).train()
         no_randomness(ref)
     check_supported(ref, topo, mixer)  # a model SP does not cover is refused before anything runs
+    if packed is None:
+        packed = (False,) if packing_refused(ref) else (False, True)
     device = topo.device
     if image_text:  # rows of random images; each document's own inputs for one process
         rows = {is_packed: image_text.rows(config, topo.sp_size, is_packed, seed + 1) for is_packed in (False, *packed)}

@@ -9,6 +9,7 @@ when the storage dies, as a caching allocator's "allocated" figure would.
     python -m ulysses_sp.testing.memory                       # 128k tokens, P=8, H32/KV8, D128, bf16
     python -m ulysses_sp.testing.memory --seq 131072 --sp 8 --json
     python -m ulysses_sp.testing.memory --indexed             # a DeepSeek-V3.2 attention layer (DSA)
+    python -m ulysses_sp.testing.memory --compressed compressed_sparse_attention   # a DeepSeek-V4 attention layer
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import weakref
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-__all__ = ["PeakMemory", "peak_until", "measure", "measure_indexed", "main"]
+__all__ = ["PeakMemory", "peak_until", "measure", "measure_compressed", "measure_indexed", "main"]
 
 
 def _tensors(value):
@@ -131,6 +132,31 @@ def measure(backend: str, *, seq: int = 131072, sp: int = 8, heads: int = 32, kv
     }
 
 
+def _layer_peaks(strategy_cls, attention_cls, rotary_cls, config, seq: int, sp: int, inputs) -> dict:
+    """Rank 0's peak bytes in the forward and the backward of one attention layer of ``attention_cls`` (bf16, the meta
+    device, a fake process group of ``sp`` ranks) under ``strategy_cls``, called with ``inputs(rotary, hidden,
+    positions)`` (its positional arguments), with this rank's input shard to compare."""
+    from ..models import coverage, switch  # noqa: F401 - switch registers the "ulysses_sp" attention function
+
+    topo = _topology(sp, None)
+    config._attn_implementation = "ulysses_sp"
+    with torch.device("meta"):
+        layer = attention_cls(config, layer_idx=0).to(torch.bfloat16)
+        rotary = rotary_cls(config)
+    strategy = strategy_cls(topo)
+    layer.__dict__[coverage.MIXER] = (strategy, {})
+    local = seq // sp
+    hidden = torch.empty(1, local, config.hidden_size, dtype=torch.bfloat16, device="meta", requires_grad=True)
+    positions = torch.arange(local, device="meta")[None]
+    args, kwargs = inputs(rotary, hidden, positions)
+    with PeakMemory() as fwd:
+        out = strategy(layer, type(layer).forward.__get__(layer), args, kwargs, 1, local, None)[0]
+    with PeakMemory() as bwd:
+        out.backward(torch.empty_like(out))
+    return {"seq": seq, "sp": sp, "input_shard_bytes": hidden.numel() * hidden.element_size(), "forward_peak_bytes": fwd.peak,
+            "backward_peak_bytes": bwd.peak}
+
+
 def measure_indexed(*, seq: int = 131072, sp: int = 8) -> dict:
     """Rank 0's peak bytes in the forward and the backward of one DeepSeek-V3.2 attention layer (its default
     config: 128 heads, latent 512 + 64, indexer 64 x 128 choosing 2048) under the ``indexed`` strategy, bf16,
@@ -139,25 +165,27 @@ def measure_indexed(*, seq: int = 131072, sp: int = 8) -> dict:
     from transformers.models.deepseek_v32 import modeling_deepseek_v32 as dsv32
 
     from ..mixers.indexed import IndexedAttention
-    from ..models import coverage, switch  # noqa: F401 - switch registers the "ulysses_sp" attention function
 
-    topo = _topology(sp, None)
-    config = transformers.DeepseekV32Config()
-    config._attn_implementation = "ulysses_sp"
-    with torch.device("meta"):
-        layer = dsv32.DeepseekV32Attention(config, layer_idx=0).to(torch.bfloat16)
-        rotary = dsv32.DeepseekV32RotaryEmbedding(config)
-    strategy = IndexedAttention(topo)
-    layer.__dict__[coverage.MIXER] = (strategy, {})
-    local = seq // sp
-    hidden = torch.empty(1, local, config.hidden_size, dtype=torch.bfloat16, device="meta", requires_grad=True)
-    positions = torch.arange(local, device="meta")[None]
-    with PeakMemory() as fwd:
-        out = strategy(layer, type(layer).forward.__get__(layer), (hidden, rotary(hidden, positions)), {"position_ids": positions}, 1, local, None)[0]
-    with PeakMemory() as bwd:
-        out.backward(torch.empty_like(out))
-    return {"seq": seq, "sp": sp, "input_shard_bytes": hidden.numel() * hidden.element_size(), "forward_peak_bytes": fwd.peak,
-            "backward_peak_bytes": bwd.peak}
+    return _layer_peaks(IndexedAttention, dsv32.DeepseekV32Attention, dsv32.DeepseekV32RotaryEmbedding, transformers.DeepseekV32Config(), seq, sp,
+                        lambda rotary, hidden, positions: ((hidden, rotary(hidden, positions)), {"position_ids": positions}))
+
+
+def measure_compressed(*, seq: int = 131072, sp: int = 8, kind: str = "compressed_sparse_attention") -> dict:
+    """Rank 0's peak bytes in the forward and the backward of one DeepSeek-V4 attention layer of ``kind`` (its default
+    config: 64 heads of 512 over one K=V head, a window of 128; entries of 4 tokens chosen 512 by an indexer of 64 x 128,
+    or of 128 tokens) under the ``compressed`` strategy, bf16, with this rank's input shard to compare."""
+    import transformers
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dsv4
+
+    from ..mixers.compressed import CompressedAttention
+
+    config = transformers.DeepseekV4Config()
+    config.layer_types = [kind] * config.num_hidden_layers
+
+    def inputs(rotary, hidden, positions):
+        return (hidden, {name: rotary(hidden, positions, layer_type=name) for name in ("main", "compress")}, positions), {}
+
+    return dict(_layer_peaks(CompressedAttention, dsv4.DeepseekV4Attention, dsv4.DeepseekV4RotaryEmbedding, config, seq, sp, inputs), kind=kind)
 
 
 def main(argv=None) -> None:
@@ -172,7 +200,14 @@ def main(argv=None) -> None:
     p.add_argument("--backends", default="ulysses,allgather,ring,hybrid")
     p.add_argument("--json", action="store_true")
     p.add_argument("--indexed", action="store_true", help="one DeepSeek-V3.2 attention layer under the indexed strategy instead")
+    p.add_argument("--compressed", choices=("compressed_sparse_attention", "heavily_compressed_attention", "sliding_attention"),
+                   help="one DeepSeek-V4 attention layer of this kind under the compressed strategy instead")
     a = p.parse_args(argv)
+    if a.compressed:
+        r = measure_compressed(seq=a.seq, sp=a.sp, kind=a.compressed)
+        print(json.dumps(r) if a.json else f"S={a.seq} P={a.sp} DeepSeek-V4 {a.compressed} layer, compressed, bf16: forward "
+              f"{r['forward_peak_bytes'] / 2**30:.2f} GiB, backward {r['backward_peak_bytes'] / 2**30:.2f} GiB per rank")
+        return
     if a.indexed:
         r = measure_indexed(seq=a.seq, sp=a.sp)
         print(json.dumps(r) if a.json else f"S={a.seq} P={a.sp} DeepSeek-V3.2 attention layer, indexed, bf16: forward "
