@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ulysses_sp.models.coverage import ATTENTION_LAYER_TYPES, CHANNEL_LAYER_TYPES
+from ulysses_sp.models.token_mixers import whole_strategy  # and the mixer classes' adapters, registered
 from ulysses_sp.mixers import AUTO_ORDER, BUILT_IN, MIXERS, AutoMixer, get_mixer
 from ulysses_sp.mixers.auto import seconds as mixer_seconds
 from ulysses_sp.profile import Profile
@@ -98,7 +99,6 @@ def _mixer_modules(config: dict) -> dict:
     import transformers
 
     from ulysses_sp.models.coverage import find_uncovered
-    from ulysses_sp.models.token_mixers import whole_strategy  # and the mixer classes' adapters, registered
 
     try:
         with torch.device("meta"):
@@ -107,7 +107,7 @@ def _mixer_modules(config: dict) -> dict:
         return {}
     modules = dict(model.named_modules())
     found = {f.layer: modules[f.path] for f in find_uncovered(model) if f.kind == "mixer" and f.layer is not None and f.path in modules}
-    found.update({m.layer_idx: m for m in modules.values() if whole_strategy(m, Topology.for_planning(1))})  # DSA's layers, DeepSeek-V4's
+    found.update({m.layer_idx: m for m in modules.values() if whole_strategy(m, None)})  # DSA's layers, DeepSeek-V4's
     return found
 
 
@@ -125,12 +125,6 @@ def _windows(config: dict, n: int) -> list[int | None]:
     return [window if i >= first else None for i in range(n)]
 
 
-def _whole_strategy(module, topo):
-    from ulysses_sp.models.token_mixers import whole_strategy
-
-    return whole_strategy(module, topo)
-
-
 def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_degree=None, ranks_per_node: int = 0,
               batch: int = 1, dtype=torch.bfloat16, causal: bool = True, layout: str = "zigzag", profile: Profile | None = None,
               cu_seqlens: tuple[int, ...] | None = None):
@@ -145,7 +139,7 @@ def plan_rows(layers: list[LayerShape], *, seq_len: int, sp_size: int, ulysses_d
         if rows and rows[-1][2] == shape:
             rows[-1][1] = index
             continue
-        whole = None if shape.module is None else _whole_strategy(shape.module, topo)
+        whole = None if shape.module is None else whole_strategy(shape.module, topo)
         if whole is not None:  # its one strategy, whatever the mixer
             rows.append([index, index, shape, whole.name, {whole.name: whole.estimate(shape.module, batch, seq_len // sp_size, shape.hidden, dtype.itemsize)}])
             continue

@@ -298,3 +298,22 @@ def test_sft_and_dpo_tasks_refuse_what_they_cannot_take(argv, message):
 
     with pytest.raises(JobError, match=message):
         check_launch(parse_args([*argv, "--seq-len", "64"]), 2)
+
+
+def test_a_model_that_refuses_packed_rows_is_stopped_before_training_on_them():
+    """DeepSeek-V4 on packed --data or --task dpo stops with the reason and the flag (its first forward would refuse it
+    after the engine's start); one document a row passes."""
+    import transformers
+
+    from ulysses_sp.job.run import packing_problem
+
+    with torch.device("meta"):
+        v4 = transformers.AutoModelForCausalLM.from_config(transformers.DeepseekV4Config(num_hidden_layers=1, layer_types=["sliding_attention"],
+                                                                                          mlp_layer_types=["moe"]))
+        llama = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(num_hidden_layers=1))
+    packed = TrainConfig(data=__file__)
+    assert "packed rows are not supported: DeepSeek-V4 compresses windows" in packing_problem(packed, v4)
+    assert packing_problem(packed, v4).endswith("train it with --no-packing (one document a row, padded)")
+    assert "--task dpo puts each pair's two replies in one row" in packing_problem(TrainConfig(data=__file__, task="dpo", packing=False), v4)
+    assert packing_problem(TrainConfig(data=__file__, packing=False), v4) is None and packing_problem(TrainConfig(), v4) is None
+    assert packing_problem(packed, llama) is None

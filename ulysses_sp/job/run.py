@@ -82,6 +82,18 @@ def build_model(cfg: TrainConfig):
     return auto.from_config(config).float()
 
 
+def packing_problem(cfg: TrainConfig, model) -> str | None:
+    """Why ``model`` cannot train on the rows ``cfg`` makes (packed: --data with --packing, or --task dpo's pairs), or None."""
+    from ..models.token_mixers import packing_refused
+
+    refused = packing_refused(model)
+    if refused is None or not (cfg.task == "dpo" or (cfg.data and cfg.packing)):
+        return None
+    if cfg.task == "dpo":
+        return f"{refused}; --task dpo puts each pair's two replies in one row, so it cannot train this model"
+    return f"{refused}: train it with --no-packing (one document a row, padded)"
+
+
 def _peak_memory_bytes(device: torch.device) -> int:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
@@ -203,6 +215,8 @@ class Job:
             check_supported(model, topo, cfg.sp_mixer)
         except ValueError as e:
             raise JobError(str(e)) from None
+        if packing_problem(cfg, model):
+            raise JobError(packing_problem(cfg, model))
         text_config = model.config.get_text_config()
         if self.tokenizer is not None and len(self.tokenizer) > text_config.vocab_size:
             raise JobError(f"the tokenizer has {len(self.tokenizer)} tokens, the model's vocabulary {text_config.vocab_size}; use the model's own tokenizer")
