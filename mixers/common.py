@@ -1,7 +1,10 @@
-"""What the per-layer strategies share: the calls they refuse by name, and the packing keywords that the
-strategies running whole documents (allgather) or building their own masks (indexed) drop."""
+"""What the per-layer strategies share: the calls they refuse by name, the packing keywords that the
+strategies running whole documents (allgather) or building their own masks (indexed) drop, and a
+submodule's forward shadowed for one call (indexed, compressed)."""
 
 from __future__ import annotations
+
+import contextlib
 
 _CACHE_KWARGS = ("cache", "cache_params", "past_key_values")
 PACKING_KWARGS = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
@@ -17,3 +20,18 @@ def refuse_unsupported(module, kwargs: dict, strategy: str) -> None:
     if any(kwargs.get(k) is not None for k in _CACHE_KWARGS):
         raise ValueError(f"{type(module).__name__}: a cache (generation) is not supported under sequence parallelism; "
                          "call remove_sequence_parallel(model) to generate")
+
+
+@contextlib.contextmanager
+def shadowed_forward(module, replacement):
+    """``module.forward`` is ``replacement`` inside the block, and after it what it was: an instance forward that
+    others installed (accelerate's hooks, Hub kernels) is put back, not dropped."""
+    saved = module.__dict__.get("forward")
+    module.__dict__["forward"] = replacement
+    try:
+        yield
+    finally:
+        if saved is None:
+            module.__dict__.pop("forward", None)
+        else:
+            module.__dict__["forward"] = saved

@@ -34,7 +34,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from ulysses_sp import comm, layout
-from ulysses_sp.mixers.common import PACKING_KWARGS, refuse_unsupported
+from ulysses_sp.mixers.common import PACKING_KWARGS, refuse_unsupported, shadowed_forward
 from ulysses_sp.mixers.halo import _Exchange, _plan
 from ulysses_sp.spec import MixerEstimate
 
@@ -90,27 +90,37 @@ class _Layers:
 class _Collect:
     """Stands in for transformers' cache in a compressor's call on a chunk's rows ``[lo, end)`` (global tokens, the
     chunk ``[start, end)`` after its halo): it hands over the windows whose last token the chunk holds, the first at
-    its own position, and the previous window's overlap series, as a cache holding the row before them would."""
+    its own position, and the previous window's overlap series, as a cache holding the row before them would.
 
-    def __init__(self, lo: int, start: int, end: int, rate: int, biases: dict):
-        self.layers = _Layers(self)
+    The entries it ends the call with carry a 0 from every parameter of the compressor and from the chunk's rows,
+    made inside the call (where ZeRO-3 has gathered them): on a rank that compresses no window the parameters still
+    get a gradient (DeepSpeed reduces the same set on every rank), and on every rank the entries' all-gather is
+    backpropagated (a reduce-scatter) before the halo's exchange (point to point): one order of collectives."""
+
+    def __init__(self, lo: int, start: int, end: int, compressor):
+        rate = compressor.compress_rate
+        self.layers, self.compressor, self.rate = _Layers(self), compressor, rate
         self.first = (start // rate) * rate
-        self.a, self.b, self.rate, self.biases, self.seen = self.first - lo, (end // rate) * rate - lo, rate, biases, {}
+        self.a, self.b, self.zero = self.first - lo, (end // rate) * rate - lo, 0
 
     def store_compression_weights(self, name, kv, gate):
-        self.seen[name] = (kv, gate)
+        self.kv, self.gate = kv, gate
+        if torch.is_grad_enabled():
+            self.zero = sum((t.reshape(-1)[:1] * 0).sum() for t in (kv, gate, self.compressor.position_bias))
         return kv[:, self.a : self.b], gate[:, self.a : self.b], self.first
 
     def update_overlap_state(self, name, chunk_kv, chunk_gate, head_dim):
         """The previous window's first series (kv, and gate with its position bias, as the compressor adds it)."""
         if self.first == 0:
             return None, None
-        kv, gate = (t[:, self.a - self.rate : self.a] for t in self.seen[name])
-        gate = (gate.unsqueeze(1) + self.biases[name])[:, 0]
+        kv, gate = (t[:, self.a - self.rate : self.a] for t in (self.kv, self.gate))
+        gate = (gate.unsqueeze(1) + self.compressor.position_bias)[:, 0]
         return kv[..., :head_dim], gate[..., :head_dim]
 
     def update_compressor_states(self, name, compressed):
-        raise _Compressed(compressed)
+        if torch.is_grad_enabled():
+            self.zero = self.zero + (self.compressor.kv_norm(compressed[:, :0]).sum() * 0)  # its norm, run on nothing
+        raise _Compressed(compressed + self.zero)
 
 
 class _Entries:
@@ -128,9 +138,6 @@ class _Entries:
 
     def update_compressor_states(self, name, compressed):
         return self.entries[name]
-
-    def get_seq_length(self, layer_idx: int = 0) -> int:
-        return 0
 
 
 @dataclass
@@ -157,8 +164,9 @@ def _every_entry(compressor, chunk: _Chunk, entries: dict, hidden_states, q_resi
     dense: `attend` makes each block's); under CSA the indexer's choice for the chunk's queries, kept for `attend`."""
     if "indexer" in entries:
         indexer = compressor.indexer
-        chunk.picks = _chunked_indexer(type(indexer).forward.__get__(indexer), indexer.num_heads, entries["indexer"].shape[1],
-                                       hidden_states, q_residual, position_ids, cache, layer_idx)
+        with torch.no_grad():  # its choice takes no gradient
+            chunk.picks = _chunked_indexer(indexer.forward, indexer.num_heads, entries["indexer"].shape[1], hidden_states, q_residual, position_ids,
+                                           cache, layer_idx)
     return entries["compressor"].unsqueeze(1), None
 
 
@@ -223,26 +231,23 @@ class CompressedAttention:
         return MixerEstimate(max(sum(len(rows) for rows, _, _ in plan.chunks) for plan in plans) / (p * seq_local),
                              halo + moved * (width + index), halo + moved * width)
 
-    @staticmethod
-    def _anchor(compressor, source):
-        """0, from every compressor parameter and the halo's rows: added to this rank's entries before their all-gather,
-        so that on every rank, also one compressing no window, the compressor's parameters get a gradient (DeepSpeed
-        reduces the same set on each) and the all-gather's backward (a reduce-scatter) comes before the halo's (point
-        to point): the same order of collectives everywhere."""
-        if not torch.is_grad_enabled():
-            return 0
-        tied = [p for n, p in compressor.named_parameters() if not n.startswith("indexer.") and p.requires_grad]
-        return sum((t.reshape(-1)[:1] * 0).sum() for t in [*tied, source])
+    def _order(self, module, seq_local: int, bounds, device) -> tuple[int, torch.Tensor]:
+        """The most windows a rank compresses, and where each window's entry lies in the padded all-gather."""
+        def make():
+            owned = self.owned(module, seq_local, bounds)
+            most = max(map(len, owned))
+            slot = {w: r * most + i for r, windows in enumerate(owned) for i, w in enumerate(windows)}
+            return most, torch.tensor([slot[w] for w in range(len(slot))], dtype=torch.long, device=device)
 
-    def _gather(self, parts: list, owned: list[list[int]], anchor=0) -> torch.Tensor:
-        """Every rank's entries (``parts``: this rank's, chunk by chunk, plus ``anchor``), in window order: one all-gather,
-        padded to the most any rank holds."""
-        mine, most = torch.cat(parts, dim=1) + anchor, max(map(len, owned))
+        return self.topo.cached(("compressed-order", self.topo.layout, self.topo.sp_size, seq_local, tuple(bounds), _rate(module), str(device)), make)
+
+    def _gather(self, parts: list, most: int, order: torch.Tensor) -> torch.Tensor:
+        """Every rank's entries (``parts``: this rank's, chunk by chunk), in window order: one all-gather, padded to the
+        ``most`` any rank holds."""
+        mine = torch.cat(parts, dim=1)
         if not most:  # a row shorter than a window: no entries anywhere
             return mine
         padded = torch.nn.functional.pad(mine, (0, 0, 0, most - mine.shape[1]))
-        slot = {w: r * most + i for r, windows in enumerate(owned) for i, w in enumerate(windows)}
-        order = torch.tensor([slot[w] for w in range(len(slot))], dtype=torch.long, device=mine.device)
         return comm.all_gather(padded, self.topo.sp_group, dim=1).index_select(1, order)
 
     def __call__(self, module, forward, args: tuple, kwargs: dict, batch: int, seq_local: int, cu_seqlens):
@@ -270,20 +275,20 @@ class CompressedAttention:
         compressor, entries = module.compressor, {}
         if compressor is not None:
             makers = {"compressor": compressor, **({"indexer": compressor.indexer} if _overlapping(module) else {})}
-            biases, parts = {name: m.position_bias for name, m in makers.items()}, {name: [] for name in makers}
-            owned = self.owned(module, seq_local, bounds)
+            parts = {name: [] for name in makers}
             for ids, lo, start, end in chunks:
                 ext, pos = source.index_select(1, ids), pos_source.index_select(1, ids)
                 for name, maker in makers.items():
                     with torch.no_grad() if name == "indexer" else contextlib.nullcontext():  # the indexer's choice takes no gradient
                         try:
-                            maker(ext, None, pos, _Collect(lo, start, end, compressor.compress_rate, biases), module.layer_idx)
+                            maker(ext, None, pos, _Collect(lo, start, end, maker), module.layer_idx)
                         except _Compressed as made:
                             parts[name].append(made.entries)
-            entries["compressor"] = self._gather(parts["compressor"], owned, self._anchor(compressor, source))
+            most, order = self._order(module, seq_local, bounds, x.device)
+            entries["compressor"] = self._gather(parts["compressor"], most, order)
             if "indexer" in makers:
                 with torch.no_grad():
-                    entries["indexer"] = self._gather(parts["indexer"], owned)
+                    entries["indexer"] = self._gather(parts["indexer"], most, order)
         outs = []
         for ids, lo, start, end in chunks:
             chunk = _Chunk(torch.arange(lo, end, device=x.device), pos_source.index_select(1, ids))
@@ -291,14 +296,12 @@ class CompressedAttention:
             call = dict(given, hidden_states=source.index_select(1, ids), position_ids=chunk.positions,
                         position_embeddings={module.rope_layer_type: halves}, attention_mask=None, cache=_Entries(entries))
             module.__dict__[_CHUNK] = chunk
-            if compressor is not None:
-                compressor.__dict__["forward"] = functools.partial(_every_entry, compressor, chunk, entries)
+            every = contextlib.nullcontext() if compressor is None else shadowed_forward(compressor, functools.partial(_every_entry, compressor, chunk, entries))
             try:
-                outs.append(forward(**call)[0][:, start - lo :])
+                with every:
+                    outs.append(forward(**call)[0][:, start - lo :])
             finally:
                 module.__dict__.pop(_CHUNK, None)
-                if compressor is not None:
-                    compressor.__dict__.pop("forward", None)
         return torch.cat(outs, dim=1), None
 
     @staticmethod

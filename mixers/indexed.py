@@ -21,6 +21,7 @@ forward only (the indexer takes no gradient); a shared indexer layer gathers no 
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import inspect
 import math
@@ -30,7 +31,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ulysses_sp import layout
 from ulysses_sp.data import gather_sequence
-from ulysses_sp.mixers.common import PACKING_KWARGS, refuse_unsupported
+from ulysses_sp.mixers.common import PACKING_KWARGS, refuse_unsupported, shadowed_forward
 from ulysses_sp.spec import MixerEstimate
 
 __all__ = ["IndexedAttention", "is_indexed_attention", "latent_width"]
@@ -166,16 +167,13 @@ class IndexedAttention:
         module.__dict__["expand_kv"] = cache.expand_kv  # the attention gets the latent, not keys and values for every head
         module.__dict__[_ROWS] = rows
         indexer = getattr(module, "indexer", None)
-        if indexer is not None:
-            own = type(indexer).forward.__get__(indexer)
-            indexer.__dict__["forward"] = functools.partial(_chunked_indexer, indexer, own, rows, cache)
+        chunked = contextlib.nullcontext() if indexer is None else shadowed_forward(indexer, functools.partial(_chunked_indexer, indexer, indexer.forward, rows, cache))
         try:
-            return forward(**given)
+            with chunked:
+                return forward(**given)
         finally:
             module.__dict__.pop("expand_kv", None)
             module.__dict__.pop(_ROWS, None)
-            if indexer is not None:
-                indexer.__dict__.pop("forward", None)
 
     @staticmethod
     def attend(module, query, key, value, mask, scaling, indices, sinks):

@@ -260,6 +260,15 @@ def test_own_attention_strategies_are_exact_on_rows_of_unequal_lengths(ranks, ca
 
 
 @hf
+def test_a_rank_compressing_no_window_holds_the_same_gradients(ranks):
+    """The same parameters hold a gradient on every rank (DeepSpeed reduces the same set), also on a rank that compresses no
+    heavily compressed window; only the indexer's have none, as in one process (its choice takes no gradient)."""
+    got = values(ranks(3), "compressed-grads-alike")
+    assert 0 in got[0]["owned"] and all(r == got[0] for r in got), got
+    assert got[0]["without"] and all(".indexer." in name for name in got[0]["without"]), got[0]["without"]
+
+
+@hf
 def test_an_overlap_dropped_at_a_chunk_start_is_caught(ranks):
     """Control: each chunk's first compressed sparse entry made without the previous window's series."""
     for r in values(ranks(2), "compressed-planted/no-overlap"):
@@ -617,3 +626,18 @@ def test_state_passing_refuses_rwkv_by_name_and_says_why():
         get_mixer("state", None, block.attention)
     with pytest.raises(ValueError, match=r"state: not for RwkvFeedForward: .*one-token shift"):
         get_mixer("state", None, block.feed_forward)
+
+
+def test_a_shadowed_forward_puts_back_what_was_there():
+    """The indexed and compressed strategies shadow a submodule's forward for one call: an instance forward installed by
+    others (accelerate's hooks) is put back afterwards, not dropped; a module without one is left without one."""
+    import torch
+
+    from ulysses_sp.mixers.common import shadowed_forward
+
+    hooked, plain = torch.nn.Identity(), torch.nn.Identity()
+    hook = hooked.__dict__["forward"] = lambda x: x + 1
+    for module in (hooked, plain):
+        with shadowed_forward(module, lambda x: x * 0):
+            assert module(torch.ones(1)).item() == 0
+    assert hooked.__dict__["forward"] is hook and hooked(torch.ones(1)).item() == 2 and "forward" not in plain.__dict__

@@ -83,14 +83,17 @@ def build_model(cfg: TrainConfig):
 
 
 def packing_problem(cfg: TrainConfig, model) -> str | None:
-    """Why ``model`` cannot train on the rows ``cfg`` makes (packed: --data with --packing, or --task dpo's pairs), or None."""
+    """Why ``model`` cannot train on the rows ``cfg`` makes (packed: the passkey task's, --data with --packing, --task
+    dpo's pairs), or None."""
     from ..models.token_mixers import packing_refused
 
     refused = packing_refused(model)
-    if refused is None or not (cfg.task == "dpo" or (cfg.data and cfg.packing)):
+    if refused is None or (cfg.data and not cfg.packing and cfg.task != "dpo"):
         return None
     if cfg.task == "dpo":
         return f"{refused}; --task dpo puts each pair's two replies in one row, so it cannot train this model"
+    if cfg.data is None:
+        return f"{refused}; the passkey task packs its documents, so train it on --data with --no-packing"
     return f"{refused}: train it with --no-packing (one document a row, padded)"
 
 
