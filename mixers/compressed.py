@@ -47,7 +47,7 @@ CHUNK_ELEMENTS = 1 << 26
 """Attention scores `attend` computes at once (batch x heads x queries x keys)."""
 INDEX_CHUNK_ELEMENTS = 1 << 26
 """Indexer scores computed at once (batch x queries x index_n_heads x entries): 256 MiB in float32, of which its code
-makes three (DeepSeek-V4 at 128k tokens: 32 queries a chunk)."""
+makes three (DeepSeek-V4 at 128k tokens: 32 queries a call)."""
 _CHUNK = "_ulysses_sp_compressed_chunk"
 
 
@@ -143,20 +143,28 @@ class _Entries:
 @dataclass
 class _Chunk:
     """What `attend` needs of the chunk in the module's call: its rows' global tokens and positions, and the indexer's
-    choice for them (compressed sparse layers)."""
+    choice for them (compressed sparse layers); ``longest``: the most rows any rank's chunk has (with its halo)."""
 
     tokens: torch.Tensor
     positions: torch.Tensor
+    longest: int
     picks: torch.Tensor | None = None
 
 
-def _chunked_indexer(own, heads: int, entries: int, hidden_states, q_residual, position_ids, cache, layer_idx):
-    """The indexer's choice for a chunk's queries by its own code, over chunks of queries (its scores are
-    ``[B, c, index_n_heads, entries]`` in float32)."""
+def _chunked_indexer(own, heads: int, entries: int, longest: int, hidden_states, q_residual, position_ids, cache, layer_idx):
+    """The indexer's choice for a chunk's queries by its own code, over pieces of queries (its scores are
+    ``[B, c, index_n_heads, entries]`` in float32). As many calls on every rank (ZeRO-3 gathers the indexer's weights
+    at each, a collective), whatever this chunk's length: as many as the ``longest`` chunk needs; a piece left without
+    a query reruns the last one, its answer dropped."""
     batch, n = hidden_states.shape[:2]
-    step = max(1, INDEX_CHUNK_ELEMENTS // max(1, batch * heads * entries))
-    return torch.cat([own(hidden_states[:, a : a + step], q_residual[:, a : a + step], position_ids[:, a : a + step], cache, layer_idx)
-                      for a in range(0, n, step)], dim=1)
+    calls = -(-longest // max(1, INDEX_CHUNK_ELEMENTS // max(1, batch * heads * entries)))
+    cuts = [i * n // calls for i in range(calls + 1)]
+    picks = []
+    for a, b in zip(cuts, cuts[1:]):
+        rows = slice(a, b) if b > a else slice(n - 1, n)
+        pick = own(hidden_states[:, rows], q_residual[:, rows], position_ids[:, rows], cache, layer_idx)
+        picks.append(pick if b > a else pick[:, :0])
+    return torch.cat(picks, dim=1)
 
 
 def _every_entry(compressor, chunk: _Chunk, entries: dict, hidden_states, q_residual, position_ids, cache, layer_idx):
@@ -165,8 +173,8 @@ def _every_entry(compressor, chunk: _Chunk, entries: dict, hidden_states, q_resi
     if "indexer" in entries:
         indexer = compressor.indexer
         with torch.no_grad():  # its choice takes no gradient
-            chunk.picks = _chunked_indexer(indexer.forward, indexer.num_heads, entries["indexer"].shape[1], hidden_states, q_residual, position_ids,
-                                           cache, layer_idx)
+            chunk.picks = _chunked_indexer(indexer.forward, indexer.num_heads, entries["indexer"].shape[1], chunk.longest, hidden_states, q_residual,
+                                           position_ids, cache, layer_idx)
     return entries["compressor"].unsqueeze(1), None
 
 
@@ -291,7 +299,7 @@ class CompressedAttention:
                     entries["indexer"] = self._gather(parts["indexer"], most, order)
         outs = []
         for ids, lo, start, end in chunks:
-            chunk = _Chunk(torch.arange(lo, end, device=x.device), pos_source.index_select(1, ids))
+            chunk = _Chunk(torch.arange(lo, end, device=x.device), pos_source.index_select(1, ids), seq_local // len(chunks) + reach(module))
             halves = rope_source.index_select(1, ids).chunk(2, dim=-1)
             call = dict(given, hidden_states=source.index_select(1, ids), position_ids=chunk.positions,
                         position_embeddings={module.rope_layer_type: halves}, attention_mask=None, cache=_Entries(entries))

@@ -286,13 +286,16 @@ def two_rows(topo, model_type: str, **settings) -> dict:
     return {"loss_error": loss_error, "worst": max(errors.values()), "params": len(errors), "mixers": sorted(set(mixers.values()))}
 
 
-def compressed_grads_alike(topo) -> dict:
-    """DeepSeek-V4 (one layer of each kind) on a row of 10 tokens a rank: at P=3 (zigzag chunks of 5) rank 0 compresses no
-    heavily compressed window. The parameters left without a gradient on this rank, and how many windows each rank makes."""
+def compressed_calls_alike(topo) -> dict:
+    """DeepSeek-V4 (one layer of each kind) on a row of 10 tokens a rank, one query an indexer call: at P=3 (zigzag chunks
+    of 5, 12 rows with their halos, rank 0's first chunk 5) rank 0 compresses no heavily compressed window. The parameters
+    left without a gradient on this rank, how many windows each rank makes, and how many calls its indexer took (ZeRO-3
+    gathers a module's weights at each call: a collective)."""
     import transformers
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    from transformers.models.deepseek_v4 import modeling_deepseek_v4 as dsv4
 
-    from ulysses_sp.mixers.compressed import CompressedAttention
+    from ulysses_sp.mixers import compressed
     from ulysses_sp.models.shrink import shrink_config
 
     config = shrink_config(CONFIG_MAPPING["deepseek_v4"](**COMPRESSED["deepseek_v4-kinds"]))
@@ -301,9 +304,16 @@ def compressed_grads_alike(topo) -> dict:
     usp.apply_sequence_parallel(model, topo)
     ids = torch.randint(0, config.vocab_size, (1, 10 * topo.sp_size), generator=torch.Generator().manual_seed(0))
     local = usp.shard_batch({"input_ids": ids, "labels": ids}, topo)
-    usp.sp_cross_entropy(model(**usp.model_inputs(local)).logits, local["shift_labels"], topo).backward()
+    calls, own, saved = [], dsv4.DeepseekV4Indexer.forward, compressed.INDEX_CHUNK_ELEMENTS
+    dsv4.DeepseekV4Indexer.forward = lambda self, *args, **kwargs: calls.append(1) or own(self, *args, **kwargs)
+    compressed.INDEX_CHUNK_ELEMENTS = 1
+    try:
+        usp.sp_cross_entropy(model(**usp.model_inputs(local)).logits, local["shift_labels"], topo).backward()
+    finally:
+        dsv4.DeepseekV4Indexer.forward, compressed.INDEX_CHUNK_ELEMENTS = own, saved
     heavy = next(m for m in model.modules() if getattr(m, "layer_type", None) == "heavily_compressed_attention")
-    return {"without": sorted(n for n, p in model.named_parameters() if p.grad is None), "owned": [len(w) for w in CompressedAttention(topo).owned(heavy, 10)]}
+    return {"without": sorted(n for n, p in model.named_parameters() if p.grad is None), "calls": len(calls),
+            "owned": [len(w) for w in compressed.CompressedAttention(topo).owned(heavy, 10)]}
 
 
 def compressed_bytes(topo) -> dict:
@@ -953,7 +963,7 @@ def register(case, topo_for, hf: bool) -> None:
     case("compressed-planted/no-overlap", (2,))(lambda env: compressed_planted(topo_for(env)))
     case("compressed-packed", (2,))(lambda env: compressed_packed(topo_for(env)))
     case("compressed-bytes", (2, 4))(lambda env: compressed_bytes(topo_for(env, "contiguous")))
-    case("compressed-grads-alike", (3,))(lambda env: compressed_grads_alike(topo_for(env)))
+    case("compressed-alike", (3,))(lambda env: compressed_calls_alike(topo_for(env)))
     case("compressed-rows/deepseek_v4-kinds", (2, 3))(lambda env: two_rows(topo_for(env), "deepseek_v4", **COMPRESSED["deepseek_v4-kinds"]))
     case("indexed-rows/deepseek_v32", (2,))(lambda env: two_rows(topo_for(env), "deepseek_v32"))
     for lay in ("contiguous", "balanced"):

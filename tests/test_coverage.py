@@ -260,12 +260,15 @@ def test_own_attention_strategies_are_exact_on_rows_of_unequal_lengths(ranks, ca
 
 
 @hf
-def test_a_rank_compressing_no_window_holds_the_same_gradients(ranks):
-    """The same parameters hold a gradient on every rank (DeepSpeed reduces the same set), also on a rank that compresses no
-    heavily compressed window; only the indexer's have none, as in one process (its choice takes no gradient)."""
-    got = values(ranks(3), "compressed-grads-alike")
+def test_every_rank_holds_the_same_gradients_and_calls_its_modules_alike(ranks):
+    """What DeepSpeed needs of every rank: the same parameters hold a gradient (it reduces the same set), also on a rank
+    that compresses no heavily compressed window, only the indexer's have none, as in one process (its choice takes no
+    gradient); and the indexer is called as often (ZeRO-3 gathers its weights at each call), also where a rank's chunk
+    is shorter (no halo before the row's start)."""
+    got = values(ranks(3), "compressed-alike")
     assert 0 in got[0]["owned"] and all(r == got[0] for r in got), got
     assert got[0]["without"] and all(".indexer." in name for name in got[0]["without"]), got[0]["without"]
+    assert got[0]["calls"] == 2 + 2 * 12, got  # its keys once a chunk; then two chunks of at most 12 rows, one query a call
 
 
 @hf

@@ -192,6 +192,9 @@ def test_launch_errors_come_before_any_process_group(monkeypatch, tmp_path):
     assert "no tokenizer could be loaded from" in _job_error(monkeypatch, model=str(tmp_path / "model"), data=str(wrong))
     assert "is a config file, without a tokenizer for --data" in _job_error(
         monkeypatch, model=str(tmp_path / "model" / "config.json"), data=str(wrong))
+    (tmp_path / "vlm").mkdir()
+    (tmp_path / "vlm" / "config.json").write_text(json.dumps({"model_type": "llava", "vision_config": {}}))
+    assert "an image-text --model with ZeRO-3: each image is encoded on one rank" in _job_error(monkeypatch, model=str(tmp_path / "vlm"), zero_stage=3)
 
 
 def test_outputs_and_resume_are_checked_before_any_process_group(monkeypatch, tmp_path):
@@ -313,7 +316,7 @@ def test_a_model_that_refuses_packed_rows_is_stopped_before_training_on_them():
         llama = transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(num_hidden_layers=1))
     packed = TrainConfig(data=__file__)
     assert "packed rows are not supported: DeepSeek-V4 compresses windows" in packing_problem(packed, v4)
-    assert packing_problem(packed, v4).endswith("train it with --no-packing (one document a row, padded)")
+    assert packing_problem(packed, v4).endswith("pass one document a row: add --no-packing")
     assert "--task dpo puts each pair's two replies in one row" in packing_problem(TrainConfig(data=__file__, task="dpo", packing=False), v4)
     assert packing_problem(TrainConfig(), v4).endswith("the passkey task packs its documents, so train it on --data with --no-packing")
     assert packing_problem(TrainConfig(data=__file__, packing=False), v4) is None

@@ -96,6 +96,16 @@ def test_position_ids_given_to_an_image_text_model_raise():
         model(input_ids=ids, position_ids=torch.arange(24)[None])
 
 
+def test_an_image_text_model_under_zero3_raises_before_any_collective():
+    """DeepSpeed ZeRO-3 gathers a module's weights on every rank at each of its calls, a collective, but each image is
+    encoded on one rank: the vision tower's calls differ between ranks (it crashed inside autograd, the lm_head's
+    weight read as ZeRO-3's empty partition). Refused by name at the first call."""
+    model = _switched_qwen2_vl()
+    next(model.parameters()).ds_id = 0  # what ZeRO-3 marks its partitioned parameters with
+    with pytest.raises(ValueError, match="DeepSpeed ZeRO-3 gathers a module's weights on every rank.*use ZeRO stage 1 or 2"):
+        model(input_ids=torch.randint(0, 60, (1, 24)))
+
+
 @pytest.mark.quick
 def test_a_padding_mask_raises_before_any_collective():
     model = _switched_qwen2_vl()

@@ -94,7 +94,7 @@ def packing_problem(cfg: TrainConfig, model) -> str | None:
         return f"{refused}; --task dpo puts each pair's two replies in one row, so it cannot train this model"
     if cfg.data is None:
         return f"{refused}; the passkey task packs its documents, so train it on --data with --no-packing"
-    return f"{refused}: train it with --no-packing (one document a row, padded)"
+    return f"{refused}: add --no-packing"
 
 
 def _peak_memory_bytes(device: torch.device) -> int:
@@ -175,6 +175,9 @@ class Job:
         if cfg.compile and not fsdp2 and self.ds.zero_stage == 3:
             raise JobError("--compile with ZeRO-3: its parameter hooks run inside every layer, where torch.compile cannot trace them; "
                            "use --zero-stage 2 or --engine fsdp2")
+        if not fsdp2 and self.ds.zero_stage == 3 and image_corpus.is_image_text(cfg.model):
+            raise JobError(f"an image-text --model with ZeRO-3: each image is encoded on one rank, while ZeRO-3 gathers a module's weights "
+                           "on every rank at each of its calls; use ZeRO stage 1 or 2 (--zero-stage, or zero_optimization.stage in --deepspeed)")
         self.processor = image_corpus.load_processor(cfg.model) if image_corpus.is_image_text(cfg.model) else None
         self.tokenizer = self.processor.tokenizer if self.processor is not None else corpus.load_tokenizer(cfg)
         if cfg.model and os.path.isdir(cfg.model) and not _has_weights(cfg.model) and not cfg.from_scratch:

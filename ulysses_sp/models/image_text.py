@@ -393,6 +393,10 @@ def _model_hook(topo: Topology, state: dict):
     def hook(model, args, kwargs):
         who = type(model).__name__
         state.pop("audio", None)  # a previous call's, had it stopped before its model asked for them
+        if any(hasattr(p, "ds_id") for p in model.parameters()):  # DeepSpeed ZeRO-3's partitioned parameters
+            raise ValueError(f"{who} under sequence parallelism encodes each image, video or clip on one rank, while DeepSpeed ZeRO-3 "
+                             "gathers a module's weights on every rank at each of its calls: ZeRO-3 is not supported for image-text "
+                             "models; use ZeRO stage 1 or 2")
         _check_mask(kwargs.pop("attention_mask", None), f"{who} was given")
         if kwargs.get("position_ids") is not None:
             raise ValueError(
