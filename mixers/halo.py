@@ -136,11 +136,27 @@ class HaloMixer:
         source = torch.cat([x, _Exchange.apply(x, self.topo.sp_group, plan)], dim=1) if self.topo.sp_size > 1 else x
         outs = []
         for rows, lo, start in plan.chunks:
-            end = lo + len(rows)
             ext = source.index_select(1, rows)
-            cuts = sorted({lo, end, *(b for b in bounds if lo < b < end)})
-            for s0, s1 in zip(cuts, cuts[1:]):  # one run per document: no window crosses a boundary
-                if s1 > start:
-                    out = forward(ext[:, s0 - lo : s1 - lo], **kwargs)
-                    outs.append(out[:, max(s0, start) - s0 :])
-        return torch.cat(outs, dim=1)
+            for s0, s1 in _runs(lo, start, lo + len(rows), bounds):
+                out = forward(ext[:, s0 - lo : s1 - lo], **kwargs)
+                outs.append(out[:, max(s0, start) - s0 :])
+        out = torch.cat(outs, dim=1)
+        # as many calls on every rank, whatever its documents: ZeRO-3 gathers the mixer's weights at each call (a
+        # collective, forward and backward); the extra ones run on one token and join the output times 0
+        for _ in range(self._most_runs(module, seq_local, bounds) - len(outs)):
+            out = out + forward(source[:, :1], **kwargs).sum() * 0
+        return out
+
+    def _most_runs(self, module, seq_local: int, bounds) -> int:
+        """The most calls any rank makes of the mixer (one a document piece of each of its chunks)."""
+        p, reach = self.topo.sp_size, REACH[type(module).__name__](module)
+        table = layout.chunk_table(self.topo.layout, p, seq_local * p, bounds)
+        chunk = seq_local // len(table[0])
+        return max(sum(len(_runs(max(0, c * chunk - reach), c * chunk, (c + 1) * chunk, bounds)) for c in row) for row in table)
+
+
+def _runs(lo: int, start: int, end: int, bounds) -> list[tuple[int, int]]:
+    """The pieces ``[s0, s1)`` of a chunk ``[start, end)`` after its halo from ``lo``, one a document (no window crosses a
+    boundary), that hold some of the chunk."""
+    cuts = sorted({lo, end, *(b for b in bounds if lo < b < end)})
+    return [(s0, s1) for s0, s1 in zip(cuts, cuts[1:]) if s1 > start]

@@ -316,6 +316,28 @@ def compressed_calls_alike(topo) -> dict:
             "owned": [len(w) for w in compressed.CompressedAttention(topo).owned(heavy, 10)]}
 
 
+def halo_calls_alike(topo) -> dict:
+    """LFM2 (its short convolution under halo, a call a document piece of each chunk) on a packed row of 12 tokens a
+    rank whose first document ends inside rank 0's first chunk: how many calls its convolution took on this rank (ZeRO-3
+    gathers its weights at each call, a collective: a rank calling it less stopped the others)."""
+    import transformers
+    from transformers.models.lfm2 import modeling_lfm2
+
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config("lfm2")).double()
+    usp.apply_sequence_parallel(model, topo)
+    n = 12 * topo.sp_size
+    ids = torch.randint(0, 64, (1, n), generator=torch.Generator().manual_seed(0))
+    local = usp.shard_batch({"input_ids": ids, "labels": ids, "position_ids": torch.cat([torch.arange(3), torch.arange(n - 3)])[None]}, topo)
+    calls, own = [], modeling_lfm2.Lfm2ShortConv.forward
+    modeling_lfm2.Lfm2ShortConv.forward = lambda self, *args, **kwargs: calls.append(1) or own(self, *args, **kwargs)
+    try:
+        usp.sp_cross_entropy(model(**usp.model_inputs(local)).logits, local["shift_labels"], topo).backward()
+    finally:
+        modeling_lfm2.Lfm2ShortConv.forward = own
+    return {"calls": len(calls), "mixers": sorted(set(usp.models.token_mixers.mixer_layers(model).values()))}
+
+
 def compressed_bytes(topo) -> dict:
     """What DeepSeek-V4's layers (one of each kind) send, by collective, in a forward and a backward after a warm-up, under the
     contiguous layout (16 tokens a rank: the windows of 4 and 8 never cross a rank), with the dimensions to count them by."""
@@ -963,6 +985,7 @@ def register(case, topo_for, hf: bool) -> None:
     case("compressed-planted/no-overlap", (2,))(lambda env: compressed_planted(topo_for(env)))
     case("compressed-packed", (2,))(lambda env: compressed_packed(topo_for(env)))
     case("compressed-bytes", (2, 4))(lambda env: compressed_bytes(topo_for(env, "contiguous")))
+    case("halo-calls-alike", (2,))(lambda env: halo_calls_alike(topo_for(env)))
     case("compressed-alike", (3,))(lambda env: compressed_calls_alike(topo_for(env)))
     case("compressed-rows/deepseek_v4-kinds", (2, 3))(lambda env: two_rows(topo_for(env), "deepseek_v4", **COMPRESSED["deepseek_v4-kinds"]))
     case("indexed-rows/deepseek_v32", (2,))(lambda env: two_rows(topo_for(env), "deepseek_v32"))

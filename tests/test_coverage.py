@@ -272,6 +272,14 @@ def test_every_rank_holds_the_same_gradients_and_calls_its_modules_alike(ranks):
 
 
 @hf
+def test_the_halo_mixer_calls_its_mixer_as_often_on_every_rank(ranks):
+    """LFM2 packed, its documents cutting rank 0's first chunk in two: every rank calls the convolution as often (rank 0
+    three times a layer, rank 1 twice before), so ZeRO-3's per-call gathers of its weights line up."""
+    got = values(ranks(2), "halo-calls-alike")
+    assert got[0]["mixers"] == ["halo"] and got[0]["calls"] == got[1]["calls"] == 3, got  # one conv layer, three pieces on rank 0
+
+
+@hf
 def test_an_overlap_dropped_at_a_chunk_start_is_caught(ranks):
     """Control: each chunk's first compressed sparse entry made without the previous window's series."""
     for r in values(ranks(2), "compressed-planted/no-overlap"):
