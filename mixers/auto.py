@@ -12,6 +12,7 @@ choice from the same figures; it is cached per shape.
 
 from __future__ import annotations
 
+from ulysses_sp.mixers.common import parameter_count
 from ulysses_sp.profile import profile_for
 from ulysses_sp.spec import MixerEstimate
 
@@ -25,7 +26,7 @@ _COLLECTIVES = {"halo": ("p2p", "p2p"), "ulysses": ("all_to_all", "all_to_all"),
 def seconds(name: str, estimate: MixerEstimate, module, batch: int, seq_local: int, dtype, topo, profile=None) -> float:
     """Estimated forward and backward seconds of one call of ``module`` under strategy ``name``."""
     profile = profile_for(topo, profile)
-    flops = 6 * sum(p.numel() for p in module.parameters()) * batch * seq_local * topo.sp_size
+    flops = 6 * parameter_count(module) * batch * seq_local * topo.sp_size
     spans = topo.spans_nodes("sp")
     transfers = zip(_COLLECTIVES.get(name, ("all_gather", "reduce_scatter")), (estimate.comm_bytes, estimate.bwd_comm_bytes))
     return estimate.compute * profile.attention_seconds(flops, dtype) + sum(profile.link(c, spans).seconds(b) for c, b in transfers if b)

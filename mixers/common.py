@@ -1,6 +1,6 @@
 """What the per-layer strategies share: the calls they refuse by name, the packing keywords that the
 strategies running whole documents (allgather) or building their own masks (indexed) drop, and a
-submodule's forward shadowed for one call (indexed, compressed)."""
+submodule's forward shadowed for one call (indexed, compressed), and a module's parameter count under ZeRO-3 too."""
 
 from __future__ import annotations
 
@@ -35,3 +35,9 @@ def shadowed_forward(module, replacement):
             module.__dict__.pop("forward", None)
         else:
             module.__dict__["forward"] = saved
+
+
+def parameter_count(module) -> int:
+    """The module's parameters, counted whole also under DeepSpeed ZeRO-3 (whose partitioned parameters hold an empty
+    tensor outside their module's call, their size in ``ds_numel``)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in module.parameters())

@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 
 from ulysses_sp import comm, layout
-from ulysses_sp.mixers.common import refuse_unsupported
+from ulysses_sp.mixers.common import parameter_count, refuse_unsupported
 from ulysses_sp.mixers.halo import REACH, HaloMixer
 from ulysses_sp.spec import MixerEstimate
 
@@ -220,7 +220,7 @@ class StateMixer:
         per_fragment = adapter.summary_bytes(module, itemsize) + adapter.halo_bytes(module, itemsize)
         moved = (p - 1) * fragments * batch * per_fragment
         elements = adapter.summary_bytes(module, 4) // 4
-        return MixerEstimate((1 + 4 * elements / (2 * sum(w.numel() for w in module.parameters()))) / p, moved, moved)
+        return MixerEstimate((1 + 4 * elements / (2 * parameter_count(module))) / p, moved, moved)
 
     def __call__(self, module, forward, args: tuple, kwargs: dict, batch: int, seq_local: int, cu_seqlens):
         if halo := self._halo(module):

@@ -652,3 +652,17 @@ def test_a_shadowed_forward_puts_back_what_was_there():
         with shadowed_forward(module, lambda x: x * 0):
             assert module(torch.ones(1)).item() == 0
     assert hooked.__dict__["forward"] is hook and hooked(torch.ones(1)).item() == 2 and "forward" not in plain.__dict__
+
+
+def test_a_modules_parameters_are_counted_whole_under_zero3():
+    """ZeRO-3 leaves a partitioned parameter empty outside its module's call (its size in ds_numel): auto's estimates
+    divided by the mixer's parameter count, 0 there (MiniMax and Kimi Linear stopped at their first call under ZeRO-3)."""
+    import torch
+
+    from ulysses_sp.mixers.common import parameter_count
+
+    layer = torch.nn.Linear(4, 4)
+    assert parameter_count(layer) == 20
+    for p in layer.parameters():
+        p.ds_numel, p.data = p.numel(), torch.empty(0)
+    assert parameter_count(layer) == 20
