@@ -25,8 +25,6 @@ def register_final_state(names) -> None:
     FINAL_STATE.update(names)
 
 
-
-
 class AllGatherMixer:
     name = "allgather"
 

@@ -35,7 +35,7 @@ from torch.utils.checkpoint import checkpoint
 
 from ulysses_sp import comm, layout
 from ulysses_sp.mixers.common import PACKING_KWARGS, refuse_unsupported, shadowed_forward
-from ulysses_sp.mixers.halo import _Exchange, _plan
+from ulysses_sp.mixers.halo import _Exchange, _plan, halo_plan
 from ulysses_sp.spec import MixerEstimate
 
 __all__ = ["PACKED_REFUSAL", "CompressedAttention", "is_compressed_attention"]
@@ -210,12 +210,6 @@ class CompressedAttention:
     def check(self, module) -> str | None:
         return None if is_compressed_attention(module) else f"{type(module).__name__} is not DeepSeek-V4's attention"
 
-    def _plan(self, module, seq_local: int, bounds, device):
-        p, rank = self.topo.sp_size, self.topo.sp_rank
-        table = layout.chunk_table(self.topo.layout, p, seq_local * p, bounds)
-        chunk, r = seq_local // len(table[rank]), reach(module)
-        return self.topo.cached(("compressed", tuple(map(tuple, table)), rank, chunk, r, str(device)), lambda: _plan(table, rank, chunk, r, device))
-
     def owned(self, module, seq_local: int, bounds=None) -> list[list[int]]:
         """The windows each rank compresses (those whose last token it holds), in its chunks' order."""
         m, p = _rate(module), self.topo.sp_size
@@ -272,7 +266,7 @@ class CompressedAttention:
         given = {k: v for k, v in given.items() if k not in dropped}
         x, positions, rope = given.pop("hidden_states"), given.pop("position_ids"), given.pop("position_embeddings")
         cos, sin = rope[module.rope_layer_type]
-        plan = self._plan(module, seq_local, bounds, x.device)
+        plan = halo_plan(self.topo, seq_local, bounds, reach(module), x.device)
 
         def with_halo(t):
             """``t`` with the halo rows received after this rank's (differentiable)."""

@@ -23,7 +23,7 @@ from ulysses_sp.backends.halo import halo_ranges, local_positions
 from ulysses_sp.mixers.common import refuse_unsupported
 from ulysses_sp.spec import MixerEstimate
 
-__all__ = ["REACH", "HaloMixer", "register_reach"]
+__all__ = ["REACH", "HaloMixer", "halo_plan", "register_reach"]
 
 REACH: dict[str, Callable] = {}
 """``reach(module) -> int`` by mixer class name: how many tokens before its own each output sees."""
@@ -109,12 +109,6 @@ class HaloMixer:
                     "mixer='auto' takes another strategy there")
         return None
 
-    def _plan(self, module, seq_local: int, cu_seqlens, device) -> _Plan:
-        p, rank, reach = self.topo.sp_size, self.topo.sp_rank, REACH[type(module).__name__](module)
-        table = layout.chunk_table(self.topo.layout, p, seq_local * p, cu_seqlens)
-        chunk = seq_local // len(table[rank])
-        return self.topo.cached(("halo-mixer", tuple(map(tuple, table)), rank, chunk, reach, str(device)),
-                                lambda: _plan(table, rank, chunk, reach, device))
 
     def estimate(self, module, batch: int, seq_local: int, hidden: int, itemsize: int) -> MixerEstimate:
         """The slowest rank's: its rows plus the halos its chunks run with; the halo rows of
@@ -132,7 +126,7 @@ class HaloMixer:
         x = args[0] if args else kwargs["hidden_states"]
         kwargs = {k: v for k, v in kwargs.items() if k != "hidden_states" and not isinstance(v, torch.Tensor)}  # mask, packing: handled here
         bounds = layout.document_bounds(cu_seqlens, seq_local * self.topo.sp_size)
-        plan = self._plan(module, seq_local, bounds, x.device)
+        plan = halo_plan(self.topo, seq_local, bounds, REACH[type(module).__name__](module), x.device)
         source = torch.cat([x, _Exchange.apply(x, self.topo.sp_group, plan)], dim=1) if self.topo.sp_size > 1 else x
         outs = []
         for rows, lo, start in plan.chunks:
@@ -152,7 +146,16 @@ class HaloMixer:
         p, reach = self.topo.sp_size, REACH[type(module).__name__](module)
         table = layout.chunk_table(self.topo.layout, p, seq_local * p, bounds)
         chunk = seq_local // len(table[0])
-        return max(sum(len(_runs(max(0, c * chunk - reach), c * chunk, (c + 1) * chunk, bounds)) for c in row) for row in table)
+        return self.topo.cached(("halo-most-runs", tuple(map(tuple, table)), chunk, reach, tuple(bounds)), lambda: max(
+            sum(len(_runs(max(0, c * chunk - reach), c * chunk, (c + 1) * chunk, bounds)) for c in row) for row in table))
+
+
+def halo_plan(topo, seq_local: int, bounds, reach: int, device) -> _Plan:
+    """This rank's exchange and chunks for a mixer reaching ``reach`` tokens back (cached on ``topo``)."""
+    p, rank = topo.sp_size, topo.sp_rank
+    table = layout.chunk_table(topo.layout, p, seq_local * p, bounds)
+    chunk = seq_local // len(table[rank])
+    return topo.cached(("halo-mixer", tuple(map(tuple, table)), rank, chunk, reach, str(device)), lambda: _plan(table, rank, chunk, reach, device))
 
 
 def _runs(lo: int, start: int, end: int, bounds) -> list[tuple[int, int]]:

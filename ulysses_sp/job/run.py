@@ -221,8 +221,8 @@ class Job:
             check_supported(model, topo, cfg.sp_mixer)
         except ValueError as e:
             raise JobError(str(e)) from None
-        if packing_problem(cfg, model):
-            raise JobError(packing_problem(cfg, model))
+        if problem := packing_problem(cfg, model):
+            raise JobError(problem)
         text_config = model.config.get_text_config()
         if self.tokenizer is not None and len(self.tokenizer) > text_config.vocab_size:
             raise JobError(f"the tokenizer has {len(self.tokenizer)} tokens, the model's vocabulary {text_config.vocab_size}; use the model's own tokenizer")

@@ -393,7 +393,7 @@ def _model_hook(topo: Topology, state: dict):
     def hook(model, args, kwargs):
         who = type(model).__name__
         state.pop("audio", None)  # a previous call's, had it stopped before its model asked for them
-        if any(hasattr(p, "ds_id") for p in model.parameters()):  # DeepSpeed ZeRO-3's partitioned parameters
+        if hasattr(next(model.parameters()), "ds_id"):  # DeepSpeed ZeRO-3 partitions every parameter
             raise ValueError(f"{who} under sequence parallelism encodes each image, video or clip on one rank, while DeepSpeed ZeRO-3 "
                              "gathers a module's weights on every rank at each of its calls: ZeRO-3 is not supported for image-text "
                              "models; use ZeRO stage 1 or 2")
